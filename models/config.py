@@ -1,0 +1,153 @@
+"""One normalized ModelConfig for every supported decoder family.
+
+Input is a Hugging Face config.json dict (the GGUF reader in vtool.runtime turns GGUF
+metadata into the same shape), so there is one parser and one set of refusals.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from vtool import VtoolError
+
+# architecture name -> family module under vtool.models
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+# rope_type values the paged KV cache can apply (tvm.relax.frontend.nn.llm.position_embedding)
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+class ConfigError(VtoolError):
+    """A config that vtool cannot build, naming the offending field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # RMSNorm on each q and k head before RoPE (Qwen3)
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """A stable hash of everything that changes the compiled program."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        return cls(**d)
+
+
+def _require(cfg: dict[str, Any], key: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"config is missing required field {key!r}")
+    return cfg[key]
+
+
+def _positive_int(cfg: dict[str, Any], key: str, value: Any | None = None) -> int:
+    v = _require(cfg, key) if value is None else value
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ConfigError(f"config field {key!r} must be a positive integer, got {v!r}")
+    return v
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """rope_theta and scaling from either transformers-4 keys (rope_theta, rope_scaling)
+    or transformers-5 `rope_parameters`."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or None
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = dict(params)
+    if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(
+                f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if rope_type == "default":
+            scaling = None
+        else:
+            scaling["rope_type"] = rope_type
+            scaling.pop("type", None)
+            for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                if key not in scaling:
+                    raise ConfigError(f"llama3 rope scaling is missing {key!r}")
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"config field 'rope_theta' must be a positive number, got {theta!r}")
+    return float(theta), scaling
+
+
+def parse_hf_config(cfg: dict[str, Any]) -> ModelConfig:
+    """Normalize a transformers config.json dict; refuse what vtool cannot build, by name."""
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ConfigError(
+            "config has no 'architectures' entry; supported: " + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    hidden = _positive_int(cfg, "hidden_size")
+    heads = _positive_int(cfg, "num_attention_heads")
+    kv_heads = _positive_int(cfg, "num_key_value_heads", cfg.get("num_key_value_heads", heads))
+    if heads % kv_heads:
+        raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    head_dim = cfg.get("head_dim") or hidden // heads
+    head_dim = _positive_int(cfg, "head_dim", head_dim)
+    if head_dim % 2:
+        raise ConfigError(f"head_dim={head_dim} must be even for rotary embeddings")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act {act!r} is not supported; supported: silu")
+    theta, scaling = _rope(cfg)
+    max_pos = _positive_int(cfg, "max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+    if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
+        # Sliding-window attention only differs past the window: cap the context to it.
+        max_pos = min(max_pos, int(cfg["sliding_window"]))
+    family = SUPPORTED_ARCHITECTURES[arch]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=_positive_int(cfg, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_positive_int(cfg, "intermediate_size"),
+        num_hidden_layers=_positive_int(cfg, "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=max_pos,
+        attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+    )
