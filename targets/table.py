@@ -1,0 +1,116 @@
+"""The target table: every name `vtool build --target` knows, its TVM target and feature set.
+
+A row that this build cannot produce yet stays in the table (so `vtool build` can say
+"known, not buildable yet" instead of "unknown") and carries the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vtool import VtoolError
+
+
+class TargetError(VtoolError):
+    """Unknown or unbuildable target; the message lists what is accepted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSpec:
+    name: str
+    family: str  # "x86" | "cuda" | "rocm" | "vulkan" | "metal" | "arm"
+    tvm: dict[str, Any]  # the JSON form of tvm.target.Target (CLI strings are refused by TVM 0.27)
+    features: tuple[str, ...]  # what kernels compiled for this row may use
+    # CPU feature flags (Linux /proc/cpuinfo spelling, equal to LLVM's for these) a machine
+    # needs to execute the code; the runtime refuses an artifact whose flags are missing.
+    requires_cpu: tuple[str, ...] = ()
+    buildable: bool = True
+    not_buildable_reason: str = ""
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "family": self.family, "tvm": self.tvm, "features": list(self.features),
+                "requires_cpu": list(self.requires_cpu)}
+
+
+def _x86(name: str, mcpu: str, features: tuple[str, ...], requires: tuple[str, ...]) -> TargetSpec:
+    tvm = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": mcpu}
+    return TargetSpec(name, "x86", tvm, features, requires)
+
+
+def _cuda(sm: str, features: tuple[str, ...]) -> TargetSpec:
+    arch = sm if sm.startswith("sm_") else f"sm_{sm}"
+    tvm = {"kind": "cuda", "arch": arch, "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
+           "thread_warp_size": 32}
+    return TargetSpec(arch, "cuda", tvm, features, (), False,
+                      "CUDA builds arrive with the CUDA issue (fatbin embedding, GPU schedules)")
+
+
+_AMPERE = ("tensor-core-mma", "bf16", "fp16", "tf32", "cp.async", "ldmatrix")
+_ADA = _AMPERE + ("fp8-e4m3", "fp8-e5m2")
+_HOPPER = _ADA + ("wgmma", "tma", "thread-block-clusters")
+_BLACKWELL = _HOPPER[:-3] + ("tcgen05", "tma", "thread-block-clusters", "fp6", "fp4-nvfp4", "fp4-mxfp4")
+_BLACKWELL_CONSUMER = _ADA + ("mma-fp4", "fp6", "fp4-nvfp4", "fp4-mxfp4", "tma")
+
+ROWS: tuple[TargetSpec, ...] = (
+    # x86: the portable row runs on any x86-64 CPU (the psABI baseline is SSE2, so the
+    # sse2 row compiles the same instructions and exists for the name people ask for).
+    _x86("x86-portable", "x86-64", ("sse2",), ("sse2",)),
+    _x86("x86-sse2", "x86-64", ("sse2",), ("sse2",)),
+    _x86("x86-avx2", "haswell", ("sse2", "avx", "avx2", "fma", "f16c", "bmi2"), ("avx", "avx2", "fma", "f16c")),
+    _x86("x86-avx512", "skylake-avx512",
+         ("sse2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+         ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq")),
+    _cuda("sm_80", _AMPERE),
+    _cuda("sm_86", _AMPERE),
+    _cuda("sm_87", _AMPERE),
+    _cuda("sm_89", _ADA),
+    _cuda("sm_90a", _HOPPER),
+    _cuda("sm_100a", _BLACKWELL),
+    _cuda("sm_103a", _BLACKWELL),
+    _cuda("sm_110", _BLACKWELL),
+    _cuda("sm_120a", _BLACKWELL_CONSUMER),
+    _cuda("sm_121a", _BLACKWELL_CONSUMER),
+    TargetSpec("rocm", "rocm", {"kind": "rocm", "mcpu": "gfx942"}, ("mfma", "bf16", "fp16"), (), False,
+               "the apache-tvm wheel has no ROCm runtime (USE_ROCM=OFF); it needs a TVM built from source"),
+    TargetSpec("vulkan", "vulkan", {"kind": "vulkan"}, ("spirv", "fp16"), (), False,
+               "the apache-tvm wheel has no SPIR-V codegen (USE_VULKAN=OFF)"),
+    TargetSpec("metal", "metal", {"kind": "metal"}, ("simdgroup-matrix", "fp16", "bf16"), (), False,
+               "the apache-tvm wheel has no Metal runtime and this machine cannot link for macOS"),
+    TargetSpec("aarch64-neon", "arm",
+               {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon"]},
+               ("neon", "fp16"), ("asimd",), False,
+               "cross-linking for aarch64 arrives with the CPU-speed issue"),
+)
+
+_BY_NAME = {row.name: row for row in ROWS}
+# Spellings people use for the same row.
+ALIASES = {"sm_90": "sm_90a", "sm_100": "sm_100a", "sm_103": "sm_103a", "sm_120": "sm_120a",
+           "sm_121": "sm_121a", "neon": "aarch64-neon", "x86": "x86-portable"}
+
+
+def buildable_names() -> list[str]:
+    return ["host"] + [r.name for r in ROWS if r.buildable]
+
+
+def lookup(name: str) -> TargetSpec:
+    """The row for a target name; `host` resolves to the best tier this CPU can execute."""
+    if name == "host":
+        from vtool.targets.host import best_host_target
+
+        return _BY_NAME[best_host_target()]
+    row = _BY_NAME.get(ALIASES.get(name, name))
+    if row is None:
+        known = ", ".join(["host"] + [r.name for r in ROWS])
+        raise TargetError(f"unknown target {name!r}; known targets: {known}")
+    return row
+
+
+def buildable(name: str) -> TargetSpec:
+    """The row for `name`, refusing by name a target this build cannot produce yet."""
+    row = lookup(name)
+    if not row.buildable:
+        raise TargetError(
+            f"target {row.name!r} cannot be built yet: {row.not_buildable_reason}; "
+            f"buildable targets: {', '.join(buildable_names())}"
+        )
+    return row

@@ -1,0 +1,68 @@
+"""Tiny random-weight checkpoints made by transformers itself, for parity tests.
+
+Each shape exercises something: GQA, head_dim != hidden/heads, tied and untied heads,
+Qwen2's q/k/v bias, Qwen3's q/k norm, Llama-3 rope scaling.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+COMMON = dict(vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+
+TINY_SHAPES: dict[str, dict[str, Any]] = {
+    # GQA 4/2, head_dim 16 = hidden/heads, untied
+    "llama-gqa": dict(arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0),
+    # head_dim 32 != hidden/heads = 12, tied, Llama-3 rope scaling
+    "llama3-rope": dict(arch="llama", hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
+                        rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # q/k/v bias, MHA (no GQA), untied
+    "qwen2-bias": dict(arch="qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1e6),
+    # q/k norm, GQA 8/2, head_dim 16 != 96/8 = 12, tied
+    "qwen3-qknorm": dict(arch="qwen3", hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                         rope_theta=1e6),
+    # Qwen3 with untied head and MHA
+    "qwen3-untied": dict(arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=False,
+                         rope_theta=10000.0),
+}
+
+
+def make_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
+    """Write config.json + model.safetensors for TINY_SHAPES[name] into folder (float32)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    spec = dict(TINY_SHAPES[name])
+    config_cls, model_cls = classes[spec.pop("arch")]
+    torch.manual_seed(seed)
+    config = config_cls(**COMMON, **spec)
+    model = model_cls(config).to(torch.float32).eval()
+    # transformers' init (std 0.02) makes a model that repeats one token forever, which
+    # would make "same greedy tokens" a weak check; scale each matrix by its fan-in so
+    # greedy outputs wander over the vocabulary and argmax ties are unlikely.
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.uniform_(0.7, 1.3)
+            elif pname.endswith("bias"):
+                p.normal_(0.0, 0.3)
+            elif "embed" in pname:
+                p.normal_(0.0, 0.3)
+            else:
+                p.normal_(0.0, 3.0 / p.shape[1] ** 0.5)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    return folder
