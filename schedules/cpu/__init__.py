@@ -1,12 +1,43 @@
-"""CPU schedule rules (x86 now; NEON with the CPU-speed work)."""
+"""CPU schedule rules (x86 now; NEON with the CPU-speed work).
+
+Each rule returns a scheduled PrimFunc or None; a kernel no rule takes stays as
+legalized (slow, never wrong). Kernels already scheduled elsewhere (the KV cache's
+attention kernels ship their own) are left alone.
+"""
 from __future__ import annotations
 
 import tvm
+from tvm import tirx
+
+from vtool.schedules.cpu.matmul import schedule_nt_matmul
+
+
+def vector_lanes(target: tvm.target.Target) -> int:
+    """float32 lanes of the widest vector unit the target may use."""
+    mcpu = str(target.attrs.get("mcpu", ""))
+    if mcpu in ("skylake-avx512", "icelake-server", "sapphirerapids", "znver4", "znver5"):
+        return 16
+    if mcpu in ("haswell", "broadwell", "skylake", "znver2", "znver3"):
+        return 8
+    return 4
 
 
 def cpu_schedule_pass() -> tvm.transform.Pass:
     @tvm.transform.module_pass(opt_level=0, name="VtoolCPUSchedules")
     def _apply(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        target = tvm.target.Target.current()
+        lanes = vector_lanes(target)
+        updates = {}
+        for gv, func in mod.functions_items():
+            if not isinstance(func, tirx.PrimFunc) or func.attrs is None:
+                continue
+            if "op_pattern" not in func.attrs and not gv.name_hint.startswith("fused_NT_matmul"):
+                continue
+            scheduled = schedule_nt_matmul(func, lanes)
+            if scheduled is not None:
+                updates[gv] = scheduled
+        for gv, func in updates.items():
+            mod[gv] = func
         return mod
 
     return _apply

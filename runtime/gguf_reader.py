@@ -1,0 +1,345 @@
+"""GGUF files (llama.cpp): metadata -> HF config dict, tensors -> HF names and layout.
+
+Three things differ from a Hugging Face checkpoint and are undone here:
+  * names: blk.N.attn_q.weight is model.layers.N.self_attn.q_proj.weight, and so on;
+  * shapes: GGUF lists dims innermost first (ne[0]), torch lists them outermost first;
+  * the `llama` converter permutes the rows of Q and K so that llama.cpp's rotary
+    pairs (2i, 2i+1) line up; HF pairs (i, i + d/2), so those rows are permuted back.
+Quantized blocks are expanded with gguf.quants.dequantize, the same code transformers uses.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import ml_dtypes
+import numpy as np
+
+from vtool.runtime.checkpoint import Checkpoint, CheckpointError, TensorInfo
+
+# general.architecture -> HF architectures[0]
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# GGML tensor types load() can expand to floats
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# blk.N.<key> -> model.layers.N.<value>
+_PER_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_NORMS = {"attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"}  # RMSNorm: weight only
+_BLOCK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-frequency rope divisors, folded into config
+
+
+def hf_name(gguf_name: str, file: Path) -> str:
+    """The Hugging Face name of a GGUF tensor; unknown names are refused."""
+    if gguf_name in _TOP_LEVEL:
+        return _TOP_LEVEL[gguf_name]
+    m = _BLOCK.fullmatch(gguf_name)
+    if m and m[2] in _PER_LAYER and not (m[2] in _NORMS and m[3] == "bias"):
+        return f"model.layers.{int(m[1])}.{_PER_LAYER[m[2]]}.{m[3]}"
+    raise CheckpointError(
+        f"{file}: tensor {gguf_name!r} has no Hugging Face counterpart vtool knows "
+        f"(known: {', '.join(_TOP_LEVEL)}, blk.N.{{{','.join(_PER_LAYER)}}}.weight/.bias)"
+    )
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's convert_hf_to_gguf `permute` of Q/K rows (and biases).
+
+    Per head, llama.cpp stores row order (0, d/2, 1, d/2+1, ...); HF wants (0, 1, ..., d-1).
+    """
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _f32(v: float) -> float:
+    # GGUF stores float32: 1e-5 reads back as 9.999999747e-06; the shortest float32
+    # repr gives back the number the converter was handed.
+    return float(str(np.float32(v)))
+
+
+def llama3_rope_scaling(factors: np.ndarray, theta: float, rot_dim: int) -> dict[str, Any] | None:
+    """Recover HF llama3 rope_scaling from the per-frequency divisors llama.cpp precomputes.
+
+    convert_hf_to_gguf turns (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings) into rope_freqs.weight and stores no scaling keys;
+    the four numbers are found again by recomputing the divisors over the values every
+    Llama 3.x release uses and keeping the one that reproduces the stored array.
+    Returns None when the array is all ones (no scaling); raises ValueError if nothing fits.
+    """
+    factors = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if np.allclose(factors, 1.0):
+        return None
+    freqs = 1.0 / theta ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim)
+    if freqs.shape != factors.shape:
+        raise ValueError(f"{factors.size} factors for a rotary dimension of {rot_dim}")
+    factor = float(factors.max())
+    wavelen = 2 * math.pi / freqs
+    for orig in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
+        for low in (1.0, 2.0, 0.5):
+            for high in (4.0, 2.0, 8.0, 1.0):
+                if high <= low:
+                    continue
+                smooth = (orig / wavelen - low) / (high - low)
+                want = np.where(
+                    wavelen < orig / high, 1.0,
+                    np.where(wavelen > orig / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+                )
+                if np.allclose(want, factors, rtol=1e-4, atol=0):
+                    return {
+                        "rope_type": "llama3",
+                        "factor": _f32(factor),
+                        "low_freq_factor": low,
+                        "high_freq_factor": high,
+                        "original_max_position_embeddings": orig,
+                    }
+    raise ValueError("the divisors match no llama3 rope scaling")
+
+
+class _Truncated(Exception):
+    pass
+
+
+class _Reader(gguf.GGUFReader):
+    """GGUFReader that names the tensor a truncated file cuts off.
+
+    The stock reader maps every tensor while opening and fails on a short file with a bare
+    numpy reshape error; this checks each tensor's byte range first. The check reads the
+    reader's tensor-info fields; should their layout change it steps aside (the stock
+    error still stops the open).
+    """
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        size = len(self.data)
+        for field in fields:
+            try:
+                _, name, _, dims, raw_type, offset = field.parts
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+                end = int(start_offs) + int(offset[0]) + math.prod(int(d) for d in dims) * type_size // block
+                label = bytes(name).decode("utf-8", "replace")
+            except Exception:  # unexpected layout or type: leave it to the stock reader
+                continue
+            if end > size:
+                raise _Truncated(f"truncated: tensor {label!r} ends at byte {end} but the file has {size} bytes")
+        super()._build_tensors(start_offs, fields)
+
+
+class GGUFCheckpoint(Checkpoint):
+    format = "gguf"
+
+    def __init__(self, file: Path):
+        self.path = file
+        with open(file, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise CheckpointError(f"{file}: not a GGUF file (no GGUF magic)")
+        self._reader_obj: Any = None  # gguf.GGUFReader, opened on first use (~2 s for 100 MB)
+        self._config: dict[str, Any] | None = None
+        self._infos: dict[str, TensorInfo] | None = None
+        self._raw: dict[str, Any] = {}  # HF name -> gguf ReaderTensor
+        self._metadata: dict[str, Any] | None = None
+
+    # -- file access ----------------------------------------------------------------
+    @property
+    def _reader(self) -> Any:
+        if self._reader_obj is None:
+            try:
+                reader = _Reader(self.path)
+            except _Truncated as e:
+                raise CheckpointError(f"{self.path}: {e}") from None
+            except Exception as e:  # the reader reports truncation/corruption as assorted errors
+                raise CheckpointError(
+                    f"{self.path}: unreadable GGUF file (truncated or corrupt): {type(e).__name__}: {e}"
+                ) from None
+            if reader.byte_order != "I":
+                raise CheckpointError(f"{self.path}: big-endian GGUF files are not supported")
+            self._reader_obj = reader
+        return self._reader_obj
+
+    def _get(self, key: str, default: Any = KeyError) -> Any:
+        field = self._reader.fields.get(key)
+        if field is None:
+            if default is KeyError:
+                raise CheckpointError(f"{self.path}: GGUF metadata lacks required key {key!r}")
+            return default
+        return field.contents()
+
+    def _scalar(self, key: str, default: Any = KeyError) -> Any:
+        v = self._get(key, default)
+        if isinstance(v, list):  # some models vary this per layer; vtool's models do not
+            raise CheckpointError(f"{self.path}: GGUF key {key!r} is a per-layer list {v[:8]}...; expected one value")
+        return v
+
+    def metadata(self) -> dict[str, Any]:
+        """Every GGUF key-value as Python values (arrays as lists), header fields excluded."""
+        if self._metadata is None:
+            self._metadata = {
+                k: f.contents() for k, f in self._reader.fields.items() if not k.startswith("GGUF.")
+            }
+        return dict(self._metadata)
+
+    # -- config ---------------------------------------------------------------------
+    def _arch(self) -> str:
+        arch = self._scalar("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise CheckpointError(
+                f"{self.path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+            )
+        return arch
+
+    def config(self) -> dict[str, Any]:
+        if self._config is None:
+            self._config = self._build_config()
+        return dict(self._config)
+
+    def _build_config(self) -> dict[str, Any]:
+        arch = self._arch()
+        k = lambda suffix: f"{arch}.{suffix}"  # noqa: E731
+        names = {t.name: t for t in self._reader.tensors}
+        hidden = int(self._scalar(k("embedding_length")))
+        heads = int(self._scalar(k("attention.head_count")))
+        kv_heads = int(self._scalar(k("attention.head_count_kv"), heads))
+        head_dim = self._scalar(k("attention.key_length"), None) or self._scalar(k("rope.dimension_count"), None)
+        head_dim = int(head_dim or hidden // heads)
+        value_dim = self._scalar(k("attention.value_length"), head_dim)
+        if value_dim != head_dim:
+            raise CheckpointError(
+                f"{self.path}: {k('attention.value_length')}={value_dim} differs from the key length {head_dim}; "
+                "vtool supports equal key and value head sizes only"
+            )
+        vocab = self._scalar(k("vocab_size"), None)
+        if vocab is None and "token_embd.weight" in names:
+            vocab = int(names["token_embd.weight"].shape[1])  # ne[1] = rows of the embedding
+        if vocab is None:
+            field = self._reader.fields.get("tokenizer.ggml.tokens")
+            vocab = len(field.data) if field is not None else None
+        theta = _f32(self._scalar(k("rope.freq_base"), 10000.0))
+        cfg: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[arch]],
+            "model_type": arch,
+            "vocab_size": None if vocab is None else int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(self._scalar(k("feed_forward_length"))),
+            "num_hidden_layers": int(self._scalar(k("block_count"))),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": _f32(self._scalar(k("attention.layer_norm_rms_epsilon"), 1e-6)),
+            "rope_theta": theta,
+            "rope_scaling": self._rope_scaling(arch, theta, head_dim, names),
+            "max_position_embeddings": int(self._scalar(k("context_length"), 2048)),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names,
+        }
+        if arch == "llama":
+            cfg["mlp_bias"] = "blk.0.ffn_gate.bias" in names
+        for hf_key, gguf_key in (
+            ("bos_token_id", "bos_token_id"),
+            ("eos_token_id", "eos_token_id"),
+            ("pad_token_id", "padding_token_id"),
+        ):
+            v = self._scalar(f"tokenizer.ggml.{gguf_key}", None)
+            if v is not None:
+                cfg[hf_key] = int(v)
+        return cfg
+
+    def _rope_scaling(self, arch: str, theta: float, head_dim: int, names: dict[str, Any]) -> dict[str, Any] | None:
+        kind_key = f"{arch}.rope.scaling.type"
+        kind = self._scalar(kind_key, None)
+        factor = self._scalar(f"{arch}.rope.scaling.factor", None)
+        if factor is None:
+            factor = self._scalar(f"{arch}.rope.scale_linear", None)  # pre-2024 spelling of linear scaling
+            if kind is None and factor not in (None, 1.0):
+                kind = "linear"
+        scaling: dict[str, Any] | None
+        if kind in (None, "none"):
+            scaling = None
+        elif kind == "linear":
+            scaling = {"rope_type": "linear", "factor": _f32(factor if factor is not None else 1.0)}
+        else:
+            raise CheckpointError(
+                f"{self.path}: rope scaling {kind!r} ({kind_key}) is not supported; "
+                "supported: none, linear, llama3 (as rope_freqs.weight)"
+            )
+        if ROPE_FREQS in names:
+            if scaling is not None:
+                raise CheckpointError(f"{self.path}: both {kind_key}={kind!r} and {ROPE_FREQS}; expected one")
+            rot_dim = int(self._scalar(f"{arch}.rope.dimension_count", head_dim))
+            try:
+                scaling = llama3_rope_scaling(self._expand(names[ROPE_FREQS]), theta, rot_dim)
+            except ValueError as e:
+                raise CheckpointError(
+                    f"{self.path}: tensor {ROPE_FREQS!r} holds per-frequency rope divisors vtool cannot map "
+                    f"to a supported rope scaling (none, linear, llama3): {e}"
+                ) from None
+        return scaling
+
+    def generation_config(self) -> dict[str, Any] | None:
+        return None  # GGUF carries no generation defaults
+
+    # -- tensors --------------------------------------------------------------------
+    def tensors(self) -> dict[str, TensorInfo]:
+        if self._infos is None:
+            infos: dict[str, TensorInfo] = {}
+            for t in self._reader.tensors:
+                if t.name == ROPE_FREQS:
+                    continue  # not a weight in HF: config()'s rope_scaling carries it
+                name = hf_name(t.name, self.path)
+                kind = t.tensor_type.name
+                if kind not in SUPPORTED_TYPES:
+                    raise CheckpointError(
+                        f"{self.path}: tensor {t.name!r} has GGML type {kind}; supported: {', '.join(SUPPORTED_TYPES)}"
+                    )
+                self._raw[name] = t
+                infos[name] = TensorInfo(name, tuple(int(d) for d in reversed(t.shape.tolist())), kind)
+            self._infos = infos
+        return self._infos
+
+    def _expand(self, t: Any) -> np.ndarray:
+        """A GGUF tensor as floats in torch dim order; F16/BF16 stay in their own dtype."""
+        kind = t.tensor_type.name
+        data = t.data.view(np.ndarray)  # drop np.memmap: a plain view of the mapped bytes
+        if kind in ("F32", "F16"):
+            arr = data
+        elif kind == "BF16":
+            arr = data.view(ml_dtypes.bfloat16)  # stored as raw bytes, 2 per element
+        else:
+            arr = gguf.quants.dequantize(data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        return arr.reshape(shape)
+
+    def _load_raw(self, name: str) -> np.ndarray:
+        t = self._raw[name]
+        arr = self._expand(t)
+        if self._arch() == "llama" and re.search(r"\.attn_[qk]\.", t.name):
+            cfg = self.config()
+            n_head = cfg["num_attention_heads"] if ".attn_q." in t.name else cfg["num_key_value_heads"]
+            if arr.shape[0] % (2 * n_head):
+                raise CheckpointError(
+                    f"{self.path}: tensor {t.name!r} has {arr.shape[0]} rows, not a multiple of 2 x {n_head} heads"
+                )
+            arr = unpermute_rows(arr, n_head)
+        return arr
