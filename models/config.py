@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from typing import Any
 
 from vtool import VtoolError
@@ -90,17 +91,31 @@ def _positive_int(cfg: dict[str, Any], key: str, value: Any | None = None) -> in
     return v
 
 
+def _dict_or_none(cfg: dict[str, Any], key: str) -> dict[str, Any] | None:
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"config field {key!r} must be an object, got {value!r}")
+    return value or None
+
+
+def _positive_float(cfg: dict[str, Any], key: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"config field {key!r} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """rope_theta and scaling from either transformers-4 keys (rope_theta, rope_scaling)
     or transformers-5 `rope_parameters`."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or None
+    params = _dict_or_none(cfg, "rope_parameters") or {}
+    scaling = _dict_or_none(cfg, "rope_scaling")
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     if scaling is None and params.get("rope_type", "default") != "default":
         scaling = dict(params)
     if scaling is not None:
         scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        rope_type = str(scaling.get("rope_type", scaling.get("type", "default")))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(
                 f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -113,14 +128,17 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                 if key not in scaling:
                     raise ConfigError(f"llama3 rope scaling is missing {key!r}")
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"config field 'rope_theta' must be a positive number, got {theta!r}")
-    return float(theta), scaling
+                scaling[key] = _positive_float(scaling, key, 0.0)
+            if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+                raise ConfigError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+    return _positive_float({"rope_theta": theta}, "rope_theta", 10000.0), scaling
 
 
 def parse_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     """Normalize a transformers config.json dict; refuse what vtool cannot build, by name."""
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"config field 'architectures' must be a list of names, got {archs!r}")
     if not archs:
         raise ConfigError(
             "config has no 'architectures' entry; supported: " + ", ".join(SUPPORTED_ARCHITECTURES)
@@ -139,7 +157,7 @@ def parse_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     head_dim = _positive_int(cfg, "head_dim", head_dim)
     if head_dim % 2:
         raise ConfigError(f"head_dim={head_dim} must be even for rotary embeddings")
-    act = cfg.get("hidden_act", "silu")
+    act = cfg.get("hidden_act") or "silu"
     if act != "silu":
         raise ConfigError(f"hidden_act {act!r} is not supported; supported: silu")
     theta, scaling = _rope(cfg)
@@ -157,7 +175,7 @@ def parse_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_positive_float(cfg, "rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

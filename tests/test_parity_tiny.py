@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from hf_oracle import greedy
 from tiny_models import TINY_SHAPES, make_tiny_model
 from vtool.runtime.artifact import CompiledModel
 from vtool.runtime.checkpoint import open_checkpoint
@@ -20,23 +21,9 @@ PROMPT = [1, 5, 17, 42, 99, 7, 3, 250, 11, 300, 64]
 
 
 def hf_greedy(model_dir, prompt: list[int], steps: int) -> tuple[np.ndarray, list[int], list[np.ndarray]]:
-    """transformers' prompt logits, greedy tokens and the logits each token was chosen from
-    (a plain cached loop, so no generation-config rule such as eos can interfere)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = hf(torch.tensor([prompt]), use_cache=True)
-        prompt_logits = out.logits[0].numpy()
-        past, step_logits, tokens = out.past_key_values, [prompt_logits[-1]], []
-        for _ in range(steps):
-            tokens.append(int(np.argmax(step_logits[-1])))
-            if len(tokens) == steps:
-                break
-            out = hf(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            step_logits.append(out.logits[0, -1].numpy())
-    return prompt_logits, tokens, step_logits
+    return greedy(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompt, steps)
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_SHAPES))
