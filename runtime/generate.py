@@ -64,7 +64,13 @@ class Generator:
     def _embed(self, ids: list[int]) -> object:
         """Token embeddings as a [1, n, hidden] tensor (a view: no copy through the host)."""
         m = self.model
-        flat = m.function("embed")(m.upload(np.asarray(ids, dtype=np.int32)), m.params)
+        array = np.asarray(ids, dtype=np.int64)
+        if array.size and (array.min() < 0 or array.max() >= m.vocab_size):
+            # The compiled gather does no bounds check: an id past the table would read
+            # (or crash on) memory outside it, so refuse it here by value.
+            bad = int(array[(array < 0) | (array >= m.vocab_size)][0])
+            raise VtoolError(f"token id {bad} is outside the vocabulary (0..{m.vocab_size - 1})")
+        flat = m.function("embed")(m.upload(array.astype(np.int32)), m.params)
         return global_func("runtime.TVMTensorCreateView")(flat, m.ffi.Shape([1, len(ids), m.hidden_size]), m.dtype, 0)
 
     def _forward(self, entry: str, ids: list[int]) -> np.ndarray:
