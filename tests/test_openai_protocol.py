@@ -1,0 +1,702 @@
+"""The OpenAI request/response layer: request validation, the mapping onto SamplingParams keyword
+arguments, and the OpenAI error bodies a FastAPI app answers with (driven in-process and through
+the real `openai` client against a uvicorn server)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import keyword
+import socket
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from vtool import VtoolError
+from vtool.runtime.openai_errors import (NotFoundError, OpenAIError, error_json, install_error_handlers,
+                                         validation_message)
+from vtool.runtime.openai_protocol import (MAX_LOGPROBS, ChatCompletionRequest, ChatCompletionResponse,
+                                           ChatCompletionStreamResponse, CompletionRequest,
+                                           CompletionResponse, CompletionStreamResponse, DetokenizeRequest,
+                                           ErrorResponse, ModelCard, ModelList, TokenizeRequest,
+                                           TokenizeResponse, sse_event)
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+SAMPLING_KEYS = {
+    "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens",
+    "spaces_between_special_tokens",
+}
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def refusal(model, body: dict) -> tuple[str, str | None]:
+    """The (message, param) a request body is refused with; fails if it is accepted."""
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    return validation_message(info.value.errors(include_url=False))
+
+
+# ============================================================================ valid requests
+
+finite = dict(allow_nan=False, allow_infinity=False)
+text = st.text(min_size=1, max_size=8)
+token_ids = st.lists(st.integers(0, 50_000), min_size=1, max_size=5)
+
+common_fields = {
+    "model": st.text(max_size=10),
+    "temperature": st.floats(0, 2, **finite),
+    "top_p": st.floats(0, 1, exclude_min=True, **finite),
+    "top_k": st.integers(-1, 1000),
+    "min_p": st.floats(0, 1, **finite),
+    "presence_penalty": st.floats(-2, 2, **finite),
+    "frequency_penalty": st.floats(-2, 2, **finite),
+    "repetition_penalty": st.floats(0, 10, exclude_min=True, **finite),
+    "n": st.integers(1, 4),
+    "seed": st.integers(-(2**63), 2**64 - 1),
+    "max_tokens": st.integers(-5, 4096),
+    "min_tokens": st.integers(0, 3),
+    "stop": st.one_of(text, st.lists(text, max_size=3)),
+    "stop_token_ids": st.lists(st.integers(0, 50_000), max_size=3),
+    "logit_bias": st.dictionaries(st.integers(0, 50_000).map(str), st.floats(-300, 300, **finite), max_size=3),
+    "include_stop_str_in_output": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(),
+    "user": st.text(max_size=5),
+    "priority": st.integers(-5, 5),
+    "request_id": st.text(max_size=8),
+    "response_format": st.just({"type": "text"}),
+    "use_beam_search": st.just(False),  # a vLLM field at its no-op value is accepted
+}
+
+completion_fields = {
+    **common_fields,
+    "prompt": st.one_of(text, st.lists(text, min_size=1, max_size=3), token_ids,
+                        st.lists(token_ids, min_size=1, max_size=3)),
+    "echo": st.booleans(),
+    "logprobs": st.integers(0, MAX_LOGPROBS),
+    "prompt_logprobs": st.integers(0, MAX_LOGPROBS),
+    "add_special_tokens": st.booleans(),
+    "suffix": st.just(""),
+}
+
+content = st.one_of(text, st.lists(st.builds(lambda t: {"type": "text", "text": t}, st.text(max_size=5)),
+                                   max_size=3))
+message = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
+                                 "content": content})
+chat_fields = {
+    **common_fields,
+    "messages": st.lists(message, min_size=1, max_size=4),
+    "max_completion_tokens": st.integers(-5, 4096),
+    "logprobs": st.booleans(),
+    "prompt_logprobs": st.integers(0, MAX_LOGPROBS),
+    "echo": st.booleans(),
+    "add_generation_prompt": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+    "add_special_tokens": st.booleans(),
+    "tool_choice": st.just("none"),
+    "tools": st.just([]),
+    "parallel_tool_calls": st.booleans(),
+}
+
+
+@st.composite
+def request_body(draw, fields: dict, required: tuple[str, ...]) -> dict:
+    names = draw(st.lists(st.sampled_from(sorted(set(fields) - set(required))), unique=True))
+    body = {name: draw(fields[name]) for name in (*required, *names)}
+    if body.get("stream_options") is not None:
+        body["stream"] = True
+    return body
+
+
+def _fix_consistency(body: dict, chat: bool) -> dict:
+    """Drop combinations vLLM refuses on purpose (tested separately below)."""
+    body = dict(body)
+    limit = _expected_max_tokens(body, chat)
+    if limit is not None and body.get("min_tokens", 0) > limit:
+        body.pop("min_tokens")
+    if chat and body.get("top_logprobs") and not body.get("logprobs"):
+        body.pop("top_logprobs")
+    return body
+
+
+def _expected_max_tokens(body: dict, chat: bool):
+    def positive(key):
+        v = body.get(key)
+        return v if v is not None and v > 0 else None
+    if chat and positive("max_completion_tokens") is not None:
+        return positive("max_completion_tokens")
+    return positive("max_tokens")
+
+
+def _check_mapping(body: dict, kwargs: dict, chat: bool, defaults: dict) -> None:
+    assert set(kwargs) == SAMPLING_KEYS
+    fallbacks = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+    for name, fallback in fallbacks.items():
+        want = body[name] if name in body else defaults.get(name, fallback)
+        assert kwargs[name] == want, name
+    for name in ("n", "seed", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                 "spaces_between_special_tokens"):
+        if name in body:
+            assert kwargs[name] == body[name], name
+    for name in ("presence_penalty", "frequency_penalty"):
+        assert kwargs[name] == body.get(name, 0.0)
+    stop = body.get("stop")
+    assert kwargs["stop"] == ([] if stop is None else [stop] if isinstance(stop, str) else stop)
+    assert kwargs["stop_token_ids"] == body.get("stop_token_ids", [])
+    if "logit_bias" in body:
+        assert kwargs["logit_bias"] == {int(k): max(-100.0, min(100.0, v)) for k, v in body["logit_bias"].items()}
+        assert all(type(k) is int for k in kwargs["logit_bias"])
+    else:
+        assert kwargs["logit_bias"] is None
+    want_max = _expected_max_tokens(body, chat)
+    if "max_tokens" in defaults:
+        want_max = defaults["max_tokens"] if want_max is None else min(want_max, defaults["max_tokens"])
+    if not chat and body.get("echo") and body.get("max_tokens") == 0:
+        want_max = 1  # echo without generation
+    assert kwargs["max_tokens"] == want_max
+    if chat:
+        want_lp = body.get("top_logprobs", 0) if body.get("logprobs") else None
+        assert kwargs["logprobs"] == want_lp
+        want_plp = body.get("prompt_logprobs")
+        if want_plp is None and body.get("echo") and body.get("logprobs"):
+            want_plp = want_lp
+        assert kwargs["prompt_logprobs"] == want_plp
+    else:
+        assert kwargs["logprobs"] == body.get("logprobs")
+        want_plp = body.get("prompt_logprobs")
+        if want_plp is None and body.get("echo"):
+            want_plp = body.get("logprobs")
+        assert kwargs["prompt_logprobs"] == want_plp
+
+
+defaults_strategy = st.fixed_dictionaries({}, optional={
+    "temperature": st.floats(0, 2, **finite), "top_p": st.floats(0.1, 1, **finite),
+    "top_k": st.integers(0, 100), "min_p": st.floats(0, 1, **finite),
+    "repetition_penalty": st.floats(0.5, 2, **finite), "max_tokens": st.integers(1, 100)})
+
+
+@SETTINGS
+@given(request_body(completion_fields, ("prompt",)), defaults_strategy)
+def test_valid_completion_requests_parse_and_map(body, defaults):
+    body = _fix_consistency(body, chat=False)
+    req = CompletionRequest.model_validate(body)
+    assert req.effective_max_tokens == (None if body.get("max_tokens") is None or body["max_tokens"] <= 0
+                                        else body["max_tokens"])
+    _check_mapping(body, req.to_sampling_kwargs(defaults), chat=False, defaults=defaults)
+    # the same body through JSON (what a server receives) parses to the same request
+    again = CompletionRequest.model_validate_json(json.dumps(body))
+    assert again.to_sampling_kwargs(defaults) == req.to_sampling_kwargs(defaults)
+    assert all(isinstance(p, (str, list)) for p in req.prompts) and req.prompts
+
+
+@SETTINGS
+@given(request_body(chat_fields, ("messages",)), defaults_strategy)
+def test_valid_chat_requests_parse_and_map(body, defaults):
+    body = _fix_consistency(body, chat=True)
+    if body.get("logprobs"):
+        body["top_logprobs"] = min(5, MAX_LOGPROBS)
+    req = ChatCompletionRequest.model_validate(body)
+    _check_mapping(body, req.to_sampling_kwargs(defaults), chat=True, defaults=defaults)
+    rendered = req.template_messages()
+    assert [m["role"] for m in rendered] == [m["role"] for m in body["messages"]]
+    for got, sent in zip(rendered, body["messages"]):
+        want = sent["content"] if isinstance(sent["content"], str) else "\n".join(p["text"] for p in sent["content"])
+        assert got["content"] == want
+
+
+def test_sampling_kwargs_are_sampling_params_fields():
+    sampling_params = pytest.importorskip("vtool.runtime.sampling_params")
+    fields = {f.name for f in dataclasses.fields(sampling_params.SamplingParams)}
+    assert SAMPLING_KEYS <= fields
+    for req in (CompletionRequest(prompt="x", max_tokens=-1, stop="\n", logit_bias={"5": 1000.0}, logprobs=2),
+                ChatCompletionRequest(messages=USER, max_completion_tokens=7, logprobs=True, top_logprobs=3,
+                                      temperature=0.0, seed=3)):
+        params = sampling_params.SamplingParams(**req.to_sampling_kwargs())
+        assert params.logit_bias in (None, {5: 100.0})
+
+
+# ============================================================================ max_tokens
+
+
+@SETTINGS
+@given(st.integers(-(2**40), 0), st.booleans())
+def test_nonpositive_max_tokens_is_unset(value, chat):
+    if chat:
+        req = ChatCompletionRequest(messages=USER, max_tokens=value)
+        assert req.to_sampling_kwargs()["max_tokens"] is None
+        req = ChatCompletionRequest(messages=USER, max_completion_tokens=value)
+    else:
+        req = CompletionRequest(prompt="x", max_tokens=value)
+    assert req.effective_max_tokens is None
+    assert req.to_sampling_kwargs()["max_tokens"] is None
+
+
+def test_absent_max_tokens_is_unset_and_default_caps():
+    assert CompletionRequest(prompt="x").to_sampling_kwargs()["max_tokens"] is None
+    assert ChatCompletionRequest(messages=USER).to_sampling_kwargs()["max_tokens"] is None
+    # generation_config's max_new_tokens caps (vLLM takes the minimum)
+    assert CompletionRequest(prompt="x").to_sampling_kwargs({"max_new_tokens": 9})["max_tokens"] == 9
+    assert CompletionRequest(prompt="x", max_tokens=5).to_sampling_kwargs({"max_tokens": 9})["max_tokens"] == 5
+    assert CompletionRequest(prompt="x", max_tokens=50).to_sampling_kwargs({"max_tokens": 9})["max_tokens"] == 9
+
+
+@SETTINGS
+@given(st.one_of(st.none(), st.integers(-3, 100)), st.one_of(st.none(), st.integers(-3, 100)))
+def test_max_completion_tokens_takes_precedence(max_tokens, max_completion_tokens):
+    body = {"messages": USER}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    if max_completion_tokens is not None:
+        body["max_completion_tokens"] = max_completion_tokens
+    req = ChatCompletionRequest.model_validate(body)
+    if max_completion_tokens is not None and max_completion_tokens > 0:
+        want = max_completion_tokens
+    elif max_tokens is not None and max_tokens > 0:
+        want = max_tokens
+    else:
+        want = None
+    assert req.effective_max_tokens == want == req.to_sampling_kwargs()["max_tokens"]
+
+
+def test_echo_with_zero_max_tokens_scores_the_prompt():
+    req = CompletionRequest.model_validate({"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 1})
+    assert req.echo_without_generation
+    kw = req.to_sampling_kwargs()
+    assert kw["max_tokens"] == 1 and kw["prompt_logprobs"] == 1
+    for body in ({"prompt": "x", "echo": True, "max_tokens": -1}, {"prompt": "x", "max_tokens": 0},
+                 {"prompt": "x", "echo": True}):
+        req = CompletionRequest.model_validate(body)
+        assert not req.echo_without_generation and req.to_sampling_kwargs()["max_tokens"] is None
+
+
+def test_min_tokens_above_max_tokens_refused():
+    message, param = refusal(CompletionRequest, {"prompt": "x", "max_tokens": 3, "min_tokens": 4})
+    assert param == "min_tokens" and "max_tokens=3" in message
+    message, param = refusal(ChatCompletionRequest, {"messages": USER, "max_tokens": 50,
+                                                     "max_completion_tokens": 3, "min_tokens": 4})
+    assert param == "min_tokens"
+    CompletionRequest(prompt="x", max_tokens=-1, min_tokens=4)  # unset max: no bound
+
+
+# ============================================================================ invalid values
+
+
+not_a_number = st.one_of(st.text(max_size=3), st.booleans(), st.lists(st.integers(), max_size=1))
+not_an_int = st.one_of(not_a_number, st.floats(allow_nan=False).filter(lambda f: True))
+not_a_bool = st.one_of(st.integers(), st.text(max_size=3), st.floats(allow_nan=False))
+
+invalid_common = {
+    "temperature": st.one_of(st.floats(max_value=0, exclude_max=True), st.floats(min_value=2, exclude_min=True),
+                             not_a_number, st.just(float("nan"))),
+    "top_p": st.one_of(st.floats(max_value=0), st.floats(min_value=1, exclude_min=True), not_a_number),
+    "top_k": st.one_of(st.integers(max_value=-2), not_an_int),
+    "min_p": st.one_of(st.floats(max_value=0, exclude_max=True), st.floats(min_value=1, exclude_min=True)),
+    "presence_penalty": st.one_of(st.floats(min_value=2, exclude_min=True), st.floats(max_value=-2, exclude_max=True)),
+    "frequency_penalty": st.one_of(st.floats(min_value=2, exclude_min=True), not_a_number),
+    "repetition_penalty": st.one_of(st.floats(max_value=0), not_a_number),
+    "n": st.one_of(st.integers(max_value=0), st.integers(min_value=16385), not_an_int),
+    "seed": st.one_of(st.integers(max_value=-(2**63) - 1), st.integers(min_value=2**64), not_an_int),
+    "max_tokens": not_an_int,
+    "min_tokens": st.one_of(st.integers(max_value=-1), not_an_int),
+    "prompt_logprobs": st.one_of(st.integers(max_value=-1), st.integers(min_value=MAX_LOGPROBS + 1), not_an_int),
+    "stop": st.one_of(st.integers(), st.just(""), st.lists(st.integers(), min_size=1),
+                      st.lists(text, max_size=2).map(lambda xs: xs + [""])),
+    "stop_token_ids": st.one_of(st.lists(st.integers(max_value=-1), min_size=1), st.lists(text, min_size=1),
+                                st.integers()),
+    "logit_bias": st.one_of(st.dictionaries(st.text(alphabet="abc", min_size=1), st.floats(-1, 1), min_size=1),
+                            st.dictionaries(st.integers(0, 9).map(str), text, min_size=1), st.integers()),
+    "stream": not_a_bool,
+    "ignore_eos": not_a_bool,
+    "skip_special_tokens": not_a_bool,
+    "include_stop_str_in_output": not_a_bool,
+    "user": st.one_of(st.integers(), st.booleans()),
+    "priority": not_an_int,
+    "response_format": st.one_of(st.sampled_from([{"type": "json_object"}, {"type": "json_schema"},
+                                                  {"type": "xml"}, {"type": "text", "x": 1}]), st.integers()),
+    "stream_options": st.just({"include_usage": True}),  # without stream=true
+    "best_of": st.integers(min_value=2, max_value=5),    # != n (1)
+}
+
+invalid_completion = {
+    **invalid_common,
+    "prompt": st.one_of(st.just(""), st.just([]), st.just([[]]), st.just([1, "a"]), st.integers(),
+                        st.lists(st.integers(max_value=-1), min_size=1), st.just([""]), st.just({"a": 1})),
+    "logprobs": st.one_of(st.integers(max_value=-1), st.integers(min_value=MAX_LOGPROBS + 1), not_an_int),
+    "echo": not_a_bool,
+    "suffix": st.one_of(text, st.integers()),
+    "add_special_tokens": not_a_bool,
+}
+
+invalid_chat = {
+    **invalid_common,
+    "messages": st.one_of(
+        st.just([]), st.just("hi"), st.just([{"role": "robot", "content": "x"}]),
+        st.just([{"content": "x"}]), st.just([{"role": "user"}]), st.just([{"role": "user", "content": 3}]),
+        st.just([{"role": "user", "content": "x", "foo": 1}]),
+        st.sampled_from(["image_url", "input_audio", "video_url", "file", "bogus"]).map(
+            lambda t: [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": t}]}])),
+    "logprobs": st.one_of(st.integers(), st.text(max_size=3)),
+    "top_logprobs": st.one_of(st.integers(max_value=-1), st.integers(min_value=MAX_LOGPROBS + 1), not_an_int),
+    "max_completion_tokens": not_an_int,
+    "tools": st.just([{"type": "function", "function": {"name": "f"}}]),
+    "tool_choice": st.sampled_from(["auto", "required", "sometimes", {"type": "function", "function": {"name": "f"}}]),
+    "functions": st.just([{"name": "f"}]),
+    "chat_template_kwargs": st.one_of(st.integers(), st.text(max_size=3)),
+    "add_generation_prompt": not_a_bool,
+    "continue_final_message": not_a_bool,
+    "echo": not_a_bool,
+}
+
+
+@st.composite
+def one_invalid_field(draw, table: dict):
+    name = draw(st.sampled_from(sorted(table)))
+    return name, draw(table[name])
+
+
+@SETTINGS
+@given(one_invalid_field(invalid_completion))
+def test_invalid_completion_field_is_named(case):
+    name, value = case
+    body = {"prompt": "x", name: value}
+    message, param = refusal(CompletionRequest, body)
+    assert message.startswith(f"{name}") and param is not None and param.startswith(name), (message, param)
+
+
+@SETTINGS
+@given(one_invalid_field(invalid_chat))
+def test_invalid_chat_field_is_named(case):
+    name, value = case
+    body = {"messages": USER, name: value}
+    message, param = refusal(ChatCompletionRequest, body)
+    assert message.startswith(f"{name}") and param is not None and param.startswith(name), (message, param)
+
+
+def test_range_messages_name_the_allowed_range():
+    message, param = refusal(CompletionRequest, {"prompt": "x", "temperature": -1})
+    assert param == "temperature"
+    assert message.startswith("temperature: Input should be greater than or equal to 0")
+    assert "[0, 2]" in message
+    message, _ = refusal(CompletionRequest, {"prompt": "x", "top_p": 0})
+    assert "top_p" in message and "(0, 1]" in message
+    message, _ = refusal(CompletionRequest, {"prompt": "x", "logprobs": 21})
+    assert "logprobs" in message and "[0, 20]" in message
+
+
+def test_top_logprobs_needs_logprobs():
+    message, param = refusal(ChatCompletionRequest, {"messages": USER, "top_logprobs": 2})
+    assert param == "top_logprobs"
+    ChatCompletionRequest(messages=USER, top_logprobs=0)  # 0 without logprobs is harmless, as in vLLM
+
+
+def test_prompt_logprobs_with_stream_refused():
+    _, param = refusal(CompletionRequest, {"prompt": "x", "stream": True, "prompt_logprobs": 1})
+    assert param == "prompt_logprobs"
+
+
+def test_unsupported_features_refused_by_name():
+    cases = [
+        (CompletionRequest, {"prompt": "x", "suffix": "tail"}, "suffix"),
+        (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tools"),
+        (ChatCompletionRequest, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}},
+         "response_format"),
+        (ChatCompletionRequest, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        (ChatCompletionRequest, {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
+        (CompletionRequest, {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+        (CompletionRequest, {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ]
+    for model, body, name in cases:
+        message, param = refusal(model, body)
+        assert name in message and "not supported" in message, message
+        assert param == name
+    message, _ = refusal(ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]})
+    assert "image_url" in message and "not supported" in message and "messages[0].content" in message
+    # no-op values of those fields are accepted
+    ChatCompletionRequest.model_validate({"messages": USER, "tool_choice": "none", "tools": [],
+                                          "use_beam_search": False, "store": False,
+                                          "response_format": {"type": "text"}})
+    ChatCompletionRequest.model_validate({"messages": USER, "tool_choice": "auto", "tools": []})
+
+
+def test_continue_final_message():
+    req = ChatCompletionRequest.model_validate({"messages": USER, "continue_final_message": True})
+    assert req.continue_final_message and not req.add_generation_prompt
+    _, param = refusal(ChatCompletionRequest, {"messages": USER, "continue_final_message": True,
+                                               "add_generation_prompt": True})
+    assert param == "continue_final_message"
+
+
+field_name = st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True).filter(lambda s: not keyword.iskeyword(s))
+
+
+@SETTINGS
+@given(st.lists(field_name, min_size=1, max_size=3, unique=True), st.booleans())
+def test_unknown_fields_are_named(names, chat):
+    model = ChatCompletionRequest if chat else CompletionRequest
+    names = [n for n in names if n not in model.model_fields and n not in model._UNSUPPORTED]
+    assume(names)
+    body = {"messages": USER} if chat else {"prompt": "x"}
+    body.update({n: 1 for n in names})
+    message, param = refusal(model, body)
+    for n in names:
+        assert f"{n}: unknown field" in message
+    assert param in names
+
+
+def test_unknown_field_named_next_to_an_unsupported_one():
+    message, _ = refusal(CompletionRequest, {"prompt": "x", "guided_regex": "a+", "frobnicate": 1})
+    assert "guided_regex" in message and "frobnicate: unknown field" in message
+
+
+# ============================================================================ messages / content parts
+
+
+@SETTINGS
+@given(st.lists(st.text(max_size=6), min_size=1, max_size=4))
+def test_text_parts_join_with_newlines(parts):
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": p} for p in parts]}])
+    assert req.template_messages() == [{"role": "user", "content": "\n".join(parts)}]
+
+
+def test_message_history_from_openai_client_accepted():
+    # what the openai client sends back when a response message is appended to the history
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "hello", "refusal": None, "annotations": [], "audio": None,
+                "function_call": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                       "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+               {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    req = ChatCompletionRequest(messages=history)
+    rendered = req.template_messages()
+    assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert rendered[2]["tool_call_id"] == "c1"
+
+
+# ============================================================================ tokenize / responses
+
+
+def test_tokenize_detokenize_requests():
+    assert TokenizeRequest(prompt="x").add_special_tokens is True
+    req = TokenizeRequest(messages=USER)
+    assert req.add_special_tokens is False and req.add_generation_prompt
+    assert req.template_messages() == USER
+    assert TokenizeRequest(prompt="x", add_special_tokens=False, return_token_strs=True).add_special_tokens is False
+    for body in ({}, {"prompt": "x", "messages": USER}):
+        _, param = refusal(TokenizeRequest, body)
+        assert param == "prompt"
+    assert DetokenizeRequest(tokens=[1, 2]).tokens == [1, 2]
+    _, param = refusal(DetokenizeRequest, {"tokens": [1, -2]})
+    assert param == "tokens"
+    TokenizeResponse(count=2, max_model_len=4096, tokens=[1, 2], token_strs=["a", "b"])
+
+
+def test_response_shapes():
+    c = CompletionResponse(model="m", choices=[{"index": 0, "text": "hi", "finish_reason": "length", "logprobs": {
+        "tokens": ["h", "i"], "token_logprobs": [None, -0.5], "top_logprobs": [None, {"i": -0.5}],
+        "text_offset": [0, 1]}}], usage={"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3})
+    d = c.model_dump()
+    assert d["id"].startswith("cmpl-") and len(d["id"]) == 5 + 32 and d["object"] == "text_completion"
+    assert isinstance(d["created"], int)
+    assert set(d["choices"][0]["logprobs"]) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    ch = ChatCompletionResponse(model="m", choices=[{"index": 0, "message": {"role": "assistant", "content": "x"},
+                                                     "logprobs": {"content": [{"token": "x", "logprob": -1.0,
+                                                                               "bytes": [120], "top_logprobs": [
+                                                                                   {"token": "x", "logprob": -1.0,
+                                                                                    "bytes": [120]}]}]}}],
+                                usage={"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2})
+    d = ch.model_dump()
+    assert d["id"].startswith("chatcmpl-") and d["object"] == "chat.completion"
+    assert d["choices"][0]["logprobs"]["content"][0]["top_logprobs"][0] == {"token": "x", "logprob": -1.0,
+                                                                             "bytes": [120]}
+    chunk = ChatCompletionStreamResponse(model="m", choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}}])
+    event = sse_event(chunk, exclude_unset=True)
+    assert event.startswith("data: {") and event.endswith("\n\n")
+    assert json.loads(event[6:])["object"] == "chat.completion.chunk"
+    assert CompletionStreamResponse(model="m", choices=[{"index": 0, "text": "a"}]).object == "text_completion"
+    assert ModelList(data=[ModelCard(id="m", max_model_len=8)]).model_dump()["data"][0]["object"] == "model"
+    body = error_json(400, "bad", param="temperature")
+    assert body == {"error": {"message": "bad", "type": "BadRequestError", "param": "temperature", "code": 400}}
+    ErrorResponse.model_validate(body)
+    assert NotFoundError("x").to_json()["error"]["type"] == "NotFoundError"
+
+
+# ============================================================================ a real FastAPI app
+
+
+def make_app():
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        prompt = req.prompt
+        if prompt == "vtool-error":
+            raise VtoolError("temperature 7 is outside what this model accepts")
+        if prompt == "value-error":
+            raise ValueError("a plain ValueError")
+        if prompt == "crash":
+            raise RuntimeError("kaboom")
+        if prompt == "missing-model":
+            raise NotFoundError("The model `nope` does not exist.", param="model")
+        kwargs = req.to_sampling_kwargs()
+        if req.stream:
+            async def events():
+                for i, piece in enumerate(["a", "b"]):
+                    yield sse_event(CompletionStreamResponse(model="m", choices=[{"index": 0, "text": piece}]))
+                yield sse_event(CompletionStreamResponse(model="m", choices=[
+                    {"index": 0, "text": "", "finish_reason": "length"}]))
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return CompletionResponse(model=req.model or "m", choices=[
+            {"index": 0, "text": json.dumps(kwargs["max_tokens"]), "finish_reason": "length"}],
+            usage={"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2})
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        kwargs = req.to_sampling_kwargs()
+        return ChatCompletionResponse(model="m", choices=[
+            {"index": 0, "message": {"role": "assistant", "content": json.dumps(kwargs["logprobs"])},
+             "logprobs": {"content": [{"token": "x", "logprob": -0.1, "bytes": [120], "top_logprobs": []}]}}],
+            usage={"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2})
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[ModelCard(id="m", max_model_len=2048)])
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def client():
+    from fastapi.testclient import TestClient
+
+    return TestClient(make_app(), raise_server_exceptions=False)
+
+
+def _assert_openai_error(response, status: int, *fragments: str) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == status
+    for fragment in fragments:
+        assert fragment in body["error"]["message"], body
+    return body["error"]
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    (b'{"prompt": "x",', "not valid JSON"),
+    (b"{prompt: x}", "not valid JSON"),
+    (b"", "body is required"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b'"hello"', "must be a JSON object"),
+])
+def test_bad_json_is_400(client, raw, fragment):
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    err = _assert_openai_error(r, 400, fragment)
+    assert err["type"] == "BadRequestError"
+
+
+@SETTINGS
+@given(one_invalid_field(invalid_completion))
+def test_invalid_fields_are_400_not_422(client, case):
+    name, value = case
+    # Python's json writes NaN / Infinity and Starlette reads them back: they must be refused too
+    r = client.post("/v1/completions", content=json.dumps({"prompt": "x", name: value}),
+                    headers={"content-type": "application/json"})
+    err = _assert_openai_error(r, 400, name)
+    assert err["param"].startswith(name)
+
+
+def test_app_error_mapping(client):
+    err = _assert_openai_error(client.post("/v1/completions", json={"prompt": "x", "temperature": "warm"}), 400,
+                               "temperature: Input should be a valid number")
+    assert err["param"] == "temperature"
+    _assert_openai_error(client.post("/v1/completions", json={"prompt": "x", "bogus": 1}), 400,
+                         "bogus: unknown field")
+    _assert_openai_error(client.post("/v1/completions", json={"prompt": "vtool-error"}), 400, "temperature 7")
+    _assert_openai_error(client.post("/v1/completions", json={"prompt": "value-error"}), 400, "plain ValueError")
+    err = _assert_openai_error(client.post("/v1/completions", json={"prompt": "missing-model"}), 404, "nope")
+    assert err["type"] == "NotFoundError" and err["param"] == "model"
+    err = _assert_openai_error(client.post("/v1/completions", json={"prompt": "crash"}), 500, "kaboom")
+    assert err["type"] == "InternalServerError"
+    _assert_openai_error(client.get("/v1/nowhere"), 404)
+    _assert_openai_error(client.get("/v1/completions"), 405)
+    _assert_openai_error(client.post("/v1/completions", content=b"prompt=x",
+                                     headers={"content-type": "text/plain"}), 400)
+    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "null"
+    ok = client.post("/v1/completions", json={"prompt": "x", "echo": True, "max_tokens": 0})
+    assert ok.json()["choices"][0]["text"] == "1"  # echo without generation survives FastAPI's parsing
+    assert client.get("/v1/models").json()["data"][0]["id"] == "m"
+    assert "/v1/completions" in client.app.openapi()["paths"]  # the schema generates
+
+
+# ============================================================================ the openai client
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(make_app(), log_level="critical", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "test server did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(timeout=5)
+    sock.close()
+
+
+def test_openai_client_sees_bad_request_errors(server_url):
+    import openai
+
+    client = openai.OpenAI(base_url=server_url, api_key="sk-test", max_retries=0, timeout=10)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m", prompt="x", temperature=-1)
+    assert info.value.status_code == 400
+    assert "temperature: Input should be greater than or equal to 0" in info.value.message
+    assert info.value.body["param"] == "temperature"
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=USER, extra_body={"frobnicate": True})
+    assert "frobnicate: unknown field" in info.value.message
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://example.invalid/x.png"}}]}])
+    assert "image_url" in info.value.message
+
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="m", prompt="missing-model")
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model="m", prompt="crash")
+
+    # valid requests: the client parses our response bodies
+    done = client.completions.create(model="m", prompt="x", max_tokens=-1)
+    assert done.choices[0].text == "null" and done.id.startswith("cmpl-")
+    chat = client.chat.completions.create(model="m", messages=USER, logprobs=True, top_logprobs=2,
+                                          max_completion_tokens=4)
+    assert chat.choices[0].message.content == "2" and chat.choices[0].logprobs.content[0].bytes == [120]
+    pieces = [c.choices[0].text for c in client.completions.create(model="m", prompt="x", stream=True)]
+    assert pieces == ["a", "b", ""]
+    assert [m.id for m in client.models.list()] == ["m"]
