@@ -1,0 +1,532 @@
+"""`vtool bench`: vLLM's serving metrics on hand-computed records, their invariants, and the
+streaming client end to end against a real SSE server on 127.0.0.1."""
+
+import asyncio
+import io
+import json
+import math
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rich.console import Console
+
+from vtool import VtoolError
+from vtool.runtime.bench_client import (NO_TTFT_ERROR, RequestInput, SSEDecoder, api_base, endpoint_url,
+                                        request_chat_completions, request_completions, request_delays, run_requests)
+from vtool.runtime.bench_cmd import (BenchOptions, BenchPrompt, bench_main, load_dataset_prompts, parse_concurrency,
+                                     parse_goodput, run_bench, synthetic_prompts, word_prompts)
+from vtool.runtime.bench_metrics import RequestRecord, calculate_metrics, latency_stats, peak_rates
+
+# ----------------------------------------------------------------------------- metrics: by hand
+
+
+def _hand_records() -> list[RequestRecord]:
+    return [
+        RequestRecord(True, 10, 4, 0.1, [0.02, 0.03, 0.05], 0.2, 0.0),
+        RequestRecord(True, 20, 1, 0.3, [], 0.3, 0.5),
+        RequestRecord(False, 99, 0, 0.0, [], 0.0, 0.1, error="HTTP 500"),
+        RequestRecord(True, 5, 3, 0.2, [0.1, 0.1], 0.4, 1.2),
+    ]
+
+
+def test_metrics_hand_computed():
+    m = calculate_metrics(_hand_records(), 2.0)
+    assert (m.completed, m.failed) == (3, 1)
+    assert (m.total_input, m.total_output) == (35, 8)
+    assert m.output_lens == (4, 1, 0, 3)
+    assert m.request_throughput == pytest.approx(1.5)
+    assert m.output_throughput == pytest.approx(4.0)
+    assert m.total_token_throughput == pytest.approx(21.5)
+    # TTFT over the 3 successful requests
+    assert m.ttft.mean_ms == pytest.approx(200.0)
+    assert m.ttft.median_ms == pytest.approx(200.0)
+    assert m.ttft.std_ms == pytest.approx(1000 * math.sqrt(0.02 / 3))
+    # TPOT: A (0.2-0.1)/3, D (0.4-0.2)/2; B has 1 token and is left out
+    assert m.tpot.mean_ms == pytest.approx(1000 * (0.1 / 3 + 0.1) / 2)
+    assert m.tpot.median_ms == pytest.approx(1000 * (0.1 / 3 + 0.1) / 2)
+    # ITL pooled over chunks: [.02 .03 .05 .1 .1]
+    assert m.itl.mean_ms == pytest.approx(60.0)
+    assert m.itl.median_ms == pytest.approx(50.0)
+    assert m.itl.percentile(90) == pytest.approx(100.0)
+    assert m.itl.percentile(50) == pytest.approx(50.0)
+    assert m.e2el.mean_ms == pytest.approx(300.0)
+    # bins from t0=0: chunks at .1 .12 .15 .2 .8 | 1.4 1.5 1.6 ; requests A,B in bin 0, D in bin 1
+    assert m.max_output_tokens_per_s == 5.0
+    assert m.max_concurrent_requests == 2
+    d = m.to_dict()
+    for key in ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+                "output_throughput", "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests",
+                "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+                "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms"):
+        assert key in d, key
+
+
+def test_goodput_and_fallback_output_len():
+    m = calculate_metrics(_hand_records(), 2.0, goodput_slo_ms={"ttft": 250})
+    assert m.request_goodput == pytest.approx(1.0)         # A, D
+    m = calculate_metrics(_hand_records(), 2.0, goodput_slo_ms={"tpot": 50})
+    assert m.request_goodput == pytest.approx(1.0)         # A (33 ms), B (TPOT 0)
+    assert calculate_metrics(_hand_records(), 2.0).request_goodput is None
+    # no usage: re-tokenize the text, or count 1 without a tokenizer
+    rec = RequestRecord(True, 3, 0, 0.1, [0.1], 0.2, 0.0, generated_text="a b c")
+    assert calculate_metrics([rec], 1.0).total_output == 1
+    assert calculate_metrics([rec], 1.0, count_tokens=lambda s: len(s.split())).total_output == 3
+
+
+def test_empty_and_all_failed():
+    m = calculate_metrics([RequestRecord(False, 5, error="x")], 1.0)
+    assert (m.completed, m.failed, m.total_output) == (0, 1, 0)
+    assert m.ttft.mean_ms == 0.0 and m.itl.percentile(99) == 0.0
+    assert (m.max_output_tokens_per_s, m.max_concurrent_requests) == (0.0, 0)
+    with pytest.raises(ValueError):
+        calculate_metrics([], 0.0)
+
+
+# ----------------------------------------------------------------------------- metrics: invariants
+
+_gap = st.floats(0.0005, 0.5, allow_nan=False)
+_record = st.builds(
+    lambda ok, plen, ntok, ttft, itl, tail, start: RequestRecord(
+        ok, plen, ntok, ttft, itl, ttft + sum(itl) + tail, start, error="" if ok else "failed"),
+    st.booleans(), st.integers(0, 4000), st.integers(0, 300), st.floats(0.001, 3.0), st.lists(_gap, max_size=12),
+    st.floats(0.0, 0.2), st.floats(0.0, 5.0))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_record, min_size=1, max_size=25), st.floats(0.1, 100.0))
+def test_metric_invariants(records, duration):
+    m = calculate_metrics(records, duration)
+    ok = [r for r in records if r.success]
+    out = [r.output_tokens or 1 for r in ok]
+    assert m.completed == len(ok) and m.completed + m.failed == len(records)
+    assert m.request_throughput * duration == pytest.approx(len(ok))
+    assert m.output_throughput * duration == pytest.approx(sum(out))
+    assert m.total_token_throughput * duration == pytest.approx(sum(r.prompt_len for r in ok) + sum(out))
+    # TPOT only over successful requests with more than one token
+    tpots = [(r.latency - r.ttft) / (n - 1) for r, n in zip(ok, out) if n > 1]
+    assert m.tpot.mean_ms == pytest.approx(1000 * float(np.mean(tpots or 0)))
+    assert m.tpot.median_ms == pytest.approx(1000 * float(np.median(tpots or 0)))
+    # ITL pooled over chunks, not averaged per request
+    pooled = [g for r in ok for g in r.itl]
+    assert m.itl.mean_ms == pytest.approx(1000 * float(np.mean(pooled or 0)))
+    assert m.ttft.mean_ms == pytest.approx(1000 * float(np.mean([r.ttft for r in ok] or 0)))
+    # percentiles monotone, and between min and max
+    lists = ((m.ttft, [r.ttft for r in ok]), (m.tpot, tpots), (m.itl, pooled), (m.e2el, [r.latency for r in ok]))
+    for stats, xs in lists:
+        ps = [v for _, v in stats.percentiles_ms]
+        assert all(a <= b + 1e-9 for a, b in zip(ps, ps[1:]))
+        if xs:
+            lo, hi = 1000 * min(xs), 1000 * max(xs)
+            assert lo - 1e-6 <= stats.median_ms <= hi + 1e-6
+            assert lo - 1e-6 <= stats.mean_ms <= hi + 1e-6
+            assert lo - 1e-6 <= ps[0] and ps[-1] <= hi + 1e-6
+    # failed requests are left out entirely: dropping them changes nothing but `failed`
+    m2 = calculate_metrics(ok, duration) if ok else None
+    if m2 is not None:
+        for a in ("completed", "total_input", "total_output", "ttft", "tpot", "itl", "e2el",
+                  "max_output_tokens_per_s", "max_concurrent_requests"):
+            assert getattr(m, a) == getattr(m2, a), a
+    # peaks
+    assert m.max_output_tokens_per_s <= sum(1 + len(r.itl) for r in ok)
+    assert (m.max_concurrent_requests >= 1) == bool(ok)
+    assert m.max_concurrent_requests <= len(ok)
+
+
+def test_peak_rates_bins():
+    # two overlapping requests in bin 0, chunks 0.1..0.9 → 9 in bin 0
+    recs = [RequestRecord(True, 1, 5, 0.1, [0.1] * 4, 0.5, 0.0), RequestRecord(True, 1, 5, 0.1, [0.1] * 4, 0.5, 0.4)]
+    assert peak_rates(recs) == (10.0, 2)
+    assert latency_stats([]).mean_ms == 0.0
+
+
+# ----------------------------------------------------------------------------- SSE parsing, options
+
+def _sse(*events: str) -> bytes:
+    return "".join(events).encode()
+
+
+def test_sse_decoder_basics():
+    d = SSEDecoder()
+    assert d.feed(b": ping\n\n") == []
+    assert d.feed(b'data: {"a": 1}\n\ndata: [DO') == ['{"a": 1}']
+    assert d.feed(b"NE]\r\n\r\n") == ["[DONE]"]
+    assert d.feed(b"event: x\nid: 3\ndata: one\ndata:two\n\n") == ["one\ntwo"]
+    assert d.feed(b"data: tail") == [] and d.flush() == ["tail"]
+    # a UTF-8 character split across network chunks
+    snow = 'data: "\u2603"\n\n'.encode()
+    assert d.feed(snow[:8]) == [] and d.feed(snow[8:]) == ['"\u2603"']
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=8))
+def test_sse_decoder_split_invariant(cuts):
+    stream = _sse(": hello\n\n", 'data: {"choices": [{"text": "\u00e9t\u00e9"}]}\n\n',
+                  "data: {\"choices\": []}\r\n\r\n",
+                  ": c\ndata: {\"usage\": {}}\n\n", "data: [DONE]\n\n")
+    pos = sorted({c % (len(stream) + 1) for c in cuts})
+    d, got, last = SSEDecoder(), [], 0
+    for p in pos + [len(stream)]:
+        got += d.feed(stream[last:p])
+        last = p
+    got += d.flush()
+    assert got == ['{"choices": [{"text": "\u00e9t\u00e9"}]}', '{"choices": []}', '{"usage": {}}', "[DONE]"]
+
+
+def test_options_parsing_and_urls():
+    assert parse_concurrency("1,4, 16") == [1, 4, 16]
+    assert parse_concurrency(["1,2", 8]) == [1, 2, 8]
+    assert parse_concurrency("inf") == [0] and parse_concurrency(None) == [0]
+    with pytest.raises(VtoolError):
+        parse_concurrency("1,x")
+    with pytest.raises(VtoolError):
+        parse_concurrency("-2")
+    assert parse_goodput(["ttft:200", "tpot:50 e2el:1000"]) == {"ttft": 200.0, "tpot": 50.0, "e2el": 1000.0}
+    with pytest.raises(VtoolError):
+        parse_goodput(["itl:5"])
+    for u in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/completions", "h:1"):
+        assert api_base(u) == "http://h:1"
+    assert endpoint_url("http://h:1/v1", "chat") == "http://h:1/v1/chat/completions"
+    assert request_delays(3) == [0.0, 0.0, 0.0]
+    d = request_delays(50, 10.0, 1.0, np.random.default_rng(0))
+    assert d == sorted(d) and d[-1] == pytest.approx(5.0)
+    assert request_delays(4, 2.0, math.inf) == pytest.approx([0.5, 1.0, 1.5, 2.0])
+    assert BenchOptions(result_json="x.json").json_path("m") is not None
+    assert BenchOptions().json_path("m") is None
+
+
+# ----------------------------------------------------------------------------- datasets
+
+class WordTokenizer:
+    """Whitespace words over a fixed vocabulary; id 0 is a special BOS."""
+    vocab_size = 40
+    all_special_ids = [0]
+
+    def __init__(self):
+        self.words = ["<s>"] + [f"w{i}" for i in range(1, self.vocab_size)]
+
+    def encode(self, text, add_special_tokens=True):
+        ids = [self.words.index(w) for w in text.split() if w in self.words]
+        return ([0] if add_special_tokens else []) + ids
+
+    def decode(self, ids):
+        return " ".join(self.words[i] for i in ids)
+
+
+class MergeTokenizer:
+    """Greedy longest match over a, b, ab, ba, aa: decode/encode does not round-trip."""
+    vocab = ["<s>", "a", "b", "ab", "ba", "aa"]
+    vocab_size = 6
+    all_special_ids = [0]
+
+    def encode(self, text, add_special_tokens=True):
+        ids, i = ([0] if add_special_tokens else []), 0
+        while i < len(text):
+            if text[i:i + 2] in self.vocab:
+                ids.append(self.vocab.index(text[i:i + 2]))
+                i += 2
+            else:
+                ids.append(self.vocab.index(text[i]))
+                i += 1
+        return ids
+
+    def decode(self, ids):
+        return "".join(self.vocab[i] for i in ids)
+
+
+@pytest.mark.parametrize("tok", [WordTokenizer(), MergeTokenizer()])
+def test_synthetic_prompts_exact_length(tok):
+    prompts = synthetic_prompts(tok, 12, 17, seed=3)
+    assert len(prompts) == 12
+    for p in prompts:
+        assert p.prompt_len == 17 == len(tok.encode(p.prompt, add_special_tokens=False))
+        assert "<s>" not in p.prompt
+    assert [p.prompt for p in prompts] == [p.prompt for p in synthetic_prompts(tok, 12, 17, seed=3)]
+    assert len({p.prompt for p in prompts}) > 1
+
+
+def test_word_prompts_fit_with_counter():
+    count = lambda s: len(s.split()) + s.count("room")  # noqa: E731 - "room" is two tokens
+    for p in word_prompts(5, 30, seed=1, count_tokens=count):
+        assert count(p.prompt) == 30 == p.prompt_len
+    assert all(p.prompt_len == 8 for p in word_prompts(3, 8))
+
+
+def test_dataset_files(tmp_path):
+    tok = WordTokenizer()
+    share = [
+        {"conversations": [{"from": "human", "value": "w1 w2 w3 w4 w5"}, {"from": "gpt", "value": "w6 w7 w8 w9"}]},
+        {"conversations": [{"from": "human", "value": "w1 w2"}, {"from": "gpt", "value": "w6 w7 w8 w9"}]},  # 3 tokens
+        {"conversations": [{"from": "human", "value": "only one turn"}]},
+        {"id": "no conversations"},
+    ]
+    p = tmp_path / "sharegpt.json"
+    p.write_text(json.dumps(share))
+    got = load_dataset_prompts(p, 1, tokenizer=tok)
+    assert [(g.prompt, g.prompt_len, g.output_len) for g in got] == [("w1 w2 w3 w4 w5", 6, 5)]
+    got = load_dataset_prompts(p, 4, output_len=7)            # no tokenizer: no filter, oversampled to 4
+    assert len(got) == 4 and {g.prompt for g in got} == {"w1 w2 w3 w4 w5", "w1 w2"}
+    assert all(g.output_len == 7 and g.prompt_len == 0 for g in got)
+    j = tmp_path / "p.jsonl"
+    j.write_text('{"prompt": "w1 w2"}\n\n"w3"\n{"text": "w4 w5 w6"}\n')
+    assert [(g.prompt, g.prompt_len) for g in load_dataset_prompts(j, 3, tokenizer=tok)] == \
+        [("w1 w2", 3), ("w3", 2), ("w4 w5 w6", 4)]
+    t = tmp_path / "p.txt"
+    t.write_text("first prompt\n\nsecond prompt\n")
+    assert [g.prompt for g in load_dataset_prompts(t, 2)] == ["first prompt", "second prompt"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{\n")
+    with pytest.raises(VtoolError):
+        load_dataset_prompts(bad, 2)
+    with pytest.raises(VtoolError):
+        load_dataset_prompts(tmp_path / "missing.json", 2)
+
+
+# ----------------------------------------------------------------------------- a real SSE server
+
+T_FIRST, GAP, USAGE_DELAY = 0.20, 0.08, 0.12   # seconds
+N_TOKENS = 5
+API_KEY = "sk-test-key"
+TOL = 0.045
+
+
+def _make_app():
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+    app.state.seen = []
+    app.state.sent = {}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "tiny-model", "object": "model"}]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: Request):
+        body = await req.json()
+        n = len(body["prompt"].split()) + (1 if body.get("add_special_tokens", True) else 0)
+        return {"count": n, "tokens": list(range(n)), "max_model_len": 4096}
+
+    async def stream(body: dict, chat: bool, prompt_tokens: int, sent: list):
+        # `sent` gets the perf_counter time each content chunk (and the usage chunk) is handed over;
+        # server thread and client share the process clock.
+        def chunk(i: int) -> str:
+            if chat:
+                delta = {"content": f"t{i} "} | ({"role": "assistant"} if i == 0 else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": None}
+            else:
+                choice = {"index": 0, "text": f"t{i} ", "finish_reason": None}
+            return "data: " + json.dumps({"id": "x", "choices": [choice]}) + "\n\n"
+
+        n = body.get("max_completion_tokens" if chat else "max_tokens")
+        yield ": keep-alive comment\n\n"                 # a comment before the first token: not TTFT
+        await asyncio.sleep(T_FIRST)
+        sent.append(time.perf_counter())
+        yield chunk(0)
+        for i in range(1, n):
+            await asyncio.sleep(GAP)
+            if i == 2:                                   # an empty-choices chunk in the middle of a gap
+                yield "data: " + json.dumps({"id": "x", "choices": []}) + "\n\n"
+                await asyncio.sleep(GAP)
+            if i == 3:                                   # one event split across two writes
+                c = chunk(i)
+                yield c[:15]
+                await asyncio.sleep(0.005)
+                sent.append(time.perf_counter())
+                yield c[15:]
+            else:
+                sent.append(time.perf_counter())
+                yield chunk(i)
+        await asyncio.sleep(USAGE_DELAY)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+        sent.append(time.perf_counter())
+        yield "data: " + json.dumps({"id": "x", "choices": [], "usage": usage}) + "\n\ndata: [DONE]\n\n"
+
+    async def handle(req: Request, chat: bool):
+        body = await req.json()
+        app.state.seen.append((req.headers.get("authorization"), body))
+        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        if "FAIL" in prompt:
+            return JSONResponse({"error": {"message": "synthetic failure"}}, status_code=500)
+        if req.headers.get("authorization") != f"Bearer {API_KEY}":
+            return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
+        sent = app.state.sent.setdefault(prompt, [])
+        sent.clear()
+        return StreamingResponse(stream(body, chat, len(prompt.split()) + 1, sent), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(req: Request):
+        return await handle(req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: Request):
+        return await handle(req, chat=True)
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def server():
+    import uvicorn
+
+    app = _make_app()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 10
+    while not srv.started:
+        assert time.monotonic() < deadline, "test server did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}", app
+    srv.should_exit = True
+    th.join(timeout=5)
+    sock.close()
+
+
+def _expected_itl(chat: bool) -> list[float]:
+    # gap 2 holds the empty-choices chunk: completions time it from token 1, chat from the empty chunk
+    return [GAP, GAP if chat else 2 * GAP, GAP, GAP]
+
+
+def _check_timing(rec: RequestRecord, chat: bool, sent: list[float]):
+    """Against the sleeps: each gap within TOL (sleeps overshoot under load, so sums are bounded
+    loosely); against the server's own send times (same clock): every arrival within TOL."""
+    assert rec.success, rec.error
+    assert T_FIRST - 0.002 <= rec.ttft <= T_FIRST + 0.1
+    assert len(rec.itl) == N_TOKENS - 1
+    for got, want in zip(rec.itl, _expected_itl(chat)):
+        assert want - TOL < got < want + TOL, (rec.itl, chat)
+    assert len(sent) == N_TOKENS + 1                          # content chunks, then usage
+    assert sent[0] - 0.002 <= rec.start_time + rec.ttft < sent[0] + TOL
+    if not chat:  # completions: start + ttft + cumsum(itl) is each content chunk's arrival
+        arrivals = np.cumsum([rec.start_time + rec.ttft] + rec.itl)
+        for got, at in zip(arrivals, sent):
+            assert at - 0.002 <= got < at + TOL, (list(arrivals), sent)
+    nominal_end = T_FIRST + 5 * GAP
+    if chat:   # chat: the request ends at the usage chunk; the empty chunk moved the ITL origin
+        assert sent[-1] - 0.002 <= rec.start_time + rec.latency < sent[-1] + TOL
+        assert abs(rec.latency - (rec.ttft + sum(rec.itl)) - (GAP + USAGE_DELAY)) < 2 * TOL
+        nominal_end += USAGE_DELAY
+    else:      # completions: the request ends at the last content chunk
+        assert rec.latency == pytest.approx(rec.ttft + sum(rec.itl), abs=1e-9)
+    assert nominal_end - 0.002 <= rec.latency < nominal_end + 0.25
+    assert rec.output_tokens == N_TOKENS
+    assert rec.prompt_len == 4                  # usage.prompt_tokens replaced the client's 999
+    assert rec.generated_text == "".join(f"t{i} " for i in range(N_TOKENS))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_single_request_timing(server, chat):
+    url, app = server
+    inp = RequestInput("hello tiny world", 999, N_TOKENS, "tiny-model",
+                       endpoint_url(url, "chat" if chat else "completions"), ignore_eos=True, api_key=API_KEY)
+    func = request_chat_completions if chat else request_completions
+
+    async def go():
+        from vtool.runtime.bench_client import make_client
+        async with make_client(1) as client:
+            return await func(client, inp)
+
+    rec = asyncio.run(go())
+    _check_timing(rec, chat, app.state.sent["hello tiny world"])
+    auth, body = app.state.seen[-1]
+    assert auth == f"Bearer {API_KEY}"
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True
+    if chat:
+        assert body["max_completion_tokens"] == N_TOKENS and body["messages"][0]["role"] == "user"
+    else:
+        assert body["max_tokens"] == N_TOKENS and body["prompt"] == "hello tiny world"
+
+
+def test_failures_are_recorded(server):
+    url, _ = server
+    ep = endpoint_url(url, "completions")
+    inputs = [RequestInput("please FAIL", 3, 2, "tiny-model", ep, api_key=API_KEY),
+              RequestInput("wrong key", 3, 2, "tiny-model", ep, api_key="nope"),
+              RequestInput("unreachable", 3, 2, "tiny-model", "http://127.0.0.1:9/v1/completions", api_key=API_KEY)]
+    recs, dur = asyncio.run(run_requests(inputs, "completions", max_concurrency=3))
+    assert dur > 0 and not any(r.success for r in recs)
+    assert recs[0].error.startswith("HTTP 500") and "synthetic failure" in recs[0].error
+    assert recs[1].error.startswith("HTTP 401")
+    assert recs[2].error                         # a connection error, by name
+    assert NO_TTFT_ERROR.startswith("Never received")
+
+
+def test_run_bench_end_to_end(server, tmp_path):
+    url, _ = server
+    prompts = [BenchPrompt("one two", 2), BenchPrompt("three four five", 3), BenchPrompt("FAIL here", 2),
+               BenchPrompt("six", 1)]
+    out = io.StringIO()
+    console = Console(file=out, width=140, force_terminal=False)
+    path = tmp_path / "res" / "bench.json"
+    t0 = time.perf_counter()
+    report = run_bench(url + "/v1", None, prompts, N_TOKENS, [1, 4], "completions", API_KEY, console, path)
+    wall = time.perf_counter() - t0
+    assert report["model_id"] == "tiny-model"           # discovered through /v1/models
+    assert json.loads(path.read_text()) == report
+    assert [r["max_concurrency"] for r in report["runs"]] == [1, 4]
+    per_req = T_FIRST + 5 * GAP
+    for run in report["runs"]:
+        assert (run["completed"], run["failed"]) == (3, 1)
+        assert run["total_output_tokens"] == 3 * N_TOKENS
+        assert run["total_input_tokens"] == (3 + 4 + 2)   # usage.prompt_tokens = words + 1
+        assert "synthetic failure" in run["failed_errors"][0]
+        assert run["request_throughput"] == pytest.approx(3 / run["duration"])
+        assert run["output_throughput"] == pytest.approx(15 / run["duration"])
+        assert 1000 * T_FIRST - 2 <= run["mean_ttft_ms"] < 1000 * T_FIRST + 100
+        assert 1000 * 5 * GAP / 4 - 2 <= run["mean_tpot_ms"] < 1000 * (5 * GAP / 4 + TOL)
+        assert abs(run["median_itl_ms"] - 1000 * GAP) < 1000 * TOL
+        assert 1000 * per_req - 2 <= run["mean_e2el_ms"] < 1000 * per_req + 250
+        for m in ("ttft", "tpot", "itl", "e2el"):
+            for k in (f"mean_{m}_ms", f"median_{m}_ms", f"std_{m}_ms", f"p50_{m}_ms", f"p90_{m}_ms", f"p99_{m}_ms"):
+                assert isinstance(run[k], float), k
+        assert "ttfts" not in run                          # only with save_detailed
+    c1, c4 = report["runs"]
+    assert c1["duration"] > 3 * per_req - 0.05          # one at a time
+    assert c4["duration"] < 2 * per_req                 # all at once
+    assert c4["max_concurrent_requests"] == 3
+    assert wall < 12
+    text = out.getvalue()
+    for title in ("Time to First Token", "Time per Output Token (excl. 1st token)", "Inter-token Latency",
+                  "End-to-end Latency", "Output token throughput (tok/s)", "Peak concurrent requests", "Summary",
+                  "Error 0"):
+        assert title in text, title
+
+
+def test_bench_main_chat_synthetic(server, tmp_path):
+    url, app = server
+    opts = BenchOptions(model=None, url=url, endpoint="chat", num_prompts=3, input_len=6, output_len=N_TOKENS,
+                        concurrency=parse_concurrency("3"), api_key=API_KEY, seed=1,
+                        result_json=str(tmp_path / "chat.json"), save_detailed=True, ignore_eos=True)
+    out = io.StringIO()
+    report = bench_main(opts, tokenizer=WordTokenizer(), console=Console(file=out, width=140))
+    run = report["runs"][0]
+    assert report["endpoint"] == "/v1/chat/completions" and report["endpoint_type"] == "openai-chat"
+    assert (run["completed"], run["failed"]) == (3, 0)
+    sent = [b for _, b in app.state.seen[-3:]]
+    assert all(len(b["messages"][0]["content"].split()) == 6 for b in sent)   # exact --input-len
+    assert run["total_input_tokens"] == 3 * 7
+    assert len(run["ttfts"]) == len(run["itls"]) == len(run["errors"]) == len(run["generated_texts"]) == 3
+    for itl, e2el, ttft in zip(run["itls"], run["e2els"], run["ttfts"]):
+        assert e2el - ttft - sum(itl) == pytest.approx(GAP + USAGE_DELAY, abs=TOL)  # empty chunk + usage chunk
+    assert json.loads((tmp_path / "chat.json").read_text())["runs"][0]["completed"] == 3
+    assert "warning" not in out.getvalue()
+
+
+def test_failed_test_run_is_refused(server):
+    url, _ = server
+    console = Console(file=io.StringIO())
+    with pytest.raises(VtoolError, match="initial test request"):
+        run_bench(url, "tiny-model", [BenchPrompt("FAIL first", 2)], 2, [1], "completions", API_KEY, console)
+    with pytest.raises(VtoolError, match="--endpoint"):
+        run_bench(url, "tiny-model", [BenchPrompt("x", 1)], 2, [1], "embeddings", API_KEY, console)
