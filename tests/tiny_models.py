@@ -66,3 +66,31 @@ def make_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     return folder
+
+
+def make_tiny_chat_model(folder: Path, gguf_path: Path, seed: int = 0) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer and chat template (exported by
+    transformers from the GGUF), so engine and server tests run real text through a
+    model that costs milliseconds per step."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                         rope_theta=10000.0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.uniform_(0.7, 1.3)
+            elif "embed" in pname:
+                p.normal_(0.0, 0.3)
+            else:
+                p.normal_(0.0, 3.0 / p.shape[1] ** 0.5)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

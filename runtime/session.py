@@ -1,0 +1,56 @@
+"""A loaded model ready to generate: compiled library, bound weights, tokenizer, chat
+template and stop ids. The CLI, the Python API and the server all start from here."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+from vtool import VtoolError
+from vtool.runtime.artifact import CompiledModel
+from vtool.runtime.checkpoint import Checkpoint
+from vtool.runtime.generate import Generator
+from vtool.runtime.stop_ids import stop_token_ids
+from vtool.runtime.tokenizer import Tokenizer
+
+DEFAULT_MAX_MODEL_LEN = 4096  # cap on the context when the model allows more; --max-model-len raises it
+
+
+@dataclasses.dataclass
+class Session:
+    checkpoint: Checkpoint
+    model: CompiledModel
+    tokenizer: Tokenizer
+    stop_ids: list[int]
+    max_model_len: int
+    generator: Generator
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def encode_prompt(self, text: str, chat: bool = False) -> list[int]:
+        if chat:
+            # The template already writes BOS and the role markers; don't add them twice.
+            return self.tokenizer.encode(self.render_chat([{"role": "user", "content": text}]),
+                                         add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+
+def load_tokenizer(checkpoint: Checkpoint, tokenizer_config: str | Path | None) -> Tokenizer:
+    if checkpoint.format == "gguf":
+        return Tokenizer.from_gguf(checkpoint.path)
+    return Tokenizer.from_dir(checkpoint.path, tokenizer_config)
+
+
+def open_session(artifact: Path, checkpoint: Checkpoint, tokenizer_config: str | Path | None = None,
+                 max_model_len: int | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> Session:
+    model = CompiledModel(artifact, checkpoint, progress)
+    tokenizer = load_tokenizer(checkpoint, tokenizer_config)
+    limit = model.manifest["config"]["max_position_embeddings"]
+    if max_model_len is None:
+        max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+    elif not 0 < max_model_len <= limit:
+        raise VtoolError(f"--max-model-len {max_model_len} is outside 1..{limit} (the model's max_position_embeddings)")
+    stops = stop_token_ids(checkpoint.config(), checkpoint.generation_config())
+    return Session(checkpoint, model, tokenizer, stops, max_model_len, Generator(model, max_model_len))
