@@ -88,12 +88,13 @@ class PrefixCache:
         self.hits += usable
         return PrefixHit(best.seq_id, usable)
 
-    def pop_lru(self) -> int | None:
-        """Forget the least recently used entry and return its sequence id (the caller
-        removes it from the KV cache), or None when the cache is empty."""
-        if not self._entries:
+    def pop_lru(self, exclude: int | None = None) -> int | None:
+        """Forget the least recently used entry (other than `exclude`) and return its
+        sequence id (the caller removes it from the KV cache), or None if there is none."""
+        seq_id = next((s for s in self._entries if s != exclude), None)
+        if seq_id is None:
             return None
-        seq_id, entry = self._entries.popitem(last=False)
+        entry = self._entries.pop(seq_id)
         for h in entry.hashes:
             holders = self._by_hash[h]
             holders.discard(seq_id)

@@ -1,6 +1,7 @@
 """The `vtool` command (click + rich). Flags mirror vllm-cli / vLLM where they have a name."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -122,6 +123,108 @@ def run(model: str | None, target: str, dtype: str, prompt: str, tokenizer_confi
                          seed=seed, stream=stream, repeat=repeat, chat=chat, tokenizer_config=tokenizer_config,
                          max_model_len=max_model_len)
     run_completion(artifact, checkpoint, options, out, console)
+
+
+@main.command()
+@_model_options
+@click.option("--host", default="0.0.0.0", show_default=True, help="bind address")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--served-model-name", multiple=True, help="model id(s) in /v1/models and responses (default: --model)")
+@click.option("--tokenizer-config", default=None, help="override tokenizer_config.json (chat template)")
+@click.option("--block-size", default=16, show_default=True, type=int, help="KV block size in tokens (16 only)")
+@click.option("--num-blocks", default=None, type=click.IntRange(min=1),
+              help="KV blocks (default: sized by --kv-cache-memory-bytes)")
+@click.option("--kv-cache-memory-bytes", default=1 << 30, show_default=True, type=click.IntRange(min=1),
+              help="memory budget for the KV cache when --num-blocks is not given")
+@click.option("--max-model-len", default=None, type=click.IntRange(min=1),
+              help="context length (default: the model's, capped at 4096, fitted to the KV cache)")
+@click.option("--max-num-seqs", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-num-batched-tokens", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="tokens per engine step (prefill chunks + decodes)")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True)
+@click.option("--scheduling-policy", default="fcfs", show_default=True, type=click.Choice(["fcfs", "priority"]))
+@click.option("--enable-log-requests/--disable-log-requests", default=True, show_default=True)
+@click.option("--enable-log-outputs", is_flag=True)
+@click.option("--max-log-len", default=256, show_default=True, type=click.IntRange(min=0))
+@click.option("--disable-metrics", is_flag=True)
+@click.option("--enable-force-include-usage", is_flag=True)
+@click.option("--api-key", default=None, envvar="VLLM_API_KEY", help="require this Bearer key on /v1 routes")
+@click.option("--trust-remote-code", is_flag=True, help="accepted for vLLM recipes; no effect")
+@click.option("--enable-auto-tool-choice", is_flag=True, help="accepted for vLLM recipes; no effect")
+def serve(model: str | None, target: str, dtype: str, host: str, port: int, served_model_name: tuple[str, ...],
+          tokenizer_config: str | None, block_size: int, num_blocks: int | None, kv_cache_memory_bytes: int,
+          max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
+          scheduling_policy: str, enable_log_requests: bool, enable_log_outputs: bool, max_log_len: int,
+          disable_metrics: bool, enable_force_include_usage: bool, api_key: str | None, trust_remote_code: bool,
+          enable_auto_tool_choice: bool) -> None:
+    """Serve an OpenAI-compatible API (builds the model on first use)."""
+    from vtool.runtime.checkpoint import open_checkpoint
+    from vtool.runtime.engine import EngineConfig
+    from vtool.runtime.serve_cmd import ServeOptions
+    from vtool.runtime.serve_cmd import serve as run_server
+
+    for flag, on, why in (("--trust-remote-code", trust_remote_code, "vtool runs no code from checkpoints"),
+                          ("--enable-auto-tool-choice", enable_auto_tool_choice, "tool calling is not served yet")):
+        if on:
+            console.print(f"server: accepted '{flag}' for vLLM-recipe compatibility; it has no effect here: {why}",
+                          highlight=False)
+    engine_config = EngineConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+        num_blocks=num_blocks, kv_memory_bytes=kv_cache_memory_bytes, enable_prefix_caching=enable_prefix_caching,
+        scheduling_policy=scheduling_policy, max_model_len=max_model_len)
+    opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, tokenizer_config=tokenizer_config,
+                        max_model_len=max_model_len, api_key=api_key, disable_metrics=disable_metrics,
+                        enable_log_requests=enable_log_requests, enable_log_outputs=enable_log_outputs,
+                        max_log_len=max_log_len, enable_force_include_usage=enable_force_include_usage)
+    model_path = resolve_model(model)
+    checkpoint = open_checkpoint(model_path)
+    artifact = build_with_progress(model_path, target, dtype)
+    run_server(artifact, checkpoint, engine_config, opts, console)
+
+
+@main.command()
+@click.option("--model", default=None, help="model to serve and measure (default: SmolLM2-135M-Instruct); "
+                                            "with --url, the served model id (default: the first in /v1/models)")
+@click.option("--url", default=None, help="measure this running OpenAI server instead of starting one")
+@click.option("--endpoint", default="completions", show_default=True, type=click.Choice(["completions", "chat"]))
+@click.option("--dataset-path", default=None, help="ShareGPT .json, .jsonl or .txt prompts (default: synthetic)")
+@click.option("--num-prompts", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--input-len", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--output-len", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--concurrency", default="1,4,8", show_default=True, help="comma list of concurrency levels")
+@click.option("--max-num-batched-tokens", default=1024, show_default=True, type=click.IntRange(min=1))
+@click.option("--num-blocks", default=None, type=click.IntRange(min=1))
+@click.option("--max-num-seqs", default=None, type=click.IntRange(min=1),
+              help="server batch limit (default: the largest --concurrency level)")
+@click.option("--target", default="host", show_default=True)
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "bfloat16"]))
+@click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
+              help="generate exactly --output-len tokens per request")
+@click.option("--api-key", default=None)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--result-json", default=None, help="write the report here as JSON")
+def bench(model: str | None, url: str | None, endpoint: str, dataset_path: str | None, num_prompts: int,
+          input_len: int, output_len: int, concurrency: str, max_num_batched_tokens: int, num_blocks: int | None,
+          max_num_seqs: int | None, target: str, dtype: str, ignore_eos: bool, api_key: str | None, seed: int,
+          result_json: str | None) -> None:
+    """Measure serving throughput and latency (TTFT, TPOT, ITL, E2EL) as vLLM defines them."""
+    from vtool.runtime.bench_cmd import BenchOptions, bench_main, parse_concurrency
+    from vtool.runtime.bench_server import local_server
+
+    levels = parse_concurrency(concurrency)
+    opts = BenchOptions(model=model if url else None, url=url or "", endpoint=endpoint, dataset_path=dataset_path,
+                        num_prompts=num_prompts, input_len=input_len, output_len=output_len, concurrency=levels,
+                        ignore_eos=ignore_eos, api_key=api_key, seed=seed, result_json=result_json)
+    if url:
+        bench_main(opts, None, out)
+        return
+    model_path = resolve_model(model)
+    build_with_progress(model_path, target, dtype)  # build here, with progress, before the server starts
+    limited = [x for x in levels if x > 0]
+    seqs = max_num_seqs or (max(limited) if limited else 32)
+    with local_server(model_path, target, dtype, max_num_seqs=seqs, max_num_batched_tokens=max_num_batched_tokens,
+                      num_blocks=num_blocks, console=console) as (server_url, tokenizer):
+        bench_main(dataclasses.replace(opts, url=server_url), tokenizer, out)
 
 
 @main.command()
