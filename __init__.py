@@ -13,3 +13,16 @@ class VtoolError(Exception):
 
     The CLI prints these as one clear line instead of a traceback.
     """
+
+
+def __getattr__(name: str):
+    # Lazy, so `import vtool` stays cheap and runtime-only code never loads the compiler.
+    if name == "LLM":
+        from vtool.toolchain.api import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from vtool.runtime.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'vtool' has no attribute {name!r}")

@@ -16,7 +16,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from vtool.runtime.engine import Engine
-from vtool.runtime.request import RequestOutput
+from vtool.runtime.request import StepOutput
 from vtool.runtime.sampling_params import SamplingParams
 
 log = logging.getLogger("vtool.engine")
@@ -130,10 +130,10 @@ class RequestStream:
         self._q = q
         self.finished = False
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    def __aiter__(self) -> AsyncIterator[StepOutput]:
         return self._iterate()
 
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self) -> AsyncIterator[StepOutput]:
         while not self.finished:
             item = await self._q.get()
             if isinstance(item, BaseException):

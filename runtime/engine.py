@@ -18,7 +18,7 @@ import numpy as np
 from vtool import VtoolError
 from vtool.runtime.kv_cache import PagedKVCache
 from vtool.runtime.prefix_cache import PrefixCache
-from vtool.runtime.request import Request, RequestOutput, Status
+from vtool.runtime.request import Request, StepOutput, Status
 from vtool.runtime.sampling import SequenceSampler, prompt_logprobs, sample_batch
 from vtool.runtime.sampling_params import SamplingParams
 from vtool.runtime.scheduler import POLICIES, Scheduler, SchedulerConfig
@@ -159,7 +159,7 @@ class Engine:
         return self.scheduler.has_work()
 
     # -- one step --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
         if not plan.items:
             return []
@@ -230,7 +230,7 @@ class Engine:
             del request._prompt_logits  # type: ignore[attr-defined]
 
     # -- after sampling --------------------------------------------------------------------
-    def _advance(self, request: Request, result: Any) -> RequestOutput:
+    def _advance(self, request: Request, result: Any) -> StepOutput:
         now = time.monotonic()
         token = result.token_id
         request.output_ids.append(token)
@@ -257,7 +257,7 @@ class Engine:
         if finish is not None:
             self._finish(request, finish, stop_reason)
         request.text += delta
-        return RequestOutput(
+        return StepOutput(
             request_id=request.request_id, new_token_ids=[token], new_text=delta, new_logprobs=new_logprobs,
             finished=finish is not None, finish_reason=finish, stop_reason=stop_reason,
             num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids),

@@ -67,7 +67,7 @@ class Request:
 
 
 @dataclasses.dataclass
-class RequestOutput:
+class StepOutput:
     """What one engine step produced for one request (deltas since the last report)."""
 
     request_id: str

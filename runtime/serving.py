@@ -22,7 +22,7 @@ from vtool.runtime.openai_protocol import (
     ChatCompletionStreamResponse, ChatResponseMessage, CompletionLogProbs, CompletionRequest, CompletionResponse,
     CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse, DeltaMessage,
     PromptTokenUsageInfo, UsageInfo, chat_completion_id, completion_id, sse_event)
-from vtool.runtime.request import RequestOutput
+from vtool.runtime.request import StepOutput
 from vtool.runtime.sampling_params import SamplingParams
 from vtool.runtime.server_metrics import ServerMetrics
 from vtool.runtime.tokenizer import Tokenizer
@@ -93,7 +93,7 @@ async def _admit(state: ServingState, request_id: str, prompts: list[list[int]],
     return streams, choices
 
 
-async def _merged(state: ServingState, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged(state: ServingState, streams: list[RequestStream]) -> AsyncIterator[tuple[int, StepOutput]]:
     """(choice index, output) from every stream as it arrives; records latency metrics."""
     q: asyncio.Queue = asyncio.Queue()
 
@@ -135,7 +135,7 @@ async def _merged(state: ServingState, streams: list[RequestStream]) -> AsyncIte
             stream.close()  # aborts whatever has not finished: a client that left frees its blocks
 
 
-def _apply(choice: Choice, out: RequestOutput) -> None:
+def _apply(choice: Choice, out: StepOutput) -> None:
     choice.text += out.new_text
     choice.token_ids.extend(out.new_token_ids)
     choice.logprobs.extend(out.new_logprobs)

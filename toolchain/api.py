@@ -1,0 +1,25 @@
+"""`from vtool import LLM, SamplingParams`: vLLM's offline API, building the model on first use."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vtool.runtime.checkpoint import open_checkpoint
+from vtool.runtime.default_model import default_model_path
+from vtool.runtime.engine import EngineConfig
+from vtool.runtime.offline import OfflineLLM
+from vtool.runtime.session import open_session
+from vtool.toolchain.build import build_artifact
+
+
+class LLM(OfflineLLM):
+    """LLM(model=None) uses the embedded default model (SmolLM2-135M-Instruct)."""
+
+    def __init__(self, model: str | Path | None = None, target: str = "host", dtype: str = "float32",
+                 max_model_len: int | None = None, tokenizer_config: str | Path | None = None,
+                 **engine_kwargs: Any):
+        path = Path(model) if model else default_model_path()
+        checkpoint = open_checkpoint(path)
+        artifact = build_artifact(path, target, dtype, checkpoint=checkpoint)
+        session = open_session(artifact, checkpoint, tokenizer_config, max_model_len)
+        super().__init__(session, EngineConfig(**engine_kwargs))
