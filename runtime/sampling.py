@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -50,7 +50,7 @@ class Logprob:
 class SampleResult:
     token_id: int
     logprob: float  # raw log-softmax of the chosen token
-    rank: int | None = None  # 1 + tokens strictly more likely (vLLM: count of logprobs >= it); with logprobs
+    rank: int | None = None  # vLLM's: tokens with a logprob >= the chosen one's; with logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # top-N, descending; when params.logprobs is set
 
     def logprobs_dict(self) -> dict[int, Logprob] | None:

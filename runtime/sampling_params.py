@@ -24,9 +24,10 @@ _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 class SamplingParamsError(VtoolError):
     """One invalid sampling parameter; `field` names it."""
 
-    def __init__(self, field: str, value: Any, accepted: str):
+    def __init__(self, field: str, value: Any, accepted: str, seen: str | None = None):
         self.field, self.value = field, value
-        super().__init__(f"sampling parameter {field}={value!r} is invalid: {field} must be {accepted}")
+        seen = seen or f"{field}={value!r} is invalid"
+        super().__init__(f"sampling parameter {seen}: {field} must be {accepted}")
 
 
 @dataclasses.dataclass
@@ -59,18 +60,19 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        else:
-            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # vLLM drops repeats
         if self.seed == -1 and not isinstance(self.seed, bool):
             self.seed = None
-        if self.logprobs is True:
-            self.logprobs = 1
-        if self.prompt_logprobs is True:
-            self.prompt_logprobs = 1
+        # Booleans as vLLM reads them: True asks for the sampled token's logprob plus the top 1.
+        if isinstance(self.logprobs, bool):
+            self.logprobs = 1 if self.logprobs else None
+        if isinstance(self.prompt_logprobs, bool):
+            self.prompt_logprobs = 1 if self.prompt_logprobs else None
         if self.logit_bias is not None and isinstance(self.logit_bias, dict):
             # JSON object keys arrive as strings ("50256": 5.0), as in vLLM's from_optional.
             self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}
@@ -139,8 +141,7 @@ class SamplingParams:
             if value is None:
                 continue
             _int(name, value, low=-1, accepted="None, -1 (the whole vocabulary) or an integer >= 0")
-            wanted = vocab_size if value == -1 and vocab_size is not None else value
-            if vocab_size is not None and wanted > vocab_size:
+            if vocab_size is not None and value > vocab_size:
                 raise SamplingParamsError(name, value, f"-1 or at most the vocabulary size {vocab_size}")
             if max_logprobs is not None and max_logprobs != -1:
                 over = value > max_logprobs or (value == -1 and (vocab_size is None or vocab_size > max_logprobs))
@@ -150,6 +151,8 @@ class SamplingParams:
             raise SamplingParamsError("stop", self.stop, "a string or a list of strings")
         if any(s == "" for s in self.stop):
             raise SamplingParamsError("stop", self.stop, "non-empty strings (an empty stop string matches at once)")
+        if not isinstance(self.stop_token_ids, list):
+            raise SamplingParamsError("stop_token_ids", self.stop_token_ids, "a list of token ids")
         for token in self.stop_token_ids:
             _token_id("stop_token_ids", token, vocab_size)
         if self.logit_bias is not None:
@@ -200,8 +203,8 @@ def _real(name: str, value: Any, accepted: str, low: float, high: float, low_ope
 
 
 def _token_id(name: str, token: Any, vocab_size: int | None) -> None:
-    if vocab_size is None:
-        _int(name, token, low=0, accepted="token ids >= 0")
-    else:
-        _int(name, token, low=0, high=vocab_size - 1,
-             accepted=f"token ids inside the vocabulary [0, {vocab_size - 1}]")
+    ok = _is_int(token) and token >= 0 and (vocab_size is None or token < vocab_size)
+    if not ok:
+        accepted = ("integer token ids >= 0" if vocab_size is None
+                    else f"token ids inside the vocabulary [0, {vocab_size - 1}]")
+        raise SamplingParamsError(name, token, accepted, seen=f"{name} holds token id {token!r}")

@@ -14,7 +14,7 @@ multi-character delta, takes the first in list order; we take the first in the t
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from vtool import VtoolError
 

@@ -263,6 +263,56 @@ def test_sampled_frequencies(kw, support):
     assert chi_square(counts, probs) < [10.83, 13.82, 16.27, 18.47, 20.52][dof - 1]
 
 
+# ---- large vocabularies: the paths that avoid sorting 150k logits ------------------------
+
+
+def large_row(seed: int, vocab: int, scale: float, ties: bool) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    row = (rng.standard_normal(vocab) * scale).astype(np.float32)
+    if ties:
+        row = np.round(row, 1)  # many equal logits, ties at every cut
+    row[rng.integers(0, vocab, 50)] = -np.inf  # masked tokens (e.g. padded vocabulary)
+    return row
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32), scale=st.sampled_from([0.5, 3.0, 15.0]), ties=st.booleans(),
+       k=st.integers(1, 3000), top_p=st.floats(0.01, 0.999))
+def test_large_vocab_filters_match_sorting(seed, scale, ties, k, top_p):
+    from vtool.runtime.sampling import _nucleus_dense, _nucleus_sorted, _Scratch, _top_k_indices
+    x = large_row(seed, 20000, scale, ties)
+    m = x.max()
+    s = _Scratch(x.size)
+    kth = np.sort(x)[-k]
+    np.testing.assert_array_equal(_top_k_indices(x, m, k, s), np.flatnonzero(x >= kth))
+    e = np.exp(x - m)
+    want = e * _nucleus_sorted(x, e, top_p)
+    _nucleus_dense(x, m, e, top_p, s)
+    np.testing.assert_array_equal(e, want)
+
+
+@pytest.mark.parametrize("kw", [{}, {"top_k": 5}, {"top_p": 0.95}, {"min_p": 0.01}])
+def test_large_vocab_frequencies(kw):
+    # Six live tokens spread over the blocks of the inverse-CDF draw; the rest weigh e^-60.
+    vocab, live = 40000, np.array([3, 1500, 9000, 17001, 30000, 39999])
+    raw = np.full(vocab, -60.0, np.float32)
+    raw[live] = [1.0, 0.5, 0.0, -0.5, -1.0, -1.5]
+    probs = np.exp(log_softmax(raw[live]))
+    seqs = [seq(seed=7000 + i, **kw) for i in range(100)]
+    counts = np.zeros(live.size)
+    batch = np.tile(raw, (len(seqs), 1))
+    for _ in range(20):
+        for r in sample_batch(batch, seqs):
+            assert r.token_id in live
+            counts[np.searchsorted(live, r.token_id)] += 1
+    if "top_k" in kw:
+        probs[5:] = 0
+    if "top_p" in kw:
+        probs[np.cumsum(probs) - probs >= kw["top_p"]] = 0  # the last token: 0.966 before it
+    probs /= probs.sum()
+    assert chi_square(counts, probs) < 20.52  # chi-square 99.9th percentile, dof <= 5
+
+
 # ---- logprobs ------------------------------------------------------------------------------
 
 
@@ -350,8 +400,8 @@ INVALID = {
     "min_tokens": st.one_of(st.integers(max_value=-1), st.integers(17, 1000)),  # max_tokens stays 16
     "logprobs": st.one_of(st.integers(max_value=-2), st.just(2.5)),
     "prompt_logprobs": st.integers(max_value=-2),
-    "stop": st.sampled_from([[""], ["ok", ""], [1]]),
-    "stop_token_ids": st.sampled_from([[-1], [1.5]]),
+    "stop": st.sampled_from([[""], ["ok", ""], [1], 5]),
+    "stop_token_ids": st.sampled_from([[-1], [1.5], 3, "3"]),
     "logit_bias": st.one_of(st.fixed_dictionaries({st.just(3): st.one_of(
         st.floats(100.0001, 1e6), st.floats(-1e6, -100.0001), st.just(NAN))}), st.just({-1: 1.0}),
         st.just({"x": 1.0})),
