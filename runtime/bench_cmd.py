@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -515,6 +516,10 @@ async def _run_all(url: str, model: str, prompts: Sequence[BenchPrompt], output_
         console.print("Initial test run completed.", highlight=False)
     results = []
     for level in levels:
+        # Every level sends the same prompts: without a reset, later levels would be
+        # served from the prefix cache the earlier ones filled. Best effort: a server
+        # without the endpoint (not vLLM-compatible) is measured as it is.
+        await _reset_prefix_cache(url, api_key)
         with Progress(TextColumn("[bold]concurrency {task.fields[level]}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("[red]{task.fields[failed]} failed"), TimeElapsedColumn(),
                       console=console, transient=False) as bar:
@@ -535,6 +540,16 @@ async def _run_all(url: str, model: str, prompts: Sequence[BenchPrompt], output_
                 await client.aclose()
         results.append((level, records, duration))
     return results
+
+
+async def _reset_prefix_cache(url: str, api_key: str | None) -> bool:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            r = await client.post(f"{api_base(url)}/reset_prefix_cache", headers=headers)
+        return r.status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt], output_len: int,

@@ -13,7 +13,8 @@ import numpy as np
 
 from vtool import VtoolError
 from vtool.runtime.artifact import CompiledModel
-from vtool.runtime.sampler import Sampler, SamplingConfig
+from vtool.runtime.sampling import SequenceSampler, sample_batch
+from vtool.runtime.sampling_params import SamplingParams
 from vtool.runtime.tvm_runtime import global_func
 
 PAGE_SIZE = 16
@@ -103,19 +104,18 @@ class Generator:
         assert logits is not None
         return logits
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingConfig,
-                 stop_ids: Iterable[int] = (), on_token: Callable[[int], None] | None = None,
+    def generate(self, prompt_ids: list[int], params: SamplingParams, stop_ids: Iterable[int] = (),
+                 on_token: Callable[[int], None] | None = None,
                  on_logits: Callable[[np.ndarray], None] | None = None) -> GenerationResult:
+        """Run one sequence to a stop id or params.max_tokens (None or <= 0: to the context)."""
         if not prompt_ids:
             raise VtoolError("the prompt is empty: at least one token is needed")
         if len(prompt_ids) >= self.max_model_len:
             raise VtoolError(
                 f"the prompt has {len(prompt_ids)} tokens, at or past max_model_len={self.max_model_len}")
-        if max_tokens <= 0:
-            max_tokens = self.max_model_len - len(prompt_ids)
-        max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
-        stops = set(stop_ids)
-        sampler = Sampler(sampling)
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = min(params.max_tokens, room) if params.max_tokens and params.max_tokens > 0 else room
+        sampler = SequenceSampler(params, prompt_ids, tuple(stop_ids), self.model.vocab_size)
         self._fresh_sequence(len(prompt_ids) + max_tokens)
 
         t0 = time.perf_counter()
@@ -127,11 +127,11 @@ class Generator:
         while True:
             if on_logits:
                 on_logits(logits)
-            token = sampler(logits)
+            token = sample_batch(logits[None, :], [sampler])[0].token_id
             tokens.append(token)
             if on_token:
                 on_token(token)
-            if token in stops:
+            if sampler.is_stop_token(token):
                 finish = "stop"
                 break
             if len(tokens) >= max_tokens:

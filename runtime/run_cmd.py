@@ -1,14 +1,20 @@
-"""`vtool run`: one prompt, one completion (or N with --repeat), like vllm-cli."""
+"""`vtool run`: one prompt, one completion (or N with --repeat), like vllm-cli.
+
+It drives the same engine as the server, so stop ids, detokenization and sampling
+behave identically in both.
+"""
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from vtool.runtime.checkpoint import Checkpoint
-from vtool.runtime.sampler import SamplingConfig
+from vtool.runtime.engine import Engine, EngineConfig
+from vtool.runtime.sampling_params import SamplingParams
 from vtool.runtime.session import open_session
 
 
@@ -27,35 +33,66 @@ class RunOptions:
     max_model_len: int | None = None
 
 
+@dataclasses.dataclass
+class RunStats:
+    prompt_tokens: int
+    tokens: int
+    finish_reason: str | None
+    ttft_seconds: float
+    decode_seconds: float
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return (self.tokens - 1) / self.decode_seconds if self.tokens > 1 and self.decode_seconds > 0 else 0.0
+
+
+def run_once(engine: Engine, request_id: str, prompt_ids: list[int], params: SamplingParams,
+             on_text=None) -> tuple[str, RunStats]:
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt_ids, params)
+    text, tokens, first, last, finish = "", 0, None, start, None
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            tokens += len(out.new_token_ids)
+            text += out.new_text
+            if on_text and out.new_text:
+                on_text(out.new_text)
+            finish = out.finish_reason or finish
+    return text, RunStats(len(prompt_ids), tokens, finish, (first or start) - start, last - (first or start))
+
+
 def run_completion(artifact: Path, checkpoint: Checkpoint, opts: RunOptions, out: Console, err: Console) -> None:
-    sampling = SamplingConfig(temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, seed=opts.seed)
+    params = SamplingParams(temperature=max(opts.temperature, 0.0), top_p=opts.top_p, top_k=opts.top_k,
+                            seed=opts.seed, max_tokens=opts.max_tokens if opts.max_tokens > 0 else None)
     with Progress(TextColumn("loading weights"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   console=err, transient=True) as bar:
         task = bar.add_task("load", total=None)
         session = open_session(artifact, checkpoint, opts.tokenizer_config, opts.max_model_len,
                                progress=lambda done, total: bar.update(task, completed=done, total=total))
-    err.print(f"[dim]loaded {checkpoint.path.name} ({session.model.manifest['target']['name']}, "
-              f"{session.model.manifest['dtype']}) in {session.model.load_seconds:.1f} s[/]", highlight=False)
+    manifest = session.model.manifest
+    err.print(f"[dim]loaded {checkpoint.path.name} ({manifest['target']['name']}, {manifest['dtype']}) "
+              f"in {session.model.load_seconds:.1f} s[/]", highlight=False)
+    # One sequence at a time; prefix caching would make repeats skip the prefill they measure.
+    engine = Engine(session, EngineConfig(max_num_seqs=1, enable_prefix_caching=False))
     prompt_ids = session.encode_prompt(opts.prompt, chat=opts.chat)
     repeat = 1 if opts.stream else opts.repeat  # as vllm-cli: streaming runs once
     rates = []
     for i in range(repeat):
-        detok = session.tokenizer.incremental(prompt_ids=prompt_ids)
-        on_token = None
+        def on_text(delta: str) -> None:
+            out.print(delta, end="", highlight=False, markup=False, soft_wrap=True)
+
+        text, stats = run_once(engine, f"run-{i}", prompt_ids, params, on_text if opts.stream else None)
         if opts.stream:
-            def on_token(token: int) -> None:
-                if token not in session.stop_ids:
-                    out.print(detok.push(token), end="", highlight=False, markup=False, soft_wrap=True)
-        result = session.generator.generate(prompt_ids, opts.max_tokens, sampling, session.stop_ids, on_token)
-        text_ids = [t for t in result.token_ids if t not in session.stop_ids]
-        if opts.stream:
-            out.print(detok.flush(), highlight=False, markup=False, soft_wrap=True)
+            out.print("", highlight=False)
         elif i == 0:
-            out.print(session.tokenizer.decode(text_ids), highlight=False, markup=False, soft_wrap=True)
-        rates.append(result.decode_tokens_per_second)
-        err.print(f"[dim]run {i + 1}: prompt {len(prompt_ids)} tokens, prefill {result.prefill_seconds * 1e3:.0f} ms; "
-                  f"{len(result.token_ids)} tokens ({result.finish_reason}), decode "
-                  f"{result.decode_tokens_per_second:.1f} tok/s[/]", highlight=False)
+            out.print(text, highlight=False, markup=False, soft_wrap=True)
+        rates.append(stats.decode_tokens_per_second)
+        err.print(f"[dim]run {i + 1}: prompt {stats.prompt_tokens} tokens, first token {stats.ttft_seconds * 1e3:.0f} ms; "
+                  f"{stats.tokens} tokens ({stats.finish_reason}), decode {stats.decode_tokens_per_second:.1f} tok/s[/]",
+                  highlight=False)
     if repeat > 1:
         warm = rates[1:]
         err.print(f"warm decode: {sum(warm) / len(warm):.1f} tok/s (mean of runs 2..{repeat})", highlight=False)

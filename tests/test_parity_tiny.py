@@ -12,7 +12,7 @@ from tiny_models import TINY_SHAPES, make_tiny_model
 from vtool.runtime.artifact import CompiledModel
 from vtool.runtime.checkpoint import open_checkpoint
 from vtool.runtime.generate import Generator
-from vtool.runtime.sampler import SamplingConfig
+from vtool.runtime.sampling_params import SamplingParams
 from vtool.toolchain.build import build_artifact
 
 TOLERANCE = 1e-4
@@ -48,7 +48,7 @@ def test_greedy_tokens_and_decode_logits_match_transformers(tiny):
     _, ref_tokens, ref_logits = hf_greedy(folder, PROMPT, STEPS)
     assert len(set(ref_tokens)) > 8, f"{name}: the reference is degenerate, the check would be weak"
     seen: list[np.ndarray] = []
-    result = gen.generate(PROMPT, STEPS, SamplingConfig(), on_logits=seen.append)
+    result = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append)
     assert result.token_ids == ref_tokens, f"{name}: greedy tokens diverge"
     for step, (ours, ref) in enumerate(zip(seen, ref_logits)):
         err = float(np.abs(ours - ref).max())
@@ -60,7 +60,7 @@ def test_chunked_prefill_matches_one_shot(tiny, monkeypatch):
     import vtool.runtime.generate as generate
 
     name, _, gen = tiny
-    whole = gen.generate(PROMPT, 8, SamplingConfig())
+    whole = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))
     monkeypatch.setattr(generate, "PREFILL_CHUNK", 4)
-    chunked = gen.generate(PROMPT, 8, SamplingConfig())
+    chunked = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))
     assert chunked.token_ids == whole.token_ids, name

@@ -132,10 +132,10 @@ def test_config_parser_only_raises_config_errors(partial):
 def test_token_id_outside_vocabulary_is_refused_not_read(tiny_dir):
     """The compiled embedding gather has no bounds check; the runtime refuses the id first."""
     from vtool.runtime.generate import Generator
-    from vtool.runtime.sampler import SamplingConfig
+    from vtool.runtime.sampling_params import SamplingParams
 
     gen = Generator(CompiledModel(build_artifact(tiny_dir, "host"), open_checkpoint(tiny_dir)), 64)
     for bad in (512, 10**6, -1):
         with pytest.raises(VtoolError, match=f"token id {bad} is outside the vocabulary \\(0..511\\)"):
-            gen.generate([1, 2, bad], 4, SamplingConfig())
-    assert len(gen.generate([1, 2, 3], 4, SamplingConfig()).token_ids) == 4  # still usable afterwards
+            gen.generate([1, 2, bad], SamplingParams(temperature=0, max_tokens=4))
+    assert len(gen.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4)).token_ids) == 4  # still usable afterwards

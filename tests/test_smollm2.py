@@ -9,7 +9,7 @@ from hf_oracle import greedy, load_gguf_model, load_gguf_tokenizer
 from vtool.runtime.artifact import CompiledModel
 from vtool.runtime.checkpoint import open_checkpoint
 from vtool.runtime.default_model import default_model_path
-from vtool.runtime.sampler import SamplingConfig
+from vtool.runtime.sampling_params import SamplingParams
 from vtool.runtime.session import open_session
 from vtool.toolchain.build import build_artifact
 
@@ -40,7 +40,8 @@ def test_greedy_tokens_match_transformers(session, gguf_path, prompt):
     prompt_ids = hf_tokenizer(prompt, add_special_tokens=False)["input_ids"]
     _, ref_tokens, ref_logits = greedy(load_gguf_model(gguf_path), prompt_ids, STEPS)
     seen: list[np.ndarray] = []
-    result = session.generator.generate(prompt_ids, STEPS, SamplingConfig(), on_logits=seen.append)
+    result = session.generator.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=STEPS),
+                                        on_logits=seen.append)
     assert result.token_ids == ref_tokens, (
         f"{prompt!r}: vtool {hf_tokenizer.decode(result.token_ids)!r} vs transformers {hf_tokenizer.decode(ref_tokens)!r}")
     worst = max(float(np.abs(a - b).max()) for a, b in zip(seen, ref_logits))
@@ -49,7 +50,7 @@ def test_greedy_tokens_match_transformers(session, gguf_path, prompt):
 
 def test_chat_answers_paris(session):
     prompt_ids = session.encode_prompt("What is the capital of France?", chat=True)
-    result = session.generator.generate(prompt_ids, 24, SamplingConfig(), session.stop_ids)
+    result = session.generator.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=24), session.stop_ids)
     text = session.tokenizer.decode(result.token_ids)
     assert "Paris" in text, text
     assert result.finish_reason == "stop", "the chat turn should end on <|im_end|>"
