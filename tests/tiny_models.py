@@ -31,6 +31,10 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-qknorm": dict(arch="qwen3", hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                          rope_theta=1e6),
+    # Mistral: Llama's graph under its own architecture name (no sliding window)
+    "mistral-gqa": dict(arch="mistral", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6,
+                        sliding_window=None),
     # Qwen3 with untied head and MHA
     "qwen3-untied": dict(arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=False,
@@ -41,10 +45,11 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
 def make_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
     """Write config.json + model.safetensors for TINY_SHAPES[name] into folder (float32)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
     spec = dict(TINY_SHAPES[name])
     config_cls, model_cls = classes[spec.pop("arch")]
     torch.manual_seed(seed)
