@@ -161,7 +161,11 @@ class Scheduler:
     def _start_sequence(self, request: Request) -> bool:
         """Give the request a KV sequence, forked from the longest cached prefix if any."""
         seq_id = next(self._seq_ids)
-        hit = self.prefix_cache.lookup(request.all_ids) if self.prefix_cache is not None else None
+        # prompt_logprobs needs the logits of every prompt position, so such a request
+        # computes its whole prompt (as vLLM, which skips the cache for it).
+        wants_all_logits = request.params.prompt_logprobs is not None and request.prompt_logprobs is None
+        hit = self.prefix_cache.lookup(request.all_ids) \
+            if self.prefix_cache is not None and not wants_all_logits else None
         if hit is not None:
             if not self._ensure_free(self.kv.blocks.blocks_for_fork(hit.num_tokens), keep=hit.seq_id):
                 return False

@@ -171,3 +171,20 @@ def test_refusals_name_the_lengths(session):
         engine.add_request("b", list(range(10, 20)), greedy(300))
     with pytest.raises(RequestError, match="outside the vocabulary"):
         engine.add_request("c", [49152], greedy())
+
+
+def test_prompt_logprobs_survive_a_warm_prefix_cache(session):
+    """A prompt whose prefix is cached still gets logprobs for every prompt position."""
+    from vtool.runtime.engine import Engine
+
+    ids = session.tokenizer.encode(PROMPTS[2] * 2)
+    engine = Engine(session)
+    run_all(engine, [("warm", ids, greedy(2))])  # leaves the prompt's blocks in the prefix cache
+    engine.add_request("p", ids, greedy(2, prompt_logprobs=1))
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    first = next(o for o in outs if o.prompt_logprobs is not None)
+    assert len(first.prompt_logprobs) == len(ids) and first.prompt_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        assert ids[pos] in first.prompt_logprobs[pos]  # the actual prompt token is always reported
