@@ -114,34 +114,22 @@ class RequestInput:
     extra_body: dict[str, Any] | None = None
 
 
-def completions_payload(inp: RequestInput) -> dict[str, Any]:
-    payload: dict[str, Any] = {
-        "model": inp.model,
-        "prompt": inp.prompt,
-        "max_tokens": inp.output_len,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+def _payload(inp: RequestInput, body: dict[str, Any]) -> dict[str, Any]:
+    payload = {"model": inp.model, **body, "stream": True, "stream_options": {"include_usage": True}}
     if inp.ignore_eos:
         payload["ignore_eos"] = True
     if inp.extra_body:
         payload.update(inp.extra_body)
     return payload
+
+
+def completions_payload(inp: RequestInput) -> dict[str, Any]:
+    return _payload(inp, {"prompt": inp.prompt, "max_tokens": inp.output_len})
 
 
 def chat_payload(inp: RequestInput) -> dict[str, Any]:
-    payload: dict[str, Any] = {
-        "model": inp.model,
-        "messages": [{"role": "user", "content": inp.prompt}],
-        "max_completion_tokens": inp.output_len,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if inp.ignore_eos:
-        payload["ignore_eos"] = True
-    if inp.extra_body:
-        payload.update(inp.extra_body)
-    return payload
+    return _payload(inp, {"messages": [{"role": "user", "content": inp.prompt}],
+                          "max_completion_tokens": inp.output_len})
 
 
 async def _stream_request(client: httpx.AsyncClient, inp: RequestInput, chat: bool) -> RequestRecord:

@@ -10,7 +10,6 @@ CI notices when an asset stops being fetchable.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -18,6 +17,9 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+from vtool.runtime.default_model import sha256_of
+from vtool.runtime.paths import cache_root
 
 LCP_PACKAGE = "llama-cpp-python==0.3.36"
 LCP_SDIST = "llama_cpp_python-0.3.36.tar.gz"
@@ -59,18 +61,10 @@ class AssetError(RuntimeError):
 
 
 def assets_root() -> Path:
-    root = os.environ.get("VTOOL_TEST_ASSETS") or os.path.join(os.path.expanduser("~"), ".cache", "vtool", "test-assets")
-    path = Path(root)
+    path = Path(os.environ.get("VTOOL_TEST_ASSETS") or cache_root() / "test-assets")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _check(path: Path, expected: str) -> None:

@@ -42,6 +42,22 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+def spread_init(model) -> None:
+    """transformers' init (std 0.02) makes a model that repeats one token forever, which
+    would make "same greedy tokens" a weak check; scale each matrix by its fan-in so
+    greedy outputs wander over the vocabulary and argmax ties are unlikely."""
+    import torch
+
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.uniform_(0.7, 1.3)
+            elif pname.endswith("bias") or "embed" in pname:
+                p.normal_(0.0, 0.3)
+            else:
+                p.normal_(0.0, 3.0 / p.shape[1] ** 0.5)
+
+
 def make_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
     """Write config.json + model.safetensors for TINY_SHAPES[name] into folder (float32)."""
     import torch
@@ -55,19 +71,7 @@ def make_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = config_cls(**COMMON, **spec)
     model = model_cls(config).to(torch.float32).eval()
-    # transformers' init (std 0.02) makes a model that repeats one token forever, which
-    # would make "same greedy tokens" a weak check; scale each matrix by its fan-in so
-    # greedy outputs wander over the vocabulary and argmax ties are unlikely.
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.uniform_(0.7, 1.3)
-            elif pname.endswith("bias"):
-                p.normal_(0.0, 0.3)
-            elif "embed" in pname:
-                p.normal_(0.0, 0.3)
-            else:
-                p.normal_(0.0, 3.0 / p.shape[1] ** 0.5)
+    spread_init(model)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     return folder
@@ -87,14 +91,7 @@ def make_tiny_chat_model(folder: Path, gguf_path: Path, seed: int = 0) -> Path:
                          rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
                          rope_theta=10000.0)
     model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.uniform_(0.7, 1.3)
-            elif "embed" in pname:
-                p.normal_(0.0, 0.3)
-            else:
-                p.normal_(0.0, 3.0 / p.shape[1] ** 0.5)
+    spread_init(model)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
