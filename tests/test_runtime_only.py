@@ -1,0 +1,48 @@
+"""The runtime loads and runs an artifact with tvm_ffi + libtvm_runtime.so alone: the
+compiler (the `tvm` package, libtvm_compiler.so) and vtool's build-side packages are never
+imported. A separate process proves it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tiny_models import make_tiny_chat_model
+from vtool.runtime.default_model import default_model_path
+from vtool.toolchain.build import build_artifact
+
+PROBE = r"""
+import json, sys
+from vtool.runtime.checkpoint import open_checkpoint
+from vtool.runtime.engine import Engine
+from vtool.runtime.sampling_params import SamplingParams
+from vtool.runtime.session import open_session
+checkpoint = open_checkpoint(sys.argv[2])
+session = open_session(sys.argv[1], checkpoint, max_model_len=128)
+engine = Engine(session)
+engine.add_request("r", session.tokenizer.encode("Hello"), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+tokens = []
+while engine.has_unfinished():
+    for out in engine.step():
+        tokens += out.new_token_ids
+maps = open("/proc/self/maps").read()
+print(json.dumps({
+    "tokens": tokens,
+    "compiler_mapped": "libtvm_compiler" in maps,
+    "runtime_mapped": "libtvm_runtime.so" in maps,
+    "imported": sorted(m for m in sys.modules if m == "tvm" or m.startswith("tvm.")
+                       or m.split(".")[:2] in (["vtool", "toolchain"], ["vtool", "models"], ["vtool", "schedules"])),
+}))
+"""
+
+
+def test_runtime_never_loads_the_compiler(tmp_path):
+    folder = make_tiny_chat_model(tmp_path / "tiny", default_model_path())
+    artifact = build_artifact(folder, "host")
+    done = subprocess.run([sys.executable, "-c", PROBE, str(artifact), str(folder)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report["tokens"]) == 5
+    assert report["runtime_mapped"] and not report["compiler_mapped"]
+    assert report["imported"] == []
