@@ -1,8 +1,12 @@
 """Load a compiled artifact (model.so + manifest.json) and bind a checkpoint's weights.
 
 Every check that can refuse runs before the library is loaded: the manifest format,
-the versions it was built with, the CPU features its code needs, the checkpoint's
-config against the one it was built for, and each source tensor's shape.
+the versions it was built with, the CPU features its code needs (x86) or the GPU's
+compute capability against the archs it holds code for (CUDA), the checkpoint's config
+against the one it was built for, and each source tensor's shape.
+
+The target family picks the device: an x86 artifact runs on the CPU, a CUDA one on
+cuda:0 (weights live there; logits come back to the host through `to_numpy`).
 """
 from __future__ import annotations
 
@@ -18,10 +22,14 @@ import vtool
 from vtool.runtime.checkpoint import Checkpoint
 from vtool.runtime.manifest import LIBRARY_NAME, ManifestError, read_manifest, source_config_mismatches
 from vtool.runtime.transforms import apply_transform
-from vtool.runtime.tvm_runtime import ffi, global_func
+from vtool.runtime.tvm_runtime import cuda_runtime, ffi, global_func
 
 _DL_CPU = 1
+_DL_CUDA = 2
 _POOLED_ALLOCATOR = 2
+# Target family -> (tvm_ffi device type, DLPack device type).
+DEVICES = {"x86": ("cpu", _DL_CPU), "cuda": ("cuda", _DL_CUDA)}
+CUDA_DEVICE_INDEX = 0  # the first visible GPU (CUDA_VISIBLE_DEVICES picks which)
 
 
 def installed_versions() -> dict[str, str | None]:
@@ -62,12 +70,25 @@ def check_compatible(manifest: dict[str, Any], checkpoint: Checkpoint | None) ->
                 f"artifact targets {target['name']}, which this CPU cannot execute (missing {', '.join(missing)}); "
                 "build for --target host"
             )
-    elif target.get("family") != "x86":
-        raise ManifestError(f"artifact targets {target.get('name')}; this runtime runs x86 CPU artifacts only")
+    elif target.get("family") == "cuda":
+        check_gpu(target)
+    else:
+        raise ManifestError(f"artifact targets {target.get('name')} (family {target.get('family')!r}); "
+                            f"this runtime runs {' and '.join(DEVICES)} artifacts")
     if checkpoint is not None:
         diffs = source_config_mismatches(manifest["source_config"], checkpoint.config())
         if diffs:
             raise ManifestError(f"artifact was built for another config ({checkpoint.path}): " + "; ".join(diffs))
+
+
+def check_gpu(target: dict[str, Any]) -> Any:
+    """The GPU a CUDA artifact will run on (a vtool.runtime.cuda.GpuInfo), refusing by name
+    when the CUDA runtime cannot load, there is no GPU, or the artifact holds no code for it."""
+    from vtool.runtime.cuda import check_archs_cover
+
+    gpu = cuda_runtime().gpu(CUDA_DEVICE_INDEX)
+    check_archs_cover(target, gpu)
+    return gpu
 
 
 class CompiledModel:
@@ -78,10 +99,16 @@ class CompiledModel:
         self.manifest = read_manifest(self.folder)
         check_compatible(self.manifest, checkpoint)
         self.ffi = ffi()
-        self.device = self.ffi.device("cpu", 0)
+        self.device_type, dl_type = DEVICES[self.manifest["target"]["family"]]
+        self.device_index = CUDA_DEVICE_INDEX if self.device_type == "cuda" else 0
+        self.device = self.ffi.device(self.device_type, self.device_index)
+        self._staging: dict[tuple[str, str], tuple[Any, int]] = {}
         library = self.ffi.load_module(str(self.folder / LIBRARY_NAME))
         self.vm = library["vm_load_executable"]()
-        self.vm["vm_initialization"](_DL_CPU, 0, _POOLED_ALLOCATOR)
+        if self.device_type == "cpu":
+            self.vm["vm_initialization"](_DL_CPU, 0, _POOLED_ALLOCATOR)
+        else:  # (device type, index, allocator) per device, the host last
+            self.vm["vm_initialization"](dl_type, self.device_index, _POOLED_ALLOCATOR, _DL_CPU, 0, _POOLED_ALLOCATOR)
         t = time.perf_counter()
         self.params = self.ffi.convert(self._bind(checkpoint, progress))
         self.load_seconds = time.perf_counter() - t
@@ -93,14 +120,52 @@ class CompiledModel:
     def function(self, name: str) -> Any:
         return self._fns[name]
 
-    def upload(self, array: np.ndarray, dtype: str | None = None) -> Any:
-        """Copy into a TVM-allocated tensor: TVM kernels assume 64-byte alignment, which
-        zero-copy numpy buffers do not give (AVX-512 code crashed on them)."""
+    @property
+    def on_gpu(self) -> bool:
+        return self.device_type != "cpu"
+
+    def upload(self, array: np.ndarray, dtype: str | None = None, slot: str | None = None) -> Any:
+        """Copy into a TVM-allocated tensor on the model's device: TVM kernels assume 64-byte
+        alignment, which zero-copy numpy buffers do not give (AVX-512 code crashed on them).
+
+        `slot` names a per-step input (token ids, logit positions): on a GPU its device
+        buffer is kept and reused (a view of the needed shape), sparing a cudaMalloc and a
+        synchronizing cudaFree every step. A slot's previous tensor must be dead by then,
+        which holds for inputs consumed by the call they are made for."""
         array = np.ascontiguousarray(array)
-        tensor = global_func("runtime.TVMTensorAllocWithScope")(
-            self.ffi.Shape(array.shape), dtype or str(array.dtype), self.device, None)
+        dtype = dtype or str(array.dtype)
+        if slot is not None and self.on_gpu:
+            tensor = self._staged(slot, array.shape, dtype, array.size)
+        else:
+            tensor = global_func("runtime.TVMTensorAllocWithScope")(
+                self.ffi.Shape(array.shape), dtype, self.device, None)
         global_func("runtime.TVMTensorCopyFromBytes")(tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes)
         return tensor
+
+    def _staged(self, slot: str, shape: tuple[int, ...], dtype: str, size: int) -> Any:
+        buffer, capacity = self._staging.get((slot, dtype), (None, 0))
+        if buffer is None or capacity < size:
+            capacity = max(64, 1 << max(0, size - 1).bit_length())  # elements, a power of two
+            buffer = global_func("runtime.TVMTensorAllocWithScope")(
+                self.ffi.Shape([capacity]), dtype, self.device, None)
+            self._staging[(slot, dtype)] = (buffer, capacity)
+        return global_func("runtime.TVMTensorCreateView")(buffer, self.ffi.Shape(list(shape)), dtype, 0)
+
+    def to_numpy(self, tensor: Any) -> np.ndarray:
+        """A TVM tensor's values on the host. CPU: a zero-copy view (copy it to keep it past
+        the next call); GPU: a fresh array (TVMTensorCopyToBytes waits for the copy)."""
+        if not self.on_gpu:
+            return np.from_dlpack(tensor)
+        dtype = str(tensor.dtype)
+        out = np.empty(tuple(int(d) for d in tensor.shape), dtype=_numpy_dtype(dtype))
+        global_func("runtime.TVMTensorCopyToBytes")(tensor, ctypes.c_void_p(out.ctypes.data), out.nbytes)
+        return out
+
+    def device_memory(self) -> tuple[int, int] | None:
+        """(free, total) bytes on the model's GPU now; None on the CPU."""
+        if not self.on_gpu:
+            return None
+        return cuda_runtime().mem_get_info(self.device_index)
 
     def _bind(self, checkpoint: Checkpoint, progress: Callable[[int, int], None] | None) -> list[Any]:
         plan = self.manifest["params"]
@@ -121,3 +186,11 @@ class CompiledModel:
             if progress:
                 progress(i + 1, len(plan))
         return bound
+
+
+def _numpy_dtype(dtype: str) -> np.dtype:
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)

@@ -29,6 +29,7 @@ from vtool.runtime.tvm_runtime import global_func
 log = logging.getLogger("vtool.engine")
 
 DEFAULT_KV_MEMORY_BYTES = 1 << 30  # CPU default budget for K/V when --num-blocks is not given
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 
 
 class RequestError(VtoolError):
@@ -40,8 +41,12 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 1024
     block_size: int = 16
-    num_blocks: int | None = None  # None: sized from kv_memory_bytes
-    kv_memory_bytes: int = DEFAULT_KV_MEMORY_BYTES
+    num_blocks: int | None = None  # None: sized from the KV memory budget (below)
+    # The KV budget when num_blocks is not given. None: DEFAULT_KV_MEMORY_BYTES on the CPU;
+    # on a GPU, the device memory free once the weights are loaded times
+    # gpu_memory_utilization. A number is the budget on either device.
+    kv_memory_bytes: int | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_new_tokens_ceiling: int | None = None  # server-side cap on an unset max_tokens
@@ -55,12 +60,33 @@ class EngineConfig:
                 raise VtoolError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise VtoolError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
+            raise VtoolError(f"kv_memory_bytes must be positive, got {self.kv_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise VtoolError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 def kv_bytes_per_block(manifest: dict[str, Any], block_size: int) -> int:
     c = manifest["config"]
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[manifest["dtype"]]
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * block_size * itemsize
+
+
+def kv_memory_budget(model: Any, config: EngineConfig) -> int:
+    """Bytes the KV cache may take when num_blocks is not given: config.kv_memory_bytes when
+    set; else on a GPU the memory free now (weights loaded) times gpu_memory_utilization
+    (vLLM's flag, applied to what is free rather than to the whole device), on the CPU
+    DEFAULT_KV_MEMORY_BYTES."""
+    if config.kv_memory_bytes is not None:
+        return config.kv_memory_bytes
+    memory = model.device_memory() if getattr(model, "on_gpu", False) else None
+    if memory is None:
+        return DEFAULT_KV_MEMORY_BYTES
+    free, total = memory
+    budget = int(free * config.gpu_memory_utilization)
+    log.info("KV budget %.2f GiB: %.2f GiB free of %.2f GiB x gpu_memory_utilization %.2f",
+             budget / 2**30, free / 2**30, total / 2**30, config.gpu_memory_utilization)
+    return budget
 
 
 @dataclasses.dataclass
@@ -82,7 +108,7 @@ class Engine:
         if self.max_model_len > session.max_model_len:
             raise VtoolError(f"max_model_len {self.max_model_len} is past the session's {session.max_model_len}")
         num_blocks = config.num_blocks or max(
-            1, min(config.kv_memory_bytes // kv_bytes_per_block(self.model.manifest, config.block_size),
+            1, min(kv_memory_budget(self.model, config) // kv_bytes_per_block(self.model.manifest, config.block_size),
                    -(-self.max_model_len * config.max_num_seqs // config.block_size)))
         self.kv = PagedKVCache(self.model, num_blocks, config.block_size, config.max_num_seqs,
                                config.max_num_batched_tokens)
@@ -192,13 +218,13 @@ class Engine:
             tokens.extend(request.all_ids[request.num_computed: request.num_computed + n])
         seq_ids = [request.seq_id for request, _ in items]
         lengths = [n for _, n in items]
-        flat = m.function("embed")(m.upload(np.asarray(tokens, dtype=np.int32)), m.params)
+        flat = m.function("embed")(m.upload(np.asarray(tokens, dtype=np.int32), slot="ids"), m.params)
         self.kv.begin_forward(seq_ids, lengths)
         try:
             if all(n == 1 for n in lengths):
                 embeds = self._create_view(flat, m.ffi.Shape([len(items), 1, m.hidden_size]), m.dtype, 0)
                 logits, _ = m.function("batch_decode")(embeds, self.kv.tvm, m.params)
-                rows = np.from_dlpack(logits).reshape(len(items), self.vocab_size)
+                rows = m.to_numpy(logits).reshape(len(items), self.vocab_size)
                 return [rows[i: i + 1] for i in range(len(items))]
             positions, owners, offset = [], [], 0
             for i, (request, n) in enumerate(items):
@@ -213,8 +239,8 @@ class Engine:
                 positions, owners = [offset - 1], [-1]  # the entry point needs one; its row is dropped
             embeds = self._create_view(flat, m.ffi.Shape([1, len(tokens), m.hidden_size]), m.dtype, 0)
             logits, _ = m.function("batch_prefill")(
-                embeds, m.upload(np.asarray(positions, dtype=np.int32)), self.kv.tvm, m.params)
-            rows = np.from_dlpack(logits).reshape(len(positions), self.vocab_size)
+                embeds, m.upload(np.asarray(positions, dtype=np.int32), slot="positions"), self.kv.tvm, m.params)
+            rows = m.to_numpy(logits).reshape(len(positions), self.vocab_size)
             owners_arr = np.asarray(owners)
             return [rows[owners_arr == i] if (owners_arr == i).any() else None for i in range(len(items))]
         finally:

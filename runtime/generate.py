@@ -63,7 +63,8 @@ class Generator:
         self._add(self._kv, self.SEQ_ID)
 
     def _embed(self, ids: list[int]) -> object:
-        """Token embeddings as a [1, n, hidden] tensor (a view: no copy through the host)."""
+        """Token embeddings as a [1, n, hidden] tensor on the model's device (a view: no copy
+        through the host)."""
         m = self.model
         array = np.asarray(ids, dtype=np.int64)
         if array.size and (array.min() < 0 or array.max() >= m.vocab_size):
@@ -71,7 +72,7 @@ class Generator:
             # (or crash on) memory outside it, so refuse it here by value.
             bad = int(array[(array < 0) | (array >= m.vocab_size)][0])
             raise VtoolError(f"token id {bad} is outside the vocabulary (0..{m.vocab_size - 1})")
-        flat = m.function("embed")(m.upload(array.astype(np.int32)), m.params)
+        flat = m.function("embed")(m.upload(array.astype(np.int32), slot="ids"), m.params)
         return global_func("runtime.TVMTensorCreateView")(flat, m.ffi.Shape([1, len(ids), m.hidden_size]), m.dtype, 0)
 
     def _forward(self, entry: str, ids: list[int]) -> np.ndarray:
@@ -80,7 +81,7 @@ class Generator:
         self._begin(self._kv, m.ffi.Shape([self.SEQ_ID]), m.ffi.Shape([len(ids)]))
         logits, _ = m.function(entry)(embeds, self._kv, m.params)
         self._end(self._kv)
-        return np.from_dlpack(logits).reshape(-1, m.vocab_size)[-1].copy()
+        return m.to_numpy(logits).reshape(-1, m.vocab_size)[-1].copy()
 
     def prompt_logits(self, prompt_ids: list[int]) -> np.ndarray:
         """Logits at every prompt position ([n, vocab]), for prompt logprobs and parity checks.
@@ -90,11 +91,11 @@ class Generator:
         m = self.model
         self._fresh_sequence(len(prompt_ids))
         embeds = self._embed(prompt_ids)
-        positions = m.upload(np.arange(len(prompt_ids), dtype=np.int32))
+        positions = m.upload(np.arange(len(prompt_ids), dtype=np.int32), slot="positions")
         self._begin(self._kv, m.ffi.Shape([self.SEQ_ID]), m.ffi.Shape([len(prompt_ids)]))
         logits, _ = m.function("batch_prefill")(embeds, positions, self._kv, m.params)
         self._end(self._kv)
-        return np.from_dlpack(logits).reshape(len(prompt_ids), m.vocab_size).copy()
+        return m.to_numpy(logits).reshape(len(prompt_ids), m.vocab_size).copy()
 
     def prefill_logits(self, prompt_ids: list[int]) -> np.ndarray:
         """Logits after the last prompt token, the prompt fed in chunks the KV cache accepts."""

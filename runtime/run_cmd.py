@@ -64,7 +64,10 @@ def run_once(engine: Engine, request_id: str, prompt_ids: list[int], params: Sam
     return text, RunStats(len(prompt_ids), tokens, finish, (first or start) - start, last - (first or start))
 
 
-def run_completion(artifact: Path, checkpoint: Checkpoint, opts: RunOptions, out: Console, err: Console) -> None:
+def run_completion(artifact: Path, checkpoint: Checkpoint, opts: RunOptions, out: Console, err: Console,
+                   engine_config: EngineConfig | None = None) -> None:
+    """engine_config: KV sizing (num_blocks, kv_memory_bytes, gpu_memory_utilization) and the
+    like; one sequence at a time without prefix caching is imposed on it."""
     params = SamplingParams(temperature=max(opts.temperature, 0.0), top_p=opts.top_p, top_k=opts.top_k,
                             seed=opts.seed, max_tokens=opts.max_tokens if opts.max_tokens > 0 else None)
     with Progress(TextColumn("loading weights"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -76,7 +79,8 @@ def run_completion(artifact: Path, checkpoint: Checkpoint, opts: RunOptions, out
     err.print(f"[dim]loaded {checkpoint.path.name} ({manifest['target']['name']}, {manifest['dtype']}) "
               f"in {session.model.load_seconds:.1f} s[/]", highlight=False)
     # One sequence at a time; prefix caching would make repeats skip the prefill they measure.
-    engine = Engine(session, EngineConfig(max_num_seqs=1, enable_prefix_caching=False))
+    engine = Engine(session, dataclasses.replace(engine_config or EngineConfig(), max_num_seqs=1,
+                                                 enable_prefix_caching=False))
     prompt_ids = session.encode_prompt(opts.prompt, chat=opts.chat)
     repeat = 1 if opts.stream else opts.repeat  # as vllm-cli: streaming runs once
     rates = []

@@ -77,7 +77,8 @@ def build_server(artifact: Path, checkpoint: Checkpoint, engine_config: EngineCo
                                                        "max_model_len": engine.max_model_len},
                       served_model_names=names)
     if console is not None:
-        console.print(f"[dim]engine: {engine.kv.blocks.num_blocks} KV blocks of {engine.kv.block_size} tokens, "
+        device = f"{session.model.device_type}:{session.model.device_index}"
+        console.print(f"[dim]engine on {device}: {engine.kv.blocks.num_blocks} KV blocks of {engine.kv.block_size} tokens, "
                       f"max_model_len {engine.max_model_len}, max_num_seqs {engine_config.max_num_seqs}, "
                       f"prefix caching {'on' if engine_config.enable_prefix_caching else 'off'}[/]", highlight=False)
     return create_app(state, info, opts.api_key), state.engine

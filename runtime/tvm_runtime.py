@@ -1,4 +1,5 @@
-"""The TVM runtime without the compiler: apache-tvm-ffi plus libtvm_runtime.so.
+"""The TVM runtime without the compiler: apache-tvm-ffi plus libtvm_runtime.so, and for
+CUDA artifacts libtvm_runtime_cuda.so (TVM's CUDA device API and cubin loader).
 
 The shared libraries come from VTOOL_TVM_LIBRARY_DIR when set (a machine that has only
 apache-tvm-ffi and the runtime libraries), else from the installed apache-tvm package,
@@ -16,6 +17,9 @@ from typing import Any
 from vtool import VtoolError
 
 RUNTIME_LIBRARY = "libtvm_runtime.so"
+CUDA_RUNTIME_LIBRARY = "libtvm_runtime_cuda.so"
+CUDART = "libcudart.so.13"  # what the apache-tvm 0.27 wheel's libtvm_runtime_cuda.so links
+DRIVER = "libcuda.so.1"
 
 
 class RuntimeLoadError(VtoolError):
@@ -53,3 +57,45 @@ def ffi() -> Any:
 
 def global_func(name: str) -> Any:
     return ffi().get_global_func(name)
+
+
+def _load_cudart(folder: Path) -> ctypes.CDLL:
+    """The process's libcudart.so.13 if one is loaded already (torch brings its own: two
+    copies in one process would each keep their own state), else the one beside the TVM
+    runtime libraries, else the system's."""
+    try:
+        return ctypes.CDLL(CUDART, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+    except OSError:
+        pass
+    local = folder / CUDART
+    try:
+        return ctypes.CDLL(str(local) if local.exists() else CUDART, ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise RuntimeLoadError(
+            f"cannot load the CUDA runtime {CUDART} ({e}); put it beside {RUNTIME_LIBRARY} "
+            f"(VTOOL_TVM_LIBRARY_DIR) or on LD_LIBRARY_PATH") from None
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_runtime() -> Any:
+    """Register TVM's CUDA device API with the runtime (libtvm_runtime_cuda.so, loaded once)
+    and return a CudaRuntime for device queries. Refuses with the dlopen reason when the
+    library or the NVIDIA driver it needs (libcuda.so.1) cannot be loaded."""
+    from vtool.runtime.cuda import CudaRuntime
+
+    ffi()
+    folder = runtime_library_dir()
+    library = folder / CUDA_RUNTIME_LIBRARY
+    if not library.exists():
+        raise RuntimeLoadError(f"{folder} has no {CUDA_RUNTIME_LIBRARY}: this TVM runtime cannot run CUDA artifacts")
+    cudart = _load_cudart(folder)
+    try:
+        ctypes.CDLL(str(library), ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        if DRIVER in str(e):
+            raise RuntimeLoadError(
+                f"cannot run a CUDA artifact: the NVIDIA driver library {DRIVER} is not loadable here "
+                f"(no NVIDIA driver installed?): {e}") from None
+        raise RuntimeLoadError(f"cannot load {library}: {e}") from None
+    get_attr = global_func("runtime.GetDeviceAttr")
+    return CudaRuntime(cudart, device_name=lambda index: get_attr(2, index, 5))  # kDLCUDA, kDeviceName

@@ -13,4 +13,8 @@ def rules_for(family: str) -> tvm.transform.Pass:
         from vtool.schedules.cpu import cpu_schedule_pass
 
         return cpu_schedule_pass()
+    if family == "cuda":
+        from vtool.schedules.cuda import cuda_schedule_pass
+
+        return cuda_schedule_pass()
     raise NotImplementedError(f"no schedule rules for target family {family!r}")

@@ -26,10 +26,23 @@ class TargetSpec:
     requires_cpu: tuple[str, ...] = ()
     buildable: bool = True
     not_buildable_reason: str = ""
+    # CUDA only: the real architectures the fatbin holds SASS for (nvcc spelling, e.g.
+    # "sm_90a"), oldest first; the library also carries PTX for `ptx` (the newest one's
+    # family-portable virtual arch) so that newer GPUs can JIT it.
+    archs: tuple[str, ...] = ()
+
+    @property
+    def ptx(self) -> str:
+        """The virtual arch whose PTX rides along (CUDA only): compute_<newest, without a/f>."""
+        return f"compute_{sm_number(self.archs[-1])}" if self.archs else ""
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "family": self.family, "tvm": self.tvm, "features": list(self.features),
-                "requires_cpu": list(self.requires_cpu)}
+        out = {"name": self.name, "family": self.family, "tvm": self.tvm, "features": list(self.features),
+               "requires_cpu": list(self.requires_cpu)}
+        if self.family == "cuda":
+            out["archs"] = list(self.archs)
+            out["ptx"] = self.ptx
+        return out
 
 
 def _x86(name: str, mcpu: str, features: tuple[str, ...], requires: tuple[str, ...]) -> TargetSpec:
@@ -37,12 +50,25 @@ def _x86(name: str, mcpu: str, features: tuple[str, ...], requires: tuple[str, .
     return TargetSpec(name, "x86", tvm, features, requires)
 
 
+def sm_number(arch: str) -> int:
+    """90 for "sm_90", "sm_90a", "compute_90"; the a/f suffix names an arch-specific or
+    family-specific variant of the same compute capability."""
+    digits = arch.split("_", 1)[1].rstrip("af")
+    return int(digits)
+
+
+def _cuda_tvm(arch: str) -> dict[str, Any]:
+    # TVM's target carries the plain "sm_NN": DLight's Matmul rule parses the number with
+    # isdigit() and turns tensor cores off for "sm_90a". The a/f suffix only matters to nvcc
+    # (arch-specific SASS), which vtool drives itself (toolchain/cuda.py).
+    return {"kind": "cuda", "arch": f"sm_{sm_number(arch)}", "max_threads_per_block": 1024,
+            "max_num_threads": 1024, "max_shared_memory_per_block": 49152, "thread_warp_size": 32,
+            "registers_per_block": 65536}
+
+
 def _cuda(sm: str, features: tuple[str, ...]) -> TargetSpec:
     arch = sm if sm.startswith("sm_") else f"sm_{sm}"
-    tvm = {"kind": "cuda", "arch": arch, "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
-           "thread_warp_size": 32}
-    return TargetSpec(arch, "cuda", tvm, features, (), False,
-                      "CUDA builds arrive with the CUDA issue (fatbin embedding, GPU schedules)")
+    return TargetSpec(arch, "cuda", _cuda_tvm(arch), features, archs=(arch,))
 
 
 _AMPERE = ("tensor-core-mma", "bf16", "fp16", "tf32", "cp.async", "ldmatrix")
@@ -67,7 +93,8 @@ ROWS: tuple[TargetSpec, ...] = (
     _cuda("sm_90a", _HOPPER),
     _cuda("sm_100a", _BLACKWELL),
     _cuda("sm_103a", _BLACKWELL),
-    _cuda("sm_110", _BLACKWELL),
+    # Thor: CUDA 13 renamed sm_101 to sm_110 (nvcc 13 refuses sm_101).
+    _cuda("sm_110a", _BLACKWELL),
     _cuda("sm_120a", _BLACKWELL_CONSUMER),
     _cuda("sm_121a", _BLACKWELL_CONSUMER),
     TargetSpec("rocm", "rocm", {"kind": "rocm", "mcpu": "gfx942"}, ("mfma", "bf16", "fp16"), (), False,
@@ -84,8 +111,9 @@ ROWS: tuple[TargetSpec, ...] = (
 
 _BY_NAME = {row.name: row for row in ROWS}
 # Spellings people use for the same row.
-ALIASES = {"sm_90": "sm_90a", "sm_100": "sm_100a", "sm_103": "sm_103a", "sm_120": "sm_120a",
-           "sm_121": "sm_121a", "neon": "aarch64-neon", "x86": "x86-portable"}
+ALIASES = {"sm_90": "sm_90a", "sm_100": "sm_100a", "sm_103": "sm_103a", "sm_110": "sm_110a", "sm_101": "sm_110a",
+           "sm_101a": "sm_110a", "sm_120": "sm_120a", "sm_121": "sm_121a", "neon": "aarch64-neon",
+           "x86": "x86-portable"}
 
 
 def buildable_names() -> list[str]:
@@ -93,7 +121,10 @@ def buildable_names() -> list[str]:
 
 
 def lookup(name: str) -> TargetSpec:
-    """The row for a target name; `host` resolves to the best tier this CPU can execute."""
+    """The row for a target name; `host` resolves to the best tier this CPU can execute;
+    a comma-separated list of CUDA rows ("sm_80,sm_90a") is one multi-arch target."""
+    if "," in name:
+        return _multi_arch(name)
     if name == "host":
         from vtool.targets.host import best_host_target
 
@@ -103,6 +134,29 @@ def lookup(name: str) -> TargetSpec:
         known = ", ".join(["host"] + [r.name for r in ROWS])
         raise TargetError(f"unknown target {name!r}; known targets: {known}")
     return row
+
+
+def _multi_arch(name: str) -> TargetSpec:
+    """One library for several CUDA archs: SASS for each, PTX of the newest; the kernels are
+    generated for the oldest (so they are valid on all) and may use only the features every
+    listed arch has."""
+    parts = [p.strip() for p in name.split(",") if p.strip()]
+    rows: dict[str, TargetSpec] = {}
+    for part in parts:
+        row = lookup(part)
+        if row.family != "cuda":
+            raise TargetError(f"a multi-arch target combines CUDA rows only; {part!r} is a {row.family} target "
+                              f"(CUDA rows: {', '.join(r.name for r in ROWS if r.family == 'cuda')})")
+        rows[row.name] = row
+    ordered = sorted(rows.values(), key=lambda r: (sm_number(r.name), r.name))
+    if len(ordered) == 1:
+        return ordered[0]
+    features = tuple(f for f in ordered[0].features if all(f in r.features for r in ordered[1:]))
+    unbuildable = [r for r in ordered if not r.buildable]
+    return TargetSpec(",".join(r.name for r in ordered), "cuda", _cuda_tvm(ordered[0].name), features,
+                      buildable=not unbuildable,
+                      not_buildable_reason="; ".join(f"{r.name}: {r.not_buildable_reason}" for r in unbuildable),
+                      archs=tuple(r.name for r in ordered))
 
 
 def buildable(name: str) -> TargetSpec:

@@ -24,9 +24,11 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
                         rope_theta=500000.0,
                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    # q/k/v bias, MHA (no GQA), untied
+    # q/k/v bias, MHA (no GQA), untied; head_dim 32 != 64/4 (CUDA's decode kernel needs
+    # head_dim x group >= 32)
     "qwen2-bias": dict(arch="qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1e6),
+                       num_attention_heads=4, num_key_value_heads=4, head_dim=32, tie_word_embeddings=False,
+                       rope_theta=1e6),
     # q/k norm, GQA 8/2, head_dim 16 != 96/8 = 12, tied
     "qwen3-qknorm": dict(arch="qwen3", hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
@@ -35,9 +37,9 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
     "mistral-gqa": dict(arch="mistral", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6,
                         sliding_window=None),
-    # Qwen3 with untied head and MHA
+    # Qwen3 with untied head and MHA, head_dim 32 != 64/4
     "qwen3-untied": dict(arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=False,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=32, tie_word_embeddings=False,
                          rope_theta=10000.0),
 }
 

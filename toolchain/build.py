@@ -1,13 +1,18 @@
 """The build driver: checkpoint -> Relax module -> TVM library + manifest.json.
 
 An artifact folder holds model.so and manifest.json. Builds are cached under the user
-cache, keyed by everything that changes the library: the config fields, the target, the
-dtype, the quantization, the vtool/TVM versions and vtool's own compiler sources.
+cache, keyed by everything that changes the library: the config fields, the target (for
+CUDA its arch list), the dtype, the quantization, the vtool/TVM versions (for CUDA also
+nvcc's) and vtool's own compiler sources.
+
+CPU builds compile in this process. CUDA builds embed an nvcc fatbin and usually compile
+in a subprocess with a build-time driver stub (toolchain/cuda.py says why).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import shutil
 import tempfile
@@ -27,7 +32,8 @@ from vtool.targets import TargetSpec, buildable
 DTYPES = ("float32", "float16", "bfloat16")
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 # Sources whose change changes the compiled library (part of the cache key).
-_COMPILER_SOURCES = ("models", "schedules", "targets", "toolchain/pipeline.py", "toolchain/build.py")
+_COMPILER_SOURCES = ("models", "schedules", "targets", "toolchain/pipeline.py", "toolchain/build.py",
+                     "toolchain/cuda.py")
 
 Progress = Callable[[str], None]
 
@@ -43,10 +49,23 @@ def compiler_source_digest() -> str:
     return h.hexdigest()[:16]
 
 
+def _toolchain_versions(target: TargetSpec) -> dict[str, str]:
+    """Versions of external compilers that change the library (nvcc for CUDA)."""
+    if target.family == "cuda":
+        from vtool.toolchain.cuda import nvcc_version
+
+        return {"nvcc": nvcc_version()}
+    return {}
+
+
 def cache_key(raw_config: dict[str, Any], target: TargetSpec, dtype: str, quantization: str) -> str:
-    blob = json.dumps({"config": source_config(raw_config), "target": target.describe(), "dtype": dtype,
-                       "quantization": quantization, "versions": installed_versions(),
-                       "compiler": compiler_source_digest()}, sort_keys=True, default=str)
+    payload = {"config": source_config(raw_config), "target": target.describe(), "dtype": dtype,
+               "quantization": quantization, "versions": installed_versions(),
+               "compiler": compiler_source_digest()}
+    toolchain = _toolchain_versions(target)
+    if toolchain:
+        payload["toolchain"] = toolchain
+    blob = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -55,24 +74,95 @@ def _validate_dtype(dtype: str) -> None:
         raise VtoolError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
 
 
-def _compile(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
-             progress: Progress) -> tuple[list[dict[str, Any]], list[str]]:
+def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Progress):
     import tvm
 
     from vtool.models.llama import DecoderForCausalLM
-    from vtool.toolchain.pipeline import build_pipeline
 
     target = tvm.target.Target(target_spec.tvm)
     progress("exporting the Relax module")
     model = DecoderForCausalLM(cfg, dtype, target)
     spec = model.get_default_spec()
     mod, named_params = model.export_tvm(spec=spec)
+    return target, mod, plan_parameters(named_params), list(spec)
+
+
+def _compile(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
+             progress: Progress) -> dict[str, Any]:
+    """Compile and link model.so; returns the manifest's params, entry_points and, for
+    CUDA, the cuda build record."""
+    if target_spec.family == "cuda":
+        return _compile_cuda(cfg, target_spec, dtype, library_path, progress)
+    import tvm
+
+    from vtool.toolchain.pipeline import build_pipeline, describe
+
+    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress)
     progress(f"compiling for {target_spec.name}")
-    with target:  # CUDA's nvcc callback reads Target.current(); harmless on CPU
+    with target:
         executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, target_spec.family))
     progress("linking the shared library")
     executable.export_library(str(library_path))
-    return plan_parameters(named_params), list(spec)
+    return {"params": params, "entry_points": entry_points, "pipeline": describe(target_spec.family)}
+
+
+def _compile_cuda(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
+                  progress: Progress) -> dict[str, Any]:
+    from vtool.toolchain import cuda
+
+    cuda.find_nvcc()  # refuse early, with the reason, when there is no toolkit
+    if cuda.compile_in_process():
+        import tvm  # noqa: F401  (loads the CUDA runtime when a driver is installed)
+
+        if cuda.cuda_runtime_loaded():
+            return compile_cuda_here(cfg, target_spec, dtype, library_path, progress)
+    request = {"config": cfg.to_dict(), "target": target_spec.name, "dtype": dtype, "library": str(library_path)}
+    return cuda.run_worker(request, progress)
+
+
+def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
+                      progress: Progress, in_subprocess: bool = False) -> dict[str, Any]:
+    """The CUDA compile proper, in a process whose TVM has its CUDA runtime loaded (the
+    worker subprocess, or this one when a real driver is installed)."""
+    import tvm
+
+    from vtool.toolchain import cuda
+    from vtool.toolchain.pipeline import build_pipeline, describe, pass_config
+
+    if not cuda.cuda_runtime_loaded():
+        raise cuda.CudaBuildError(
+            "TVM's CUDA runtime (libtvm_runtime_cuda.so) did not load, so codegen would embed CUDA source; "
+            "it needs libcuda.so.1 (the build-time stub or a driver) and libcudart.so.13 (the CUDA 13 toolkit) "
+            f"on the loader path (LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH', '')!r})")
+    t0 = time.perf_counter()
+    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress)
+    t_export = time.perf_counter() - t0
+    record: dict[str, Any] = {"archs": list(target_spec.archs), "ptx": target_spec.ptx}
+    progress(f"compiling for {target_spec.name} (nvcc fatbin: SASS {', '.join(target_spec.archs)} "
+             f"+ PTX {target_spec.ptx})")
+    t0 = time.perf_counter()
+    try:
+        with cuda.fatbin_callback(target_spec.archs, target_spec.ptx, record), target, \
+                tvm.transform.PassContext(opt_level=3, config=pass_config("cuda")):
+            executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, "cuda"))
+    except Exception:
+        nvcc_error = record.pop("_error", None)
+        if nvcc_error is not None:
+            raise nvcc_error from None
+        raise
+    t_compile = time.perf_counter() - t0
+    progress("linking the shared library")
+    t0 = time.perf_counter()
+    executable.export_library(str(library_path))
+    t_link = time.perf_counter() - t0
+    info = cuda.check_library(library_path, target_spec.archs, target_spec.ptx)
+    record.update({
+        "embedded": {"module_formats": info["module_formats"], "sass": info["sass"], "ptx": info["ptx"]},
+        "codegen_process": "subprocess (build-time libcuda stub)" if in_subprocess else "in-process (CUDA driver)",
+        "seconds": {"export_tvm": round(t_export, 2), "tvm.compile (incl. nvcc)": round(t_compile, 2),
+                    "nvcc": record.pop("nvcc_seconds", 0.0), "export_library": round(t_link, 2)},
+    })
+    return {"params": params, "entry_points": entry_points, "pipeline": describe("cuda"), "cuda": record}
 
 
 def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str = "float32",
@@ -86,6 +176,10 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
     raw = ckpt.config()
     cfg = parse_hf_config(raw)
     check_checkpoint_shapes(cfg, {n: t.shape for n, t in ckpt.tensors().items()}, str(ckpt.path))
+    if target_spec.family == "cuda":
+        from vtool.toolchain.cuda import check_attention_shape
+
+        check_attention_shape(cfg)
     quantization = "none"
     key = cache_key(raw, target_spec, dtype, quantization)
     folder = Path(output) if output else artifact_cache() / key
@@ -97,7 +191,12 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=folder.parent))
     try:
-        params, entry_points = _compile(cfg, target_spec, dtype, staging / LIBRARY_NAME, progress)
+        compiled = _compile(cfg, target_spec, dtype, staging / LIBRARY_NAME, progress)
+        build_info: dict[str, Any] = {"seconds": round(time.perf_counter() - t0, 2), "host": platform.machine(),
+                                      "compiler_digest": compiler_source_digest(),
+                                      "pipeline": compiled["pipeline"]}
+        if "cuda" in compiled:
+            build_info["cuda"] = compiled["cuda"]
 
         write_manifest(staging, {
             "format_version": FORMAT_VERSION,
@@ -112,11 +211,10 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
             "dtype": dtype,
             "quantization": quantization,
             "versions": installed_versions(),
-            "entry_points": entry_points,
-            "params": params,
+            "entry_points": compiled["entry_points"],
+            "params": compiled["params"],
             "library": LIBRARY_NAME,
-            "build": {"seconds": round(time.perf_counter() - t0, 2), "host": platform.machine(),
-                      "compiler_digest": compiler_source_digest()},
+            "build": build_info,
         })
         if folder.exists():
             shutil.rmtree(folder)

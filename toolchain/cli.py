@@ -134,8 +134,11 @@ def run(model: str | None, target: str, dtype: str, prompt: str, tokenizer_confi
 @click.option("--block-size", default=16, show_default=True, type=int, help="KV block size in tokens (16 only)")
 @click.option("--num-blocks", default=None, type=click.IntRange(min=1),
               help="KV blocks (default: sized by --kv-cache-memory-bytes)")
-@click.option("--kv-cache-memory-bytes", default=1 << 30, show_default=True, type=click.IntRange(min=1),
-              help="memory budget for the KV cache when --num-blocks is not given")
+@click.option("--kv-cache-memory-bytes", default=None, type=click.IntRange(min=1),
+              help="KV-cache budget when --num-blocks is not given (default: 1 GiB on CPU; on GPU, "
+                   "--gpu-memory-utilization of the memory left after the weights)")
+@click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0.0, 1.0,
+              min_open=True), help="GPU only: the fraction of free device memory the KV cache may take")
 @click.option("--max-model-len", default=None, type=click.IntRange(min=1),
               help="context length (default: the model's, capped at 4096, fitted to the KV cache)")
 @click.option("--max-num-seqs", default=32, show_default=True, type=click.IntRange(min=1))
@@ -152,7 +155,8 @@ def run(model: str | None, target: str, dtype: str, prompt: str, tokenizer_confi
 @click.option("--trust-remote-code", is_flag=True, help="accepted for vLLM recipes; no effect")
 @click.option("--enable-auto-tool-choice", is_flag=True, help="accepted for vLLM recipes; no effect")
 def serve(model: str | None, target: str, dtype: str, host: str, port: int, served_model_name: tuple[str, ...],
-          tokenizer_config: str | None, block_size: int, num_blocks: int | None, kv_cache_memory_bytes: int,
+          tokenizer_config: str | None, block_size: int, num_blocks: int | None, kv_cache_memory_bytes: int | None,
+          gpu_memory_utilization: float,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
           scheduling_policy: str, enable_log_requests: bool, enable_log_outputs: bool, max_log_len: int,
           disable_metrics: bool, enable_force_include_usage: bool, api_key: str | None, trust_remote_code: bool,
@@ -170,7 +174,8 @@ def serve(model: str | None, target: str, dtype: str, host: str, port: int, serv
                           highlight=False)
     engine_config = EngineConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-        num_blocks=num_blocks, kv_memory_bytes=kv_cache_memory_bytes, enable_prefix_caching=enable_prefix_caching,
+        num_blocks=num_blocks, kv_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
+        enable_prefix_caching=enable_prefix_caching,
         scheduling_policy=scheduling_policy, max_model_len=max_model_len)
     opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, tokenizer_config=tokenizer_config,
                         max_model_len=max_model_len, api_key=api_key, disable_metrics=disable_metrics,

@@ -1,0 +1,101 @@
+"""CUDA schedule rules: TVM's DLight GPU rules, plus a low-batch dispatch for GEMV-shaped kernels.
+
+The order follows MLC-LLM's CUDA pipeline. First, every matmul kernel whose only symbolic
+dimension is the batch (batch_decode) or the prompt length (prefill) is compiled three
+ways in one PrimFunc and picks one at run time:
+
+    n <= 2: LowBatchGEMV(bucket 2)   n <= 8: LowBatchGEMV(bucket 4)   else: Matmul
+
+(DLight's plain Matmul rule runs a small batch at a few percent of bandwidth.) Then
+ApplyDefaultSchedule tries, per kernel, Matmul, GEMV, Reduction, GeneralReduction and
+Fallback, first match wins. Fallback takes any kernel, so nothing reaches codegen
+unscheduled. Kernels that arrive scheduled (the KV cache's attention kernels, the
+sampling/sort kernels) are left alone.
+
+The models accumulate every matmul in float32 and cast afterwards. After FuseOps the
+cast is an epilogue block of the matmul kernel, and the rules keep it there.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir import dlight as dl
+
+# Upper batch limit (inclusive) of each LowBatchGEMV bucket, in dispatch order.
+LOW_BATCH_BUCKETS: tuple[tuple[int, int], ...] = ((2, 2), (8, 4))  # (n <= limit, bucket)
+DEFAULT_RULES = ("Matmul", "GEMV", "Reduction", "GeneralReduction", "Fallback")
+
+
+def describe() -> dict:
+    """What the manifest records about the schedules."""
+    return {"low_batch_dispatch": [{"max_n": limit, "rule": f"LowBatchGEMV({bucket})"} for limit, bucket in LOW_BATCH_BUCKETS]
+            + [{"rule": "Matmul"}],
+            "default_rules": [f"dlight.gpu.{r}" for r in DEFAULT_RULES]}
+
+
+def _is_scheduled(func: tirx.PrimFunc) -> bool:
+    return func.attrs is not None and bool(func.attrs.get("tirx.is_scheduled", False))
+
+
+def _one_schedule(space) -> s_tir.Schedule | None:
+    if space is None:
+        return None
+    if isinstance(space, (list, tuple)):
+        return space[0] if len(space) == 1 else None
+    return space
+
+
+def _symbolic_vars(func: tirx.PrimFunc) -> list[tirx.Var]:
+    seen: dict[str, tirx.Var] = {}
+    for param in func.params:  # TVM 0.27: buffer parameters carry their shape
+        for dim in getattr(param, "shape", None) or ():
+            if isinstance(dim, tirx.Var):
+                seen.setdefault(dim.name, dim)
+    return list(seen.values())
+
+
+def low_batch_dispatch(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    """One PrimFunc holding the bucketed LowBatchGEMV schedules and the Matmul schedule,
+    chosen by the symbolic dimension at run time; None when the kernel is not a
+    low-batch GEMV over one symbolic dimension."""
+    if _is_scheduled(func):
+        return None
+    sym = _symbolic_vars(func)
+    if len(sym) != 1:
+        return None
+    variants = []
+    for _limit, bucket in LOW_BATCH_BUCKETS:
+        sch = _one_schedule(dl.gpu.LowBatchGEMV(bucket).apply(func, target, False))
+        if sch is None:
+            return None
+        variants.append(sch.mod["main"])
+    general = _one_schedule(dl.gpu.Matmul().apply(func, target, False))
+    if general is None:
+        return None
+    (n,) = sym
+    body = general.mod["main"].body
+    for (limit, _bucket), variant in reversed(list(zip(LOW_BATCH_BUCKETS, variants))):
+        cond = tirx.op.tvm_thread_invariant(n <= limit)
+        body = tirx.IfThenElse(cond, variant.body, body)
+    root = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
+    return (func.with_body(root)
+            .with_attr("tirx.is_scheduled", True)
+            .with_attr("tirx.HoistIfThenElseExprWithBlock", 1))
+
+
+def cuda_schedule_pass() -> tvm.transform.Pass:
+    @tvm.transform.module_pass(opt_level=0, name="VtoolCUDALowBatchDispatch")
+    def _low_batch(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        updates = {}
+        for gv, func in mod.functions_items():
+            if isinstance(func, tirx.PrimFunc):
+                target = func.attrs.get("target") if func.attrs is not None else None
+                scheduled = low_batch_dispatch(func, target or tvm.target.Target.current())
+                if scheduled is not None:
+                    updates[gv] = scheduled
+        for gv, func in updates.items():
+            mod[gv] = func
+        return mod
+
+    rules = [getattr(dl.gpu, name)() for name in DEFAULT_RULES]
+    return tvm.transform.Sequential([_low_batch, dl.ApplyDefaultSchedule(*rules)], name="VtoolCUDASchedules")

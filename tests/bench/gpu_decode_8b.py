@@ -1,0 +1,220 @@
+"""Llama-3-8B-shaped bf16 decode on one GPU: vtool against transformers, in one run.
+
+    python tests/bench/gpu_decode_8b.py --artifact DIR [--checkpoint DIR] [--steps 128]
+
+Random weights (the speed does not depend on them): transformers makes the checkpoint on
+the GPU with a fixed seed and saves it as safetensors, vtool loads that same checkpoint
+through its normal loader. Measured in the same process:
+  * device-to-device copy bandwidth (torch), the roofline denominator;
+  * vtool batch-1 decode through the `decode` entry point, the host synchronised once per
+    loop (the model step alone), and through the single-sequence generator, which copies
+    logits to the host every step (what `vtool run` pays);
+  * vtool `batch_decode` steps at batch 1, 8, 32;
+  * vtool prefill of 128 and 2048 tokens;
+  * transformers with StaticCache + torch.compile(mode="reduce-overhead") at batch 1, and
+    its eager prefill of 128/2048 tokens.
+Prints one JSON line per measurement and a summary; writes them to $OUT/gpu8b.json when set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+CONFIG = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+              num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+              rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+RESULTS: list[dict] = []
+
+
+def record(**kw) -> None:
+    RESULTS.append(kw)
+    print(json.dumps(kw), flush=True)
+
+
+def make_checkpoint(folder: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (folder / "model.safetensors.index.json").exists() or (folder / "model.safetensors").exists():
+        return
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.bfloat16)
+    t = time.perf_counter()
+    model.save_pretrained(folder, max_shard_size="4GB")
+    record(step="checkpoint_saved", seconds=round(time.perf_counter() - t, 1))
+    del model
+    torch.cuda.empty_cache()
+
+
+def copy_bandwidth() -> float:
+    import torch
+
+    a = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    gbps = 2 * a.numel() * n / (time.perf_counter() - t) / 1e9
+    del a, b
+    torch.cuda.empty_cache()
+    return gbps
+
+
+def weight_bytes_per_step() -> int:
+    c = CONFIG
+    h, i, L, d = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["head_dim"]
+    per_layer = h * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d + c["num_attention_heads"] * d * h \
+        + 3 * h * i + 2 * h
+    return 2 * (L * per_layer + h + c["vocab_size"] * h)  # bf16; the embedding table is read one row at a time
+
+
+def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int) -> None:
+    from vtool.runtime.checkpoint import open_checkpoint
+    from vtool.runtime.generate import Generator
+    from vtool.runtime.sampling_params import SamplingParams
+    from vtool.runtime.tvm_runtime import global_func
+    from vtool.runtime.artifact import CompiledModel
+
+    t = time.perf_counter()
+    model = CompiledModel(artifact, open_checkpoint(checkpoint_dir))
+    record(step="vtool_load", seconds=round(time.perf_counter() - t, 1))
+    sync = global_func("runtime.Device_StreamSync")
+    gen = Generator(model, max_model_len=4096)
+    S = model.ffi.Shape
+
+    def timed_decode(n: int) -> float:
+        gen._fresh_sequence(128 + n + 16)
+        gen.prefill_logits(list(range(1000, 1128)))
+        embeds = gen._embed([1234])
+        gen._end  # noqa: B018 - keep the bound builtins warm
+        sync(model.device, None)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            gen._begin(gen._kv, S([gen.SEQ_ID]), S([1]))
+            model.function("decode")(embeds, gen._kv, model.params)
+            gen._end(gen._kv)
+        sync(model.device, None)
+        return (time.perf_counter() - t0) / n
+
+    timed_decode(8)
+    step = timed_decode(steps)
+    record(step="vtool_decode_b1_model_only", ms_per_token=round(step * 1e3, 3), tok_s=round(1 / step, 1))
+    result = gen.generate(list(range(1000, 1128)), SamplingParams(temperature=0, max_tokens=steps))
+    record(step="vtool_generate_b1_host_sampling", tok_s=round(result.decode_tokens_per_second, 1),
+           ms_per_token=round(1e3 / max(result.decode_tokens_per_second, 1e-9), 3))
+
+    for n_prompt in (128, 2048):
+        gen._fresh_sequence(n_prompt + 16)
+        ids = list(range(1000, 1000 + n_prompt))
+        gen.prefill_logits(ids)  # warm
+        gen._fresh_sequence(n_prompt + 16)
+        sync(model.device, None)
+        t0 = time.perf_counter()
+        gen.prefill_logits(ids)
+        sync(model.device, None)
+        record(step=f"vtool_prefill_{n_prompt}", ms=round((time.perf_counter() - t0) * 1e3, 2))
+
+    from vtool.runtime.kv_cache import PagedKVCache
+
+    for batch in (1, 8, 32):
+        kv = PagedKVCache(model, num_blocks=batch * 24 + 8, block_size=16, max_num_seqs=batch, prefill_chunk=2048)
+        for seq in range(batch):
+            kv.add(seq)
+        ids = model.upload(np.full(batch, 1234, dtype=np.int32))
+        flat = model.function("embed")(ids, model.params)
+        embeds = global_func("runtime.TVMTensorCreateView")(flat, S([batch, 1, model.hidden_size]), model.dtype, 0)
+
+        def one() -> None:
+            kv.begin_forward(list(range(batch)), [1] * batch)
+            model.function("batch_decode")(embeds, kv.tvm, model.params)
+            kv.end_forward()
+
+        for _ in range(4):
+            one()
+        sync(model.device, None)
+        t0 = time.perf_counter()
+        n = 32
+        for _ in range(n):
+            one()
+        sync(model.device, None)
+        ms = (time.perf_counter() - t0) / n * 1e3
+        record(step=f"vtool_batch_decode_b{batch}", ms_per_step=round(ms, 3), tok_s=round(batch * 1e3 / ms, 1))
+        del kv
+    del model
+
+
+def bench_transformers(checkpoint_dir: Path, steps: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.bfloat16, device_map="cuda").eval()
+    for n_prompt in (128, 2048):
+        ids = torch.arange(1000, 1000 + n_prompt, device="cuda")[None]
+        with torch.no_grad():
+            model(ids)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(ids)
+            torch.cuda.synchronize()
+        record(step=f"hf_eager_prefill_{n_prompt}", ms=round((time.perf_counter() - t0) * 1e3, 2))
+    cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=128 + steps + 32, device="cuda",
+                        dtype=torch.bfloat16)
+    step_fn = torch.compile(lambda tok, pos: model(tok, position_ids=pos, cache_position=pos[0],
+                                                   past_key_values=cache, use_cache=True).logits,
+                            mode="reduce-overhead", fullgraph=False)
+    ids = torch.arange(1000, 1128, device="cuda")[None]
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(128, device="cuda"))
+        tok = out.logits[:, -1:].argmax(-1)
+        t_compile = time.perf_counter()
+        for i in range(3):  # compile + warm
+            pos = torch.tensor([[128 + i]], device="cuda")
+            tok = step_fn(tok, pos)[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        record(step="hf_compile_warmup", seconds=round(time.perf_counter() - t_compile, 1))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(3, steps):
+            pos = torch.tensor([[128 + i]], device="cuda")
+            tok = step_fn(tok, pos)[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / (steps - 3) * 1e3
+    record(step="hf_static_compile_decode_b1", ms_per_token=round(ms, 3), tok_s=round(1e3 / ms, 1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--artifact", required=True, type=Path)
+    ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/llama8b-random"))
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    make_checkpoint(args.checkpoint)
+    bw = copy_bandwidth()
+    record(step="copy_bandwidth", gb_s=round(bw, 1), weight_gb=round(weight_bytes_per_step() / 1e9, 2),
+           roofline_ms=round(weight_bytes_per_step() / bw / 1e6, 3))
+    bench_vtool(args.artifact, args.checkpoint, args.steps)
+    if not args.skip_hf:
+        bench_transformers(args.checkpoint, args.steps)
+    by = {r["step"]: r for r in RESULTS}
+    roof = by["copy_bandwidth"]["roofline_ms"]
+    for key in ("vtool_decode_b1_model_only", "hf_static_compile_decode_b1"):
+        if key in by:
+            record(step=f"{key}_vs_roofline", percent_of_copy_bw=round(100 * roof / by[key]["ms_per_token"], 1))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu8b.json").write_text(json.dumps(RESULTS, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Prepare tests/test_gpu_parity.py for a GPU machine that has only the TVM runtime.
+
+On the build machine (apache-tvm + nvcc, no GPU needed):
+
+    .venv/bin/python tests/gpu_prebuild.py build --target sm_90a
+
+writes .devcarry/gpu-tests/ (what VTOOL_GPU_ARTIFACTS points at):
+    index.json                      the target, versions, and where everything is
+    tiny/<shape>/                   the tiny random checkpoints, made here once and carried
+                                    (torch/transformers versions differ there, so re-making
+                                    them from the seed is not guaranteed to give equal weights)
+    artifacts/<shape>-<dtype>/      CUDA artifacts, float32 and bfloat16, for every tiny shape
+    artifacts/smollm2-bfloat16/     SmolLM2-135M-Instruct (the embedded GGUF) in bfloat16
+    wheels/                         gguf (pure Python; the GPU machine lacks it: both vtool's
+                                    GGUF reader and transformers' GGUF loader need it)
+and, since one device call carries at most 64 MiB and the GGUF alone is 98 MB, packs all of
+it plus the GGUF (as smollm2/<name>.gguf) into a tar.gz split over .devcarry/gpu-pack-1..N
+(--chunk-mib each, default 48). It prints the device calls to make, one per part, back to
+back (a machine stays held for 30 s after a call): every call but the last copies its part to
+/root/stage; the last one carries .devcarry/rt and the last part, and runs
+
+    python3 tests/gpu_prebuild.py unpack --to /root/gpu-tests /root/stage .devcarry/gpu-pack-N
+
+(stdlib only: it joins the parts in name order and extracts them) before pytest.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DTYPES = ("float32", "bfloat16")
+PART_PREFIX = "part_"
+
+
+def build(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(HERE))
+    import importlib.metadata
+
+    from tiny_models import TINY_SHAPES, make_tiny_model
+    from vtool.runtime.artifact import installed_versions
+    from vtool.runtime.checkpoint import open_checkpoint
+    from vtool.runtime.default_model import FILENAME, SHA256, default_model_path
+    from vtool.toolchain.build import build_artifact
+
+    out = Path(args.out).resolve()
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "artifacts").mkdir(parents=True)
+    # A build that fails is recorded (the GPU test then fails with its message) and the rest go on.
+    index: dict = {"target": args.target, "versions": installed_versions(), "tiny": {}, "errors": {}}
+
+    def progress(msg: str) -> None:
+        print(f"    {msg}", flush=True)
+
+    def attempt(key: str, make) -> str | None:
+        print(f"{key} -> {args.target}", flush=True)
+        try:
+            return str(make().relative_to(out))
+        except Exception as e:  # noqa: BLE001 -- recorded and reported, the other builds go on
+            index["errors"][key] = f"{type(e).__name__}: {str(e)[-1500:]}"
+            print(f"    FAILED: {type(e).__name__}: {str(e)[-400:]}", flush=True)
+            return None
+
+    for name in sorted(TINY_SHAPES):
+        folder = make_tiny_model(name, out / "tiny" / name)
+        entry = {"checkpoint": str(folder.relative_to(out)), "artifacts": {}}
+        for dtype in DTYPES:
+            built = attempt(f"{name}-{dtype}", lambda: build_artifact(
+                folder, args.target, dtype, output=out / "artifacts" / f"{name}-{dtype}", progress=progress))
+            if built:
+                entry["artifacts"][dtype] = built
+        index["tiny"][name] = entry
+
+    gguf = None
+    if not args.no_smollm2:
+        gguf = default_model_path()
+        built = attempt("smollm2-bfloat16", lambda: build_artifact(
+            gguf, args.target, "bfloat16", output=out / "artifacts" / "smollm2-bfloat16",
+            checkpoint=open_checkpoint(gguf), progress=progress))
+        index["smollm2"] = {"artifact": built, "gguf": f"smollm2/{FILENAME}", "sha256": SHA256}
+        version = importlib.metadata.version("gguf")
+        wheels = out / "wheels"
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                               "-d", str(wheels), f"gguf=={version}"], capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"WARNING: could not fetch the gguf=={version} wheel ({done.stderr.strip()[-300:]}); "
+                  "the SmolLM2 tests need gguf installed on the GPU machine", flush=True)
+    (out / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
+    print(f"wrote {out} ({_size(out) / 2**20:.1f} MiB)")
+    if args.chunk_mib > 0:
+        pack(out, gguf, Path(args.pack_dir).resolve(), args.chunk_mib)
+    if index["errors"]:
+        sys.exit(f"{len(index['errors'])} build(s) failed: {', '.join(index['errors'])} (recorded in index.json)")
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def pack(out: Path, gguf: Path | None, pack_dir: Path, chunk_mib: int) -> None:
+    for old in pack_dir.glob("gpu-pack-*"):
+        shutil.rmtree(old)
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Path(tmp) / "gpu-tests.tar.gz"
+        with tarfile.open(archive, "w:gz", compresslevel=6) as tar:
+            tar.add(out, arcname=".")
+            if gguf is not None:
+                tar.add(gguf, arcname=f"smollm2/{gguf.name}")
+        chunk = chunk_mib << 20
+        digest = hashlib.sha256()
+        parts = []
+        with open(archive, "rb") as f:
+            while True:
+                data = f.read(chunk)
+                if not data:
+                    break
+                digest.update(data)
+                folder = pack_dir / f"gpu-pack-{len(parts) + 1}"
+                folder.mkdir(parents=True)
+                (folder / f"{PART_PREFIX}{len(parts):03d}").write_bytes(data)
+                parts.append(folder)
+    (parts[-1] / "SHA256").write_text(digest.hexdigest())
+    rel = [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in parts]
+    print(f"packed into {len(parts)} part(s) of at most {chunk_mib} MiB: {', '.join(rel)}")
+    print("\nOn the GPU machine, back to back (each call within 30 s of the previous):")
+    for i, folder in enumerate(rel[:-1], 1):
+        print(f"  call {i}: carry [\"{folder}\"]\n    mkdir -p /root/stage && cp {folder}/{PART_PREFIX}* /root/stage/")
+    print(f"  call {len(rel)}: carry [\".devcarry/rt\", \"{rel[-1]}\"]\n"
+          f"    python3 tests/gpu_prebuild.py unpack --to /root/gpu-tests /root/stage {rel[-1]} && ... "
+          "(see the module docstring of tests/test_gpu_parity.py)")
+
+
+def unpack(args: argparse.Namespace) -> None:
+    """Join every part_* of the given folders in name order, check the digest, extract."""
+    parts = sorted((p for d in args.dirs for p in Path(d).glob(f"{PART_PREFIX}*")), key=lambda p: p.name)
+    if not parts:
+        sys.exit(f"no {PART_PREFIX}* files in {', '.join(args.dirs)}")
+    names = [p.name for p in parts]
+    expected = [f"{PART_PREFIX}{i:03d}" for i in range(len(parts))]
+    if names != expected:
+        sys.exit(f"parts {names} are not {expected}: one is missing or doubled")
+    sums = [Path(d) / "SHA256" for d in args.dirs if (Path(d) / "SHA256").exists()]
+    to = Path(args.to)
+    if to.exists():
+        shutil.rmtree(to)
+    to.mkdir(parents=True)
+    archive = to.parent / (to.name + ".tar.gz")
+    digest = hashlib.sha256()
+    with open(archive, "wb") as f:
+        for p in parts:
+            data = p.read_bytes()
+            digest.update(data)
+            f.write(data)
+    if sums and sums[0].read_text().strip() != digest.hexdigest():
+        sys.exit(f"the joined parts do not match {sums[0]}: a part is stale or damaged")
+    with tarfile.open(archive, "r:gz") as tar:
+        tar.extractall(to, filter="data")
+    archive.unlink()
+    print(f"unpacked {len(parts)} part(s) into {to} ({_size(to) / 2**20:.1f} MiB)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build every artifact the GPU tests need (needs apache-tvm and nvcc)")
+    b.add_argument("--target", default="sm_90a", help="vtool CUDA target (default sm_90a: H100/H200)")
+    b.add_argument("--out", default=str(ROOT / ".devcarry" / "gpu-tests"))
+    b.add_argument("--no-smollm2", action="store_true", help="tiny models only (nothing over the carry limit)")
+    b.add_argument("--pack-dir", default=str(ROOT / ".devcarry"))
+    b.add_argument("--chunk-mib", type=int, default=48, help="part size for carrying; 0: do not pack")
+    b.set_defaults(func=build)
+    u = sub.add_parser("unpack", help="on the GPU machine: join the carried parts and extract them")
+    u.add_argument("--to", required=True)
+    u.add_argument("dirs", nargs="+", help="folders holding the part_* files")
+    u.set_defaults(func=unpack)
+    args = parser.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

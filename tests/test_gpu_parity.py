@@ -1,0 +1,449 @@
+"""CUDA artifacts against transformers on the same GPU.
+
+(a) The tiny random shapes of tiny_models.py (Llama, Llama-3 rope, Qwen2 bias, Qwen3
+    q/k norm, Mistral) built for this GPU's arch: float32 logits within 1e-4 of
+    transformers (torch CUDA, TF32 off) at every prompt position and decode step, and the
+    same 32 greedy tokens. bfloat16: see check_bfloat16 (logits against the float32 truth,
+    bounded by transformers' own bfloat16 error; greedy tokens equal up to a near-tie).
+(b) SmolLM2-135M-Instruct (the embedded Q4_1 GGUF, dequantized) in bfloat16, through the
+    single-sequence generator and through the batching engine, against transformers
+    bfloat16 on the GPU: the same 32 greedy tokens for 3 prompts, or a first divergence
+    that is a near-tie in the reference (SMOLLM2_NEAR_TIE).
+
+Every GPU test skips, with the reason, when no CUDA GPU is usable (no libcuda.so.1, no
+device, torch without CUDA). Artifacts come from VTOOL_GPU_ARTIFACTS (a folder written by
+tests/gpu_prebuild.py on a machine with the compiler; the GPU machine then needs only the
+TVM runtime) or, when it is unset and apache-tvm is installed, are built here for the GPU's
+arch. Run with -s for the per-model numbers (max |dlogit|, first divergences).
+
+On the runtime-only GPU machine, after tests/gpu_prebuild.py's carried parts are joined
+(it prints the calls), from the repository root:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/rt/*.whl /root/gpu-tests/wheels/*.whl
+    mkdir -p /tmp/pkgs && ln -sfn "$PWD" /tmp/pkgs/vtool
+    PYTHONPATH=/tmp/site:/tmp/pkgs VTOOL_TVM_LIBRARY_DIR=$PWD/.devcarry/rt VTOOL_GPU_ARTIFACTS=/root/gpu-tests \
+        python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_parity.py
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from hf_oracle import load_gguf_model, load_gguf_tokenizer
+from tiny_models import TINY_SHAPES, make_tiny_model
+from vtool import VtoolError
+from vtool.runtime.artifact import CompiledModel
+from vtool.runtime.checkpoint import open_checkpoint
+from vtool.runtime.cuda import GpuInfo, arch_runs_on, artifact_archs, target_for_compute_capability
+from vtool.runtime.generate import Generator
+from vtool.runtime.sampling_params import SamplingParams
+from vtool.runtime.tvm_runtime import DRIVER, RuntimeLoadError, cuda_runtime
+
+ARTIFACTS_ENV = "VTOOL_GPU_ARTIFACTS"
+INDEX_NAME = "index.json"
+STEPS = 32
+PROMPT = [1, 5, 17, 42, 99, 7, 3, 250, 11, 300, 64]  # as test_parity_tiny
+FP32_TOLERANCE = 1e-4
+# bfloat16. `ref_err` is transformers' own bf16 error on this GPU: max |logit| of its bf16
+# run against its float32 run, over the prompt and the 32 greedy steps (same tokens). vtool's
+# bf16 logits must be no further from the float32 truth than BF16_VS_TRUTH * ref_err (a
+# real bug -- wrong rope, norm, bias, head -- is off by the logit scale, 10-50x ref_err; on
+# the CPU build vtool measured 0.35-1.54x). By the triangle inequality vtool then differs from
+# transformers bf16 by at most (BF16_VS_TRUTH + 1) * ref_err. BF16_FLOOR keeps the bound
+# meaningful should ref_err be tiny.
+BF16_VS_TRUTH = 2.5
+BF16_FLOOR = 0.05
+# A greedy divergence must be a near-tie in the reference: its logit for its own token at
+# most this far above its logit for ours. SmolLM2's bf16 logits (|logit| 16-64) are spaced
+# 0.125-0.25, so this is 2-4 bf16 steps (CPU build: divergences at gaps 0.0, 0.125, 0.0).
+# The tiny random models put 512 logits within +-13 and their bf16 noise (ref_err 0.25-1.5)
+# exceeds such steps, so there the bound is TINY_NEAR_TIE_REF_ERRS * ref_err (CPU build:
+# gaps 0.0-1.09 at ref_err 0.25-1.46).
+SMOLLM2_NEAR_TIE = 0.5
+TINY_NEAR_TIE_REF_ERRS = 2.0
+SMOLLM2_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+# -- the GPU, and where the artifacts come from ----------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def probe_gpu() -> tuple[GpuInfo | None, str]:
+    """(the GPU, "") or (None, why no GPU test can run here). torch is imported first (above),
+    so the vtool runtime shares torch's libcudart."""
+    try:
+        info = cuda_runtime().gpu(0)
+    except VtoolError as e:
+        return None, f"no CUDA GPU usable by the vtool runtime: {e}"
+    if not torch.cuda.is_available():
+        return None, f"vtool sees {info.describe()} but torch {torch.__version__} has no CUDA (the oracle runs there)"
+    return info, ""
+
+
+@pytest.fixture(scope="session")
+def gpu() -> GpuInfo:
+    info, reason = probe_gpu()
+    if info is None:
+        pytest.skip(reason)
+    print(f"\n[gpu] {info.describe()}, {info.total_memory / 2**30:.1f} GiB; torch {torch.__version__} "
+          f"({torch.cuda.get_device_name(0)})")
+    return info
+
+
+class Artifacts:
+    """Prebuilt artifacts + checkpoints from VTOOL_GPU_ARTIFACTS, or builds made here."""
+
+    def __init__(self, gpu: GpuInfo, tmp: Path):
+        self.tmp = tmp
+        root = os.environ.get(ARTIFACTS_ENV)
+        if root:
+            self.root: Path | None = Path(root)
+            index_path = self.root / INDEX_NAME
+            if not index_path.exists():
+                pytest.fail(f"{ARTIFACTS_ENV}={root} has no {INDEX_NAME}; make it with tests/gpu_prebuild.py")
+            self.index = json.loads(index_path.read_text())
+            self.target = self.index["target"]
+        else:
+            if importlib.util.find_spec("tvm") is None:
+                pytest.skip(f"no prebuilt artifacts ({ARTIFACTS_ENV} is unset) and no TVM compiler here to build "
+                            "them; run tests/gpu_prebuild.py where apache-tvm is installed and point "
+                            f"{ARTIFACTS_ENV} at its output")
+            self.root, self.index = None, {}
+            self.target = target_for_compute_capability(gpu.major, gpu.minor)
+        print(f"[gpu] artifacts: {self.root or 'built here'} (target {self.target})")
+
+    def _missing(self, key: str) -> None:
+        error = self.index.get("errors", {}).get(key)
+        pytest.fail(f"the {self.target} build of {key} failed in tests/gpu_prebuild.py: {error}" if error else
+                    f"{self.root / INDEX_NAME} has no {key} artifact; rerun tests/gpu_prebuild.py")
+
+    def tiny(self, name: str, dtype: str) -> tuple[Path, Path]:
+        """(checkpoint folder, artifact folder) for a tiny shape at dtype."""
+        if self.root is not None:
+            entry = self.index["tiny"].get(name)
+            if entry is None or dtype not in entry["artifacts"]:
+                self._missing(f"{name}-{dtype}")
+            return self.root / entry["checkpoint"], self.root / entry["artifacts"][dtype]
+        from vtool.toolchain.build import build_artifact
+
+        folder = self.tmp / "tiny" / name
+        if not (folder / "config.json").exists():
+            make_tiny_model(name, folder)
+        return folder, build_artifact(folder, self.target, dtype)
+
+    def smollm2(self) -> tuple[Path, Path]:
+        """(GGUF path, bfloat16 artifact folder)."""
+        from vtool.runtime.default_model import SHA256, default_model_path, sha256_of
+
+        if self.root is not None:
+            entry = self.index.get("smollm2")
+            if entry is None:
+                pytest.skip(f"{self.root / INDEX_NAME} has no SmolLM2 artifact (prebuilt with --no-smollm2)")
+            if not entry.get("artifact"):
+                self._missing("smollm2-bfloat16")
+            gguf = self.root / entry["gguf"]
+            if not gguf.exists():
+                gguf = default_model_path(fetch=False)  # VtoolError names the cache when it is not there
+            if sha256_of(gguf) != SHA256:
+                pytest.fail(f"{gguf} is not the SmolLM2 GGUF vtool embeds (sha256 differs): badly reassembled?")
+            return gguf, self.root / entry["artifact"]
+        from vtool.toolchain.build import build_artifact
+
+        gguf = default_model_path()
+        return gguf, build_artifact(gguf, self.target, "bfloat16", checkpoint=open_checkpoint(gguf))
+
+
+@pytest.fixture(scope="session")
+def artifacts(gpu, tmp_path_factory) -> Artifacts:
+    return Artifacts(gpu, tmp_path_factory.mktemp("gpu-artifacts"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _exact_torch_float32():
+    """transformers' float32 reference without TF32 (torch's default, made explicit)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+# -- transformers on the GPU --------------------------------------------------------------
+
+def hf_greedy(model: Any, prompt: list[int], steps: int) -> tuple[np.ndarray, list[int], list[np.ndarray]]:
+    """hf_oracle.greedy on the model's device: (prompt logits, greedy tokens, the logits
+    each token was chosen from), as float32 numpy."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model(torch.tensor([prompt], device=device), use_cache=True)
+        prompt_logits = out.logits[0].float().cpu().numpy()
+        past, step_logits, tokens = out.past_key_values, [prompt_logits[-1]], []
+        while True:
+            tokens.append(int(np.argmax(step_logits[-1])))
+            if len(tokens) == steps:
+                return prompt_logits, tokens, step_logits
+            out = model(torch.tensor([[tokens[-1]]], device=device), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            step_logits.append(out.logits[0, -1].float().cpu().numpy())
+
+
+def hf_prompt_logits(model: Any, prompt: list[int]) -> np.ndarray:
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        return model(torch.tensor([prompt], device=device)).logits[0].float().cpu().numpy()
+
+
+def load_hf_tiny(folder: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda").eval()
+
+
+def first_divergence(ours: list[int], ref: list[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            return i
+    return None if len(ours) == len(ref) else min(len(ours), len(ref))
+
+
+def check_greedy(label: str, ours: list[int], ref: list[int], ref_logits: list[np.ndarray], near_tie: float,
+                 decode: Any = None) -> int | None:
+    """Same greedy tokens, or a first divergence where the reference itself nearly ties:
+    the reference's logit for our token is within `near_tie` of its logit for its own
+    (if every logit agrees within tol, argmax can only flip where that gap is <= 2 tol).
+    Returns the divergence step (None: identical)."""
+    step = first_divergence(ours, ref)
+    if step is None:
+        print(f"[{label}] {len(ref)}/{len(ref)} greedy tokens identical")
+        return None
+    logits = ref_logits[step]
+    top2 = np.sort(logits)[-2:]
+    gap = float(logits[ref[step]] - logits[ours[step]])
+    show = decode or (lambda ids: ids)
+    print(f"[{label}] first divergence at step {step}: vtool {ours[step]} vs reference {ref[step]}; reference "
+          f"logit gap to our token {gap:.4f} (top-2 gap {float(top2[1] - top2[0]):.4f}, near-tie bound {near_tie:.4f})"
+          f"\n   vtool:     {show(ours)!r}\n   reference: {show(ref)!r}")
+    assert gap <= near_tie, (
+        f"{label}: greedy tokens diverge at step {step} (vtool {ours[step]}, reference {ref[step]}) where the "
+        f"reference prefers its token by {gap:.4f} > {near_tie:.4f}: not a near-tie")
+    return step
+
+
+def max_abs(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
+
+
+# -- tests that run anywhere: the arch rule and the refusal without a driver ----------------
+
+@pytest.mark.parametrize("arch, cc, runs", [
+    ("sm_80", (8, 0), True), ("sm_80", (8, 6), True), ("sm_80", (8, 9), True), ("sm_80", (9, 0), False),
+    ("sm_86", (8, 0), False), ("sm_90a", (9, 0), True), ("sm_90a", (10, 0), False), ("sm_90", (9, 0), True),
+    ("compute_80", (9, 0), True), ("compute_90", (12, 0), True), ("compute_90", (8, 9), False),
+    ("compute_90a", (10, 0), False), ("sm_100f", (10, 3), True), ("sm_100a", (10, 3), False),
+    ("sm_120a", (12, 0), True), ("sm_120", (12, 1), True), ("sm_120a", (12, 1), False),
+])
+def test_arch_coverage_rule(arch, cc, runs):
+    assert arch_runs_on(arch, *cc) is runs
+
+
+def test_artifact_archs_take_sass_and_ptx():
+    assert artifact_archs({"archs": ["sm_80", "sm_90a"], "ptx": "compute_90"}) == ["sm_80", "sm_90a", "compute_90"]
+    assert artifact_archs({"tvm": {"kind": "cuda", "arch": "sm_90"}}) == ["sm_90"]
+
+
+@pytest.mark.parametrize("cc, name", [((9, 0), "sm_90a"), ((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 9), "sm_89"),
+                                      ((10, 0), "sm_100a"), ((12, 0), "sm_120a")])
+def test_target_for_compute_capability(cc, name):
+    assert target_for_compute_capability(*cc) == name
+
+
+def _fake_cuda_artifact(folder: Path, archs: list[str]) -> Path:
+    """A manifest-only CUDA artifact: every refusal below happens before model.so is read."""
+    from vtool.runtime.artifact import installed_versions
+    from vtool.runtime.manifest import FORMAT_VERSION, write_manifest
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_manifest(folder, {
+        "format_version": FORMAT_VERSION, "arch": "LlamaForCausalLM", "config": {}, "config_digest": "",
+        "source_config": {}, "dtype": "float32", "quantization": "none", "versions": installed_versions(),
+        "entry_points": [], "params": [], "library": "model.so",
+        "target": {"name": ",".join(archs), "family": "cuda", "archs": archs, "tvm": {"kind": "cuda"}}})
+    return folder
+
+
+def test_cuda_artifact_without_a_driver_is_refused_by_name(tmp_path):
+    try:
+        import ctypes
+
+        ctypes.CDLL(DRIVER)
+    except OSError:
+        pass
+    else:
+        pytest.skip(f"{DRIVER} loads here: this checks a machine without an NVIDIA driver")
+    # The driver is what such a machine lacks; one without the CUDA runtime either is told that first.
+    with pytest.raises(RuntimeLoadError, match=r"NVIDIA driver library libcuda\.so\.1|CUDA runtime libcudart"):
+        CompiledModel(_fake_cuda_artifact(tmp_path / "art", ["sm_90a"]), None)
+
+
+def test_cuda_artifact_for_another_gpu_is_refused_by_name(gpu, tmp_path):
+    other = "sm_90a" if gpu.major == 8 else "sm_80"  # SASS that cannot run on this GPU
+    with pytest.raises(VtoolError, match=f"code for {other}.*cannot run on GPU 0.*"
+                                         f"build for --target {target_for_compute_capability(gpu.major, gpu.minor)}"):
+        CompiledModel(_fake_cuda_artifact(tmp_path / "art", [other]), None)
+
+
+# -- (a) tiny shapes -------------------------------------------------------------------------
+
+class TinyCase:
+    """One tiny shape: its checkpoint and, loaded on first use, a generator per dtype."""
+
+    def __init__(self, name: str, artifacts: Artifacts):
+        self.name, self._artifacts, self._generators = name, artifacts, {}
+
+    def load(self, dtype: str) -> tuple[Path, Generator]:
+        if dtype not in self._generators:
+            folder, artifact = self._artifacts.tiny(self.name, dtype)
+            gen = Generator(CompiledModel(artifact, open_checkpoint(folder)), max_model_len=256)
+            assert gen.model.on_gpu, "a CUDA artifact must run on the GPU"
+            self._generators[dtype] = folder, gen
+        return self._generators[dtype]
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_SHAPES))
+def tiny(request, artifacts):
+    return TinyCase(request.param, artifacts)
+
+
+def test_tiny_float32_matches_transformers(tiny):
+    name = tiny.name
+    folder, gen = tiny.load("float32")
+    hf = load_hf_tiny(folder, torch.float32)
+    ref_prompt, ref_tokens, ref_logits = hf_greedy(hf, PROMPT, STEPS)
+    assert len(set(ref_tokens)) > 8, f"{name}: the reference is degenerate, the check would be weak"
+
+    prompt_err = max_abs(gen.prompt_logits(PROMPT), ref_prompt)
+    seen: list[np.ndarray] = []
+    result = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append)
+    errs = [max_abs(a, b) for a, b in zip(seen, ref_logits)]
+    print(f"[{name} float32] max|dlogit| prompt {prompt_err:.2e}, decode {max(errs):.2e}; "
+          f"tokens {'identical' if result.token_ids == ref_tokens else 'DIFFER'}")
+    assert prompt_err < FP32_TOLERANCE, f"{name}: prompt logits differ by {prompt_err}"
+    assert result.token_ids == ref_tokens, (
+        f"{name}: greedy tokens diverge at step {first_divergence(result.token_ids, ref_tokens)}")
+    worst = int(np.argmax(errs))
+    assert errs[worst] < FP32_TOLERANCE, f"{name}: logits at decode step {worst} differ by {errs[worst]}"
+
+
+def test_tiny_bfloat16_matches_transformers(tiny):
+    folder, gen = tiny.load("bfloat16")
+    ref = bf16_reference(load_hf_tiny(folder, torch.float32), load_hf_tiny(folder, torch.bfloat16), PROMPT)
+    check_bfloat16(f"{tiny.name} bfloat16", gen, PROMPT, ref, near_tie=TINY_NEAR_TIE_REF_ERRS * ref["ref_err"])
+
+
+# -- bfloat16: the reference and the check -----------------------------------------------------
+
+def bf16_reference(hf32: Any, hf16: Any, prompt: list[int]) -> dict[str, Any]:
+    """transformers bf16 greedy (tokens, the logits each was chosen from), its logits along
+    the whole sequence, the float32 truth along the same sequence, and ref_err."""
+    ref_prompt, tokens, step_logits = hf_greedy(hf16, prompt, STEPS)
+    sequence = prompt + tokens[:-1]
+    hf16_seq = np.concatenate([ref_prompt, np.stack(step_logits[1:])])  # position i: logits after sequence[:i+1]
+    truth = hf_prompt_logits(hf32, sequence)
+    return {"tokens": tokens, "logits": step_logits, "sequence": sequence, "hf16": hf16_seq, "truth": truth,
+            "ref_err": max_abs(hf16_seq, truth)}
+
+
+def check_bfloat16(label: str, gen: Generator, prompt: list[int], ref: dict[str, Any], near_tie: float,
+                   decode: Any = None) -> None:
+    """vtool bf16 against the reference of bf16_reference:
+    1. teacher-forced (batch_prefill over prompt + the reference's tokens): every position
+       within max(BF16_VS_TRUTH * ref_err, BF16_FLOOR) of the float32 truth;
+    2. free-running greedy (prefill + decode): the decode-path logits within the same bound
+       while the sequences agree, and the tokens equal up to a near-tie (check_greedy)."""
+    n, ref_err = len(prompt), ref["ref_err"]
+    bound = max(BF16_VS_TRUTH * ref_err, BF16_FLOOR)
+    forced = gen.prompt_logits(ref["sequence"])
+    forced_err = max_abs(forced, ref["truth"])
+    seen: list[np.ndarray] = []
+    result = gen.generate(prompt, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append)
+    step = first_divergence(result.token_ids, ref["tokens"])
+    shared = STEPS if step is None else step + 1  # logits up to the divergence come from the same prefix
+    decode_errs = [max_abs(seen[k], ref["truth"][n - 1 + k]) for k in range(shared)]
+    print(f"[{label}] max|dlogit| vs float32: vtool teacher-forced {forced_err:.3f}, decode path "
+          f"{max(decode_errs):.3f}; transformers bf16 (ref_err) {ref_err:.3f}; bound {bound:.3f}. "
+          f"vs transformers bf16: {max_abs(forced, ref['hf16']):.3f}")
+    assert forced_err <= bound, (f"{label}: teacher-forced bf16 logits are {forced_err:.3f} from float32, more than "
+                                 f"{BF16_VS_TRUTH} x transformers' own bf16 error {ref_err:.3f}")
+    worst = int(np.argmax(decode_errs))
+    assert decode_errs[worst] <= bound, (f"{label}: decode-path bf16 logits at step {worst} are "
+                                         f"{decode_errs[worst]:.3f} from float32 > {bound:.3f}")
+    check_greedy(label, result.token_ids, ref["tokens"], ref["logits"], near_tie=near_tie, decode=decode)
+
+
+# -- (b) SmolLM2 in bfloat16 -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2(artifacts):
+    from vtool.runtime.session import open_session
+
+    gguf, artifact = artifacts.smollm2()
+    session = open_session(artifact, open_checkpoint(gguf), max_model_len=1024)
+    assert session.model.on_gpu
+    base = load_gguf_model(gguf)  # float32 on the CPU, cached per session; copies go to the GPU
+    hf32 = copy.deepcopy(base).to("cuda")
+    hf16 = copy.deepcopy(base).to("cuda", torch.bfloat16)
+    tokenizer = load_gguf_tokenizer(gguf)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in SMOLLM2_PROMPTS]
+    refs = [bf16_reference(hf32, hf16, ids) for ids in prompts]
+    del hf32, hf16
+    torch.cuda.empty_cache()
+    return session, tokenizer, prompts, refs
+
+
+@pytest.mark.parametrize("index", range(len(SMOLLM2_PROMPTS)))
+def test_smollm2_bfloat16_generator_matches_transformers(smollm2, index):
+    session, tokenizer, prompts, refs = smollm2
+    check_bfloat16(f"smollm2 bf16 #{index}", session.generator, prompts[index], refs[index],
+                   near_tie=SMOLLM2_NEAR_TIE, decode=tokenizer.decode)
+
+
+def test_smollm2_bfloat16_engine_batch_matches_transformers(smollm2):
+    """The three prompts at once through the continuous-batching engine (batch_prefill,
+    batch_decode, KV sized by gpu_memory_utilization): each against transformers."""
+    from vtool.runtime.engine import Engine, EngineConfig, kv_bytes_per_block
+
+    session, tokenizer, prompts, refs = smollm2
+    free_before, total = session.model.device_memory()
+    config = EngineConfig(max_num_seqs=4, enable_prefix_caching=False, gpu_memory_utilization=0.5)
+    engine = Engine(session, config)
+    per_block = kv_bytes_per_block(session.model.manifest, config.block_size)
+    cap = -(-engine.max_model_len * config.max_num_seqs // config.block_size)
+    print(f"[smollm2 engine] {engine.kv.blocks.num_blocks} KV blocks (budget {free_before * 0.5 / 2**30:.1f} GiB "
+          f"= {int(free_before * 0.5) // per_block} blocks, capped at {cap}); GPU {free_before / 2**30:.1f} GiB free "
+          f"of {total / 2**30:.1f}")
+    assert engine.kv.blocks.num_blocks >= min(cap, int(free_before * 0.5) // per_block)
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params)
+    done: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for _ in range(10 * STEPS):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            done[out.request_id].extend(out.new_token_ids)
+    assert not engine.has_unfinished(), "the engine stopped making progress"
+    assert engine.kv.in_sync(), "block mirror and TVM disagree"
+    for i, ref in enumerate(refs):
+        check_greedy(f"smollm2 engine #{i}", done[f"r{i}"], ref["tokens"], ref["logits"],
+                     near_tie=SMOLLM2_NEAR_TIE, decode=tokenizer.decode)
