@@ -25,9 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-CONFIG = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-              num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
-              rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+# The config the artifact was built from (tests/bench/shape_checkpoint.py builds it here
+# without weights); written over transformers' own config.json so the runtime's config
+# check compares like with like whatever transformers version saved the weights.
+CONFIG_PATH = Path(__file__).with_name("llama8b_config.json")
+CONFIG = {k: v for k, v in json.loads(CONFIG_PATH.read_text()).items()
+          if k not in ("architectures", "model_type", "torch_dtype")}
 RESULTS: list[dict] = []
 
 
@@ -47,6 +50,7 @@ def make_checkpoint(folder: Path) -> None:
         model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.bfloat16)
     t = time.perf_counter()
     model.save_pretrained(folder, max_shard_size="4GB")
+    (folder / "config.json").write_text(CONFIG_PATH.read_text())
     record(step="checkpoint_saved", seconds=round(time.perf_counter() - t, 1))
     del model
     torch.cuda.empty_cache()
@@ -98,13 +102,13 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int) -> None:
         gen.prefill_logits(list(range(1000, 1128)))
         embeds = gen._embed([1234])
         gen._end  # noqa: B018 - keep the bound builtins warm
-        sync(model.device, None)
+        sync(model.device, 0)
         t0 = time.perf_counter()
         for _ in range(n):
             gen._begin(gen._kv, S([gen.SEQ_ID]), S([1]))
             model.function("decode")(embeds, gen._kv, model.params)
             gen._end(gen._kv)
-        sync(model.device, None)
+        sync(model.device, 0)
         return (time.perf_counter() - t0) / n
 
     timed_decode(8)
@@ -119,10 +123,10 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int) -> None:
         ids = list(range(1000, 1000 + n_prompt))
         gen.prefill_logits(ids)  # warm
         gen._fresh_sequence(n_prompt + 16)
-        sync(model.device, None)
+        sync(model.device, 0)
         t0 = time.perf_counter()
         gen.prefill_logits(ids)
-        sync(model.device, None)
+        sync(model.device, 0)
         record(step=f"vtool_prefill_{n_prompt}", ms=round((time.perf_counter() - t0) * 1e3, 2))
 
     from vtool.runtime.kv_cache import PagedKVCache
@@ -142,12 +146,12 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int) -> None:
 
         for _ in range(4):
             one()
-        sync(model.device, None)
+        sync(model.device, 0)
         t0 = time.perf_counter()
         n = 32
         for _ in range(n):
             one()
-        sync(model.device, None)
+        sync(model.device, 0)
         ms = (time.perf_counter() - t0) / n * 1e3
         record(step=f"vtool_batch_decode_b{batch}", ms_per_step=round(ms, 3), tok_s=round(batch * 1e3 / ms, 1))
         del kv
@@ -193,14 +197,55 @@ def bench_transformers(checkpoint_dir: Path, steps: int) -> None:
     record(step="hf_static_compile_decode_b1", ms_per_token=round(ms, 3), tok_s=round(1e3 / ms, 1))
 
 
+def logits_check(artifact: Path, checkpoint_dir: Path, n: int = 128) -> None:
+    """The 8B-shape bf16 question: how far are vtool's and transformers' bf16 logits from the
+    float32 truth (transformers in float32, TF32 off) on the same random weights?"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vtool.runtime.artifact import CompiledModel
+    from vtool.runtime.checkpoint import open_checkpoint
+    from vtool.runtime.generate import Generator
+
+    ids = list(range(1000, 1000 + n))
+    model = CompiledModel(artifact, open_checkpoint(checkpoint_dir))
+    ours = Generator(model, max_model_len=1024).prompt_logits(ids).astype(np.float32)
+    del model
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype, device_map="cuda").eval()
+        with torch.no_grad():
+            out[dtype] = hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+        del hf
+        torch.cuda.empty_cache()
+    truth, hf16 = out[torch.float32], out[torch.bfloat16]
+
+    def compare(name: str, x: np.ndarray) -> None:
+        d = np.abs(x - truth)
+        record(step=f"logits_{name}_vs_float32", max_abs=round(float(d.max()), 4), mean_abs=round(float(d.mean()), 4),
+               top1_agreement=round(float((x.argmax(-1) == truth.argmax(-1)).mean()), 4),
+               logit_std=round(float(truth.std()), 4))
+
+    compare("vtool_bf16", ours)
+    compare("hf_bf16", hf16)
+    record(step="logits_vtool_bf16_vs_hf_bf16", top1_agreement=round(float((ours.argmax(-1) == hf16.argmax(-1)).mean()), 4),
+           mean_abs=round(float(np.abs(ours - hf16).mean()), 4))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifact", required=True, type=Path)
     ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/llama8b-random"))
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--logits-check", action="store_true", help="only compare bf16 logits with the float32 truth")
     args = ap.parse_args()
     make_checkpoint(args.checkpoint)
+    if args.logits_check:
+        logits_check(args.artifact, args.checkpoint)
+        return
     bw = copy_bandwidth()
     record(step="copy_bandwidth", gb_s=round(bw, 1), weight_gb=round(weight_bytes_per_step() / 1e9, 2),
            roofline_ms=round(weight_bytes_per_step() / bw / 1e6, 3))
