@@ -59,6 +59,18 @@ def build_with_progress(model_path: Path, target: str, dtype: str, output: str |
         return build_artifact(model_path, target, dtype, output=output, progress=report, force=force)
 
 
+def _artifact_option(fn: Callable) -> Callable:
+    return click.option("--artifact", default=None, type=click.Path(exists=True, file_okay=False),
+                        help="run this prebuilt artifact folder instead of building (a machine with only the "
+                             "TVM runtime); --model still names the weights")(fn)
+
+
+def artifact_for(model_path: Path, artifact: str | None, target: str, dtype: str) -> Path:
+    """The prebuilt artifact when given (nothing is compiled, so no compiler is needed),
+    else the cached or fresh build."""
+    return Path(artifact) if artifact else build_with_progress(model_path, target, dtype)
+
+
 def _model_options(fn: Callable) -> Callable:
     fn = click.option("--dtype", default="float32", show_default=True,
                       type=click.Choice(["float32", "float16", "bfloat16"]), help="compute dtype")(fn)
@@ -109,20 +121,21 @@ def targets() -> None:
               help="load once, run N times, report warm decode tok/s")
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
 @click.option("--max-model-len", default=None, type=int, help="context length (default: model's, capped at 4096)")
+@_artifact_option
 def run(model: str | None, target: str, dtype: str, prompt: str, tokenizer_config: str | None, max_tokens: int,
         temperature: float, top_p: float, top_k: int, seed: int | None, stream: bool, repeat: int, chat: bool,
-        max_model_len: int | None) -> None:
+        max_model_len: int | None, artifact: str | None) -> None:
     """Generate text from a prompt (builds the model on first use)."""
     from vtool.runtime.checkpoint import open_checkpoint
     from vtool.runtime.run_cmd import RunOptions, run_completion
 
     model_path = resolve_model(model)
     checkpoint = open_checkpoint(model_path)
-    artifact = build_with_progress(model_path, target, dtype)
+    artifact_dir = artifact_for(model_path, artifact, target, dtype)
     options = RunOptions(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                          seed=seed, stream=stream, repeat=repeat, chat=chat, tokenizer_config=tokenizer_config,
                          max_model_len=max_model_len)
-    run_completion(artifact, checkpoint, options, out, console)
+    run_completion(artifact_dir, checkpoint, options, out, console)
 
 
 @main.command()
@@ -154,13 +167,14 @@ def run(model: str | None, target: str, dtype: str, prompt: str, tokenizer_confi
 @click.option("--api-key", default=None, envvar="VLLM_API_KEY", help="require this Bearer key on /v1 routes")
 @click.option("--trust-remote-code", is_flag=True, help="accepted for vLLM recipes; no effect")
 @click.option("--enable-auto-tool-choice", is_flag=True, help="accepted for vLLM recipes; no effect")
+@_artifact_option
 def serve(model: str | None, target: str, dtype: str, host: str, port: int, served_model_name: tuple[str, ...],
           tokenizer_config: str | None, block_size: int, num_blocks: int | None, kv_cache_memory_bytes: int | None,
           gpu_memory_utilization: float,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
           scheduling_policy: str, enable_log_requests: bool, enable_log_outputs: bool, max_log_len: int,
           disable_metrics: bool, enable_force_include_usage: bool, api_key: str | None, trust_remote_code: bool,
-          enable_auto_tool_choice: bool) -> None:
+          enable_auto_tool_choice: bool, artifact: str | None) -> None:
     """Serve an OpenAI-compatible API (builds the model on first use)."""
     from vtool.runtime.checkpoint import open_checkpoint
     from vtool.runtime.engine import EngineConfig
@@ -183,8 +197,7 @@ def serve(model: str | None, target: str, dtype: str, host: str, port: int, serv
                         max_log_len=max_log_len, enable_force_include_usage=enable_force_include_usage)
     model_path = resolve_model(model)
     checkpoint = open_checkpoint(model_path)
-    artifact = build_with_progress(model_path, target, dtype)
-    run_server(artifact, checkpoint, engine_config, opts, console)
+    run_server(artifact_for(model_path, artifact, target, dtype), checkpoint, engine_config, opts, console)
 
 
 @main.command()
