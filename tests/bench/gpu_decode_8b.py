@@ -20,10 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # The config the artifact was built from (tests/bench/shape_checkpoint.py builds it here
 # without weights); written over transformers' own config.json so the runtime's config
@@ -40,20 +43,11 @@ def record(**kw) -> None:
 
 
 def make_checkpoint(folder: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from random_checkpoint import make_random_checkpoint
 
-    if (folder / "model.safetensors.index.json").exists() or (folder / "model.safetensors").exists():
-        return
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.bfloat16)
-    t = time.perf_counter()
-    model.save_pretrained(folder, max_shard_size="4GB")
-    (folder / "config.json").write_text(CONFIG_PATH.read_text())
-    record(step="checkpoint_saved", seconds=round(time.perf_counter() - t, 1))
-    del model
-    torch.cuda.empty_cache()
+    seconds = make_random_checkpoint(CONFIG_PATH, folder)
+    if seconds:
+        record(step="checkpoint_saved", seconds=round(seconds, 1))
 
 
 def copy_bandwidth() -> float:
