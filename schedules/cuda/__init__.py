@@ -21,6 +21,10 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 
+from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+
+from vtool.schedules.cuda.bf16_tensorcore import schedule_bf16_matmul
+
 # Upper batch limit (inclusive) of each LowBatchGEMV bucket, in dispatch order.
 LOW_BATCH_BUCKETS: tuple[tuple[int, int], ...] = ((2, 2), (8, 4))  # (n <= limit, bucket)
 DEFAULT_RULES = ("Matmul", "GEMV", "Reduction", "GeneralReduction", "Fallback")
@@ -29,8 +33,8 @@ DEFAULT_RULES = ("Matmul", "GEMV", "Reduction", "GeneralReduction", "Fallback")
 def describe() -> dict:
     """What the manifest records about the schedules."""
     return {"low_batch_dispatch": [{"max_n": limit, "rule": f"LowBatchGEMV({bucket})"} for limit, bucket in LOW_BATCH_BUCKETS]
-            + [{"rule": "Matmul"}],
-            "default_rules": [f"dlight.gpu.{r}" for r in DEFAULT_RULES]}
+            + [{"rule": "bf16 WMMA tensor cores, else Matmul"}],
+            "default_rules": ["vtool.BF16TensorCoreMatmul"] + [f"dlight.gpu.{r}" for r in DEFAULT_RULES]}
 
 
 def _is_scheduled(func: tirx.PrimFunc) -> bool:
@@ -69,7 +73,7 @@ def low_batch_dispatch(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.P
         if sch is None:
             return None
         variants.append(sch.mod["main"])
-    general = _one_schedule(dl.gpu.Matmul().apply(func, target, False))
+    general = schedule_bf16_matmul(func, target) or _one_schedule(dl.gpu.Matmul().apply(func, target, False))
     if general is None:
         return None
     (n,) = sym
@@ -81,6 +85,15 @@ def low_batch_dispatch(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.P
     return (func.with_body(root)
             .with_attr("tirx.is_scheduled", True)
             .with_attr("tirx.HoistIfThenElseExprWithBlock", 1))
+
+
+class BF16TensorCoreMatmul(GPUScheduleRule):
+    """bf16 matmuls on tensor cores (bf16_tensorcore.py), ahead of DLight's SIMT Matmul."""
+
+    def apply(self, func, target, tunable):  # noqa: ANN001 - DLight's rule signature
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        return schedule_bf16_matmul(func, target)
 
 
 def cuda_schedule_pass() -> tvm.transform.Pass:
@@ -97,5 +110,5 @@ def cuda_schedule_pass() -> tvm.transform.Pass:
             mod[gv] = func
         return mod
 
-    rules = [getattr(dl.gpu, name)() for name in DEFAULT_RULES]
+    rules = [BF16TensorCoreMatmul()] + [getattr(dl.gpu, name)() for name in DEFAULT_RULES]
     return tvm.transform.Sequential([_low_batch, dl.ApplyDefaultSchedule(*rules)], name="VtoolCUDASchedules")
