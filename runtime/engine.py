@@ -247,13 +247,12 @@ class Engine:
             self.kv.end_forward()
 
     def _collect_prompt_logits(self, request: Request, n: int, rows: np.ndarray) -> None:
-        logits = getattr(request, "_prompt_logits", [])
-        logits.append(rows[: max(0, min(n, len(request.prompt_ids) - request.num_computed))])
-        request._prompt_logits = logits  # type: ignore[attr-defined]
+        chunks = request.prompt_logit_chunks
+        chunks.append(rows[: max(0, min(n, len(request.prompt_ids) - request.num_computed))])
         if request.num_computed + n >= len(request.prompt_ids):
-            full = np.concatenate(logits)[: len(request.prompt_ids)]
+            full = np.concatenate(chunks)[: len(request.prompt_ids)]
             request.prompt_logprobs = prompt_logprobs(full, request.prompt_ids, request.params.prompt_logprobs)
-            del request._prompt_logits  # type: ignore[attr-defined]
+            chunks.clear()
 
     # -- after sampling --------------------------------------------------------------------
     def _advance(self, request: Request, result: Any) -> StepOutput:

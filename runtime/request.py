@@ -33,6 +33,7 @@ class Request:
     output_logprobs: list[Any] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[Any] | None = None
+    prompt_logit_chunks: list[Any] = dataclasses.field(default_factory=list)  # until the prompt is through
     text: str = ""
     num_computed: int = 0  # tokens whose K/V is in the cache
     seq_id: int | None = None  # the KV-cache sequence while scheduled
