@@ -50,54 +50,36 @@ def describe(family: str) -> dict[str, Any]:
                        "cpu.dataflow_lower", "cpu.finalize"]}
 
 
-def build_pipeline(target: tvm.target.Target, family: str) -> tvm.transform.Pass:
+def _backend(family: str):  # noqa: ANN202 - a TVM backend pipeline module
     if family == "x86":
-        return _cpu_pipeline(target)
-    if family == "cuda":
-        return _cuda_pipeline(target)
-    raise NotImplementedError(f"no pipeline for target family {family!r} yet")
+        from tvm.relax.backend.cpu_generic import pipeline as backend
+    elif family == "cuda":
+        from tvm.relax.backend.cuda import pipeline as backend
+    else:
+        raise NotImplementedError(f"no pipeline for target family {family!r} yet")
+    return backend
 
 
-def _cpu_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
-    from tvm.relax.backend.cpu_generic import pipeline as cpu
+def build_pipeline(target: tvm.target.Target, family: str) -> tvm.transform.Pass:
+    """FuseTransposeMatmul, the backend's library dispatch, legalize + fuse, vtool's
+    schedules for the family, the backend's dataflow lowering and finalize passes."""
+    backend = _backend(family)
+    schedule_pass = rules_for(family)
 
-    schedule_pass = rules_for("x86")
-
-    @tvm.transform.module_pass(opt_level=0, name="VtoolCPUPipeline")
-    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        with target:
-            passes = (
-                [relax.transform.FuseTransposeMatmul()]
-                + cpu.library_dispatch_passes(target)
-                + cpu.legalize_passes(target)
-                + [schedule_pass]
-                + cpu.dataflow_lower_passes(target)
-                + cpu.finalize_passes(target)
-            )
-            return tvm.transform.Sequential(passes)(mod)
-
-    return _pipeline
-
-
-def _cuda_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
-    from tvm.relax.backend.cuda import pipeline as cuda
-
-    schedule_pass = rules_for("cuda")
-
-    @tvm.transform.module_pass(opt_level=0, name="VtoolCUDAPipeline")
+    @tvm.transform.module_pass(opt_level=0, name=f"Vtool{family.upper()}Pipeline")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         with target:
             passes = (
                 # First, or every x @ W.T transposes its weight per call.
                 [relax.transform.FuseTransposeMatmul()]
-                + cuda.library_dispatch_passes(target)
-                # cuda.legalize_passes(target) without its trailing DLight pass: our rules
-                # (vtool.schedules.cuda) replace it.
+                + backend.library_dispatch_passes(target)
+                # The CPU backend's legalize_passes, and the CUDA one's without its trailing
+                # DLight pass: vtool's schedules take that place on both.
                 + [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
                    relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
                    schedule_pass]
-                + cuda.dataflow_lower_passes(target)
-                + cuda.finalize_passes(target)
+                + backend.dataflow_lower_passes(target)
+                + backend.finalize_passes(target)
             )
             return tvm.transform.Sequential(passes)(mod)
 
