@@ -15,6 +15,8 @@ Entry points (the runtime calls these by name; the manifest lists them):
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 from tvm import relax as rx
 from tvm import te
 from tvm import tirx
@@ -24,6 +26,10 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from vtool.models.config import ModelConfig
+from vtool.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
+
+# compiled module path ("model.layers.0.mlp.down_proj") -> GGML block format kept in memory
+Formats = Mapping[str, str]
 
 class Linear(nn.Module):
     """y = x W^T (+ b), accumulated in float32 whatever the weight dtype.
@@ -47,11 +53,21 @@ class Linear(nn.Module):
         return y
 
 
+def make_linear(path: str, in_features: int, out_features: int, bias: bool, dtype: str,
+                formats: Formats) -> Linear | QuantizedLinear:
+    """A QuantizedLinear where the build keeps `path`'s weight in blocks, else a Linear."""
+    fmt = formats.get(path)
+    if fmt is None:
+        return Linear(in_features, out_features, bias, dtype)
+    return QuantizedLinear(in_features, out_features, bias, dtype, fmt)
+
+
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: str):
+    def __init__(self, c: ModelConfig, dtype: str, formats: Formats, prefix: str):
         self.head_dim, self.hq, self.hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        self.qkv_proj = Linear(c.hidden_size, (self.hq + 2 * self.hkv) * self.head_dim, c.attention_bias, dtype)
-        self.o_proj = Linear(self.hq * self.head_dim, c.hidden_size, False, dtype)
+        self.qkv_proj = make_linear(prefix + "qkv_proj", c.hidden_size, (self.hq + 2 * self.hkv) * self.head_dim,
+                                    c.attention_bias, dtype, formats)
+        self.o_proj = make_linear(prefix + "o_proj", self.hq * self.head_dim, c.hidden_size, False, dtype, formats)
         self.qk_norm = c.qk_norm
         if c.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, -1, c.rms_norm_eps, bias=False, dtype=dtype)
@@ -69,9 +85,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: str):
-        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, False, dtype)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, False, dtype)
+    def __init__(self, c: ModelConfig, dtype: str, formats: Formats, prefix: str):
+        self.gate_up_proj = make_linear(prefix + "gate_up_proj", c.hidden_size, 2 * c.intermediate_size, False,
+                                        dtype, formats)
+        self.down_proj = make_linear(prefix + "down_proj", c.intermediate_size, c.hidden_size, False, dtype, formats)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
@@ -79,9 +96,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: str):
-        self.self_attn = Attention(c, dtype)
-        self.mlp = MLP(c, dtype)
+    def __init__(self, c: ModelConfig, dtype: str, formats: Formats, prefix: str):
+        self.self_attn = Attention(c, dtype, formats, prefix + "self_attn.")
+        self.mlp = MLP(c, dtype, formats, prefix + "mlp.")
         self.input_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
 
@@ -91,22 +108,31 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: str):
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList([DecoderLayer(c, dtype) for _ in range(c.num_hidden_layers)])
+    def __init__(self, c: ModelConfig, dtype: str, formats: Formats):
+        embed_fmt = formats.get("model.embed_tokens")
+        self.embed_tokens = (nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype) if embed_fmt is None
+                             else QuantizedEmbedding(c.vocab_size, c.hidden_size, dtype, embed_fmt))
+        self.layers = nn.ModuleList([DecoderLayer(c, dtype, formats, f"model.layers.{i}.")
+                                     for i in range(c.num_hidden_layers)])
         self.norm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: str, target: Target):
+    """`formats` names the weights kept in GGUF blocks (QuantizedLinear / QuantizedEmbedding);
+    every other weight is a dense parameter of `dtype`."""
+
+    def __init__(self, c: ModelConfig, dtype: str, target: Target, formats: Formats | None = None):
+        formats = formats or {}
         self.config, self.dtype, self.target = c, dtype, target
-        self.model = Backbone(c, dtype)
+        self.model = Backbone(c, dtype, formats)
         if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, False, dtype)
+            self.lm_head = make_linear("lm_head", c.hidden_size, c.vocab_size, False, dtype, formats)
 
     def _logits(self, h: Tensor) -> Tensor:
         h = self.model.norm(h)
         if self.config.tie_word_embeddings:
+            if isinstance(self.model.embed_tokens, QuantizedEmbedding):
+                return self.model.embed_tokens.lm_head(h)
             w = self.model.embed_tokens.weight
             return op.matmul(h, op.permute_dims(w), out_dtype="float32")
         logits = self.lm_head(h)
@@ -144,7 +170,8 @@ class DecoderForCausalLM(nn.Module):
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                                   support_sliding_window: tirx.Var) -> PagedKVCache:
         c = self.config
-        return TIRPagedKVCache(
+        # vtool.toolchain.flashinfer_attention.use_attention may set another cache class.
+        return getattr(self, "kv_cache_class", TIRPagedKVCache)(
             attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size, page_size=page_size,
             support_sliding_window=support_sliding_window,

@@ -6,10 +6,13 @@ from the runtime's registry (vtool.runtime.transforms).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from vtool import VtoolError
 from vtool.models.config import ModelConfig
+from vtool.models.quant_formats import QUANT_PARTS, keepable
+
+FLOAT_TYPES = ("F32", "F16", "BF16")  # stored types that are plain floats
 
 # Fused compiled parameter -> the HF projections concatenated (along the output rows) into it.
 FUSED = {
@@ -22,20 +25,64 @@ class WeightPlanError(VtoolError):
     """The checkpoint does not provide what the config says the model needs."""
 
 
-def plan_parameters(named_params: Iterable[tuple[str, Any]]) -> list[dict[str, Any]]:
-    """One manifest entry per compiled parameter, in the order the library expects them."""
+def plan_parameters(named_params: Iterable[tuple[str, Any]],
+                    formats: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """One manifest entry per compiled parameter, in the order the library expects them.
+
+    A part of a weight kept in blocks (module path in `formats`) carries
+    `quant: {format, part}`: the runtime repacks its source tensors' blocks and binds that
+    part. Its sources are the HF weights (`<module>.weight`) the blocks come from.
+    """
+    formats = formats or {}
     plan = []
     for name, param in named_params:
-        shape = [int(x) for x in param.shape]
-        entry = {"name": name, "shape": shape, "dtype": str(param.dtype), "transform": "identity", "sources": [name]}
+        module, leaf = name.rsplit(".", 1)
+        entry: dict[str, Any] = {"name": name, "shape": [int(x) for x in param.shape], "dtype": str(param.dtype),
+                                 "transform": "identity", "sources": [name]}
+        if module in formats and leaf in QUANT_PARTS:
+            entry["quant"] = {"format": formats[module], "part": leaf}
+            leaf = "weight"
+            entry["sources"] = [f"{module}.{leaf}"]
         for fused, parts in FUSED.items():
-            marker = f".{fused}."
-            if marker in name:
-                prefix, suffix = name.split(marker)
+            if module.endswith("." + fused):
+                prefix = module[: -len(fused) - 1]
                 entry["transform"] = "concat_rows"
-                entry["sources"] = [f"{prefix}.{part}.{suffix}" for part in parts]
+                entry["sources"] = [f"{prefix}.{part}.{leaf}" for part in parts]
         plan.append(entry)
     return plan
+
+
+def weight_modules(c: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Each compiled module whose weight may stay quantized -> the HF weights it is made of."""
+    modules: dict[str, tuple[str, ...]] = {"model.embed_tokens": ("model.embed_tokens.weight",)}
+    if not c.tie_word_embeddings:
+        modules["lm_head"] = ("lm_head.weight",)
+    for n in range(c.num_hidden_layers):
+        p = f"model.layers.{n}."
+        for fused, parts in FUSED.items():
+            modules[p + fused] = tuple(f"{p}{part}.weight" for part in parts)
+        modules[p + "self_attn.o_proj"] = (p + "self_attn.o_proj.weight",)
+        modules[p + "mlp.down_proj"] = (p + "mlp.down_proj.weight",)
+    return modules
+
+
+def kept_formats(c: ModelConfig, stored: Mapping[str, tuple[str, tuple[int, ...]]]
+                 ) -> tuple[dict[str, str], dict[str, str]]:
+    """Which weights a `gguf` build keeps in blocks, from each HF tensor's (stored type, shape).
+
+    Returns (kept: module -> format, dense: module -> stored types dequantized instead). A
+    module is kept when all its sources share one format vtool has kernels for and fit its
+    tiles (a fused q|k|v of Q4_K q/k and a Q6_K v cannot be one block matrix, for example).
+    """
+    kept: dict[str, str] = {}
+    dense: dict[str, str] = {}
+    for module, sources in weight_modules(c).items():
+        types = sorted({stored[s][0] for s in sources})
+        if len(types) == 1 and all(keepable(types[0], *stored[s][1]) for s in sources):
+            kept[module] = types[0]
+        elif any(t not in FLOAT_TYPES for t in types):
+            dense[module] = "+".join(types)
+    return kept, dense
 
 
 def expected_source_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

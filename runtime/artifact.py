@@ -21,8 +21,9 @@ import numpy as np
 import vtool
 from vtool.runtime.checkpoint import Checkpoint
 from vtool.runtime.manifest import LIBRARY_NAME, ManifestError, read_manifest, source_config_mismatches
+from vtool.runtime.quant_blocks import repack
 from vtool.runtime.transforms import apply_transform
-from vtool.runtime.tvm_runtime import cuda_runtime, ffi, global_func
+from vtool.runtime.tvm_runtime import cuda_runtime, ffi, global_func, load_cublas
 
 _DL_CPU = 1
 _DL_CUDA = 2
@@ -103,6 +104,8 @@ class CompiledModel:
         self.device_index = CUDA_DEVICE_INDEX if self.device_type == "cuda" else 0
         self.device = self.ffi.device(self.device_type, self.device_index)
         self._staging: dict[tuple[str, str], tuple[Any, int]] = {}
+        if self.manifest.get("gemm") == "cublas":
+            load_cublas()  # refuse here, by name, rather than at the first prefill
         library = self.ffi.load_module(str(self.folder / LIBRARY_NAME))
         self.vm = library["vm_load_executable"]()
         if self.device_type == "cpu":
@@ -169,23 +172,57 @@ class CompiledModel:
 
     def _bind(self, checkpoint: Checkpoint, progress: Callable[[int, int], None] | None) -> list[Any]:
         plan = self.manifest["params"]
-        available = checkpoint.tensors()
-        for entry in plan:
-            for src in entry["sources"]:
-                if src not in available:
-                    raise ManifestError(f"{checkpoint.path}: missing tensor {src!r} needed by {entry['name']!r}")
+        check_sources(plan, checkpoint)
+        blocks = _BlockCache(checkpoint)
         bound = []
         for i, entry in enumerate(plan):
-            arrays = [checkpoint.load(src, dtype=entry["dtype"]) for src in entry["sources"]]
+            if "quant" in entry:
+                arrays = [blocks.part(src, entry["quant"]["part"]) for src in entry["sources"]]
+            else:
+                arrays = [checkpoint.load(src, dtype=entry["dtype"]) for src in entry["sources"]]
             value = apply_transform(entry["transform"], arrays)
-            if list(value.shape) != entry["shape"]:
+            if list(value.shape) != entry["shape"] or str(value.dtype) != entry["dtype"]:
                 raise ManifestError(
-                    f"{checkpoint.path}: {entry['name']!r} made from {entry['sources']} has shape "
-                    f"{list(value.shape)}, the library expects {entry['shape']}")
+                    f"{checkpoint.path}: {entry['name']!r} made from {entry['sources']} is {value.dtype} "
+                    f"{list(value.shape)}, the library expects {entry['dtype']} {entry['shape']}")
             bound.append(self.upload(value, entry["dtype"]))
+            del arrays, value
             if progress:
                 progress(i + 1, len(plan))
         return bound
+
+
+def check_sources(plan: list[dict[str, Any]], checkpoint: Checkpoint) -> None:
+    """Refuse, before anything is read, a missing source tensor or one stored in another
+    block format than the library's kernels were compiled for."""
+    available = checkpoint.tensors()
+    for entry in plan:
+        for src in entry["sources"]:
+            if src not in available:
+                raise ManifestError(f"{checkpoint.path}: missing tensor {src!r} needed by {entry['name']!r}")
+            want = entry.get("quant", {}).get("format")
+            if want is not None and available[src].dtype != want:
+                raise ManifestError(
+                    f"{checkpoint.path}: tensor {src!r} is stored as {available[src].dtype}, but this artifact "
+                    f"was built to keep it as {want} blocks; rebuild for this file, or with --quantization none")
+
+
+class _BlockCache:
+    """Repacked parts of the sources of the weight being bound: its 2-3 parts are
+    consecutive parameters, so each source is repacked once and then dropped."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+        self.repacked: dict[str, dict[str, np.ndarray]] = {}
+
+    def part(self, source: str, part: str) -> np.ndarray:
+        if source not in self.repacked:
+            if len(self.repacked) >= 4:  # q|k|v is the widest fused weight
+                self.repacked.clear()
+            fmt, raw = self.checkpoint.load_blocks(source)
+            cols = self.checkpoint.tensors()[source].shape[-1]
+            self.repacked[source] = repack(fmt, raw, cols)
+        return self.repacked[source][part]
 
 
 def _numpy_dtype(dtype: str) -> np.dtype:

@@ -70,6 +70,11 @@ class Checkpoint(abc.ABC):
             raise CheckpointError(f"{self.path}: no tensor named {name!r}")
         return cast(self._load_raw(name), target)
 
+    def load_blocks(self, name: str) -> tuple[str, np.ndarray]:
+        """A quantized tensor as it is stored: (GGML type name, raw block bytes
+        [rows, row_bytes] uint8) in HF row order. Only GGUF files hold blocks."""
+        raise CheckpointError(f"{self.path}: a {self.format} checkpoint holds no quantized blocks ({name!r})")
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.format} {self.path}>"
 

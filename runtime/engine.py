@@ -223,7 +223,10 @@ class Engine:
         try:
             if all(n == 1 for n in lengths):
                 embeds = self._create_view(flat, m.ffi.Shape([len(items), 1, m.hidden_size]), m.dtype, 0)
-                logits, _ = m.function("batch_decode")(embeds, self.kv.tvm, m.params)
+                # One sequence takes the static-shape `decode`: on CUDA it is a captured graph
+                # of GEMV kernels, where batch_decode's symbolic batch runs uncaptured matmuls.
+                entry = "decode" if len(items) == 1 else "batch_decode"
+                logits, _ = m.function(entry)(embeds, self.kv.tvm, m.params)
                 rows = m.to_numpy(logits).reshape(len(items), self.vocab_size)
                 return [rows[i: i + 1] for i in range(len(items))]
             positions, owners, offset = [], [], 0

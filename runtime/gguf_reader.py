@@ -333,7 +333,27 @@ class GGUFCheckpoint(Checkpoint):
 
     def _load_raw(self, name: str) -> np.ndarray:
         t = self._raw[name]
-        arr = self._expand(t)
+        return self._hf_rows(t, self._expand(t))
+
+    def load_blocks(self, name: str) -> tuple[str, np.ndarray]:
+        if name not in self.tensors():
+            raise CheckpointError(f"{self.path}: no tensor named {name!r}")
+        t = self._raw[name]
+        kind = t.tensor_type.name
+        if kind in ("F32", "F16", "BF16"):
+            raise CheckpointError(f"{self.path}: tensor {t.name!r} is {kind}, not quantized blocks")
+        row_bytes = int(t.data.shape[-1])  # uint8 [rows, row_bytes]: blocks never straddle rows
+        # Read, not mapped: a mapped page counts in this process's resident memory until the
+        # mapping goes, and the bytes are only passing through on their way to being repacked.
+        data = np.empty((int(t.n_bytes) // row_bytes, row_bytes), np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(int(t.data_offset))
+            if f.readinto(memoryview(data).cast("B")) != data.nbytes:
+                raise CheckpointError(f"{self.path}: tensor {t.name!r} is cut short")
+        return kind, self._hf_rows(t, data)
+
+    def _hf_rows(self, t: Any, arr: np.ndarray) -> np.ndarray:
+        """Q/K rows of the `llama` converter back in HF order (floats or block rows alike)."""
         if self._arch() == "llama" and re.search(r"\.attn_[qk]\.", t.name):
             cfg = self.config()
             n_head = cfg["num_attention_heads"] if ".attn_q." in t.name else cfg["num_key_value_heads"]

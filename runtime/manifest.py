@@ -12,7 +12,9 @@ from typing import Any
 
 from vtool import VtoolError
 
-FORMAT_VERSION = 1
+# 2: params may carry `quant` (a part of a weight kept in GGUF blocks); a format-1
+# runtime would bind those as floats, so format 1 and 2 refuse each other.
+FORMAT_VERSION = 2
 LIBRARY_NAME = "model.so"
 MANIFEST_NAME = "manifest.json"
 

@@ -99,3 +99,41 @@ def cuda_runtime() -> Any:
         raise RuntimeLoadError(f"cannot load {library}: {e}") from None
     get_attr = global_func("runtime.GetDeviceAttr")
     return CudaRuntime(cudart, device_name=lambda index: get_attr(2, index, 5))  # kDLCUDA, kDeviceName
+
+
+CUBLAS = "libcublas.so.13"  # CUDA 13, as the TVM runtime's libcudart
+
+
+def _cublas_candidates() -> list[str]:
+    """VTOOL_CUBLAS_LIBRARY, then the nvidia-cublas wheel's copy on sys.path (torch's CUDA 13
+    wheels install the same one), then the loader's own search."""
+    import sys
+
+    found = [os.environ.get("VTOOL_CUBLAS_LIBRARY", "")]
+    for entry in sys.path:
+        base = Path(entry or ".") / "nvidia"
+        if base.is_dir():
+            found += [str(p) for p in sorted(base.glob(f"*/lib/{CUBLAS}"))]
+    return [c for c in found if c] + [CUBLAS]
+
+
+@functools.lru_cache(maxsize=1)
+def load_cublas() -> str:
+    """Load cuBLAS for artifacts built with `--gemm cublas` (their library opens it by
+    soname on first use, and finds this copy); returns the path loaded."""
+    try:  # already in the process (torch loads its own): use that one
+        ctypes.CDLL(CUBLAS, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+        return CUBLAS
+    except OSError:
+        pass
+    errors = []
+    for candidate in _cublas_candidates():
+        try:
+            ctypes.CDLL(candidate, ctypes.RTLD_GLOBAL)
+            return candidate
+        except OSError as e:
+            errors.append(f"{candidate}: {e}")
+    raise RuntimeLoadError(
+        f"this artifact runs its prefill and batched matmuls on cuBLAS and {CUBLAS} is not loadable "
+        f"({'; '.join(errors)}); install it with `pip install nvidia-cublas`, set VTOOL_CUBLAS_LIBRARY, "
+        "or rebuild with `vtool build --gemm tir`")

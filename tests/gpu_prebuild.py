@@ -56,7 +56,9 @@ def build(args: argparse.Namespace) -> None:
         shutil.rmtree(out)
     (out / "artifacts").mkdir(parents=True)
     # A build that fails is recorded (the GPU test then fails with its message) and the rest go on.
-    index: dict = {"target": args.target, "versions": installed_versions(), "tiny": {}, "errors": {}}
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    index: dict = {"target": args.target, "versions": installed_versions(), "tiny": {}, "errors": {},
+                   "dtypes": dtypes}
 
     def progress(msg: str) -> None:
         print(f"    {msg}", flush=True)
@@ -73,7 +75,7 @@ def build(args: argparse.Namespace) -> None:
     for name in sorted(TINY_SHAPES):
         folder = make_tiny_model(name, out / "tiny" / name)
         entry = {"checkpoint": str(folder.relative_to(out)), "artifacts": {}}
-        for dtype in DTYPES:
+        for dtype in dtypes:
             built = attempt(f"{name}-{dtype}", lambda: build_artifact(
                 folder, args.target, dtype, output=out / "artifacts" / f"{name}-{dtype}", progress=progress))
             if built:
@@ -175,6 +177,8 @@ def main() -> None:
     b.add_argument("--target", default="sm_90a", help="vtool CUDA target (default sm_90a: H100/H200)")
     b.add_argument("--out", default=str(ROOT / ".devcarry" / "gpu-tests"))
     b.add_argument("--no-smollm2", action="store_true", help="tiny models only (nothing over the carry limit)")
+    b.add_argument("--dtypes", default=",".join(DTYPES),
+                   help="tiny-model dtypes to build (the tests of a dtype left out skip, saying so)")
     b.add_argument("--pack-dir", default=str(ROOT / ".devcarry"))
     b.add_argument("--chunk-mib", type=int, default=48, help="part size for carrying; 0: do not pack")
     b.set_defaults(func=build)

@@ -158,8 +158,22 @@ def _check(folder: Path, archs: list[str], ptx: str, tmp_path: Path) -> dict:
     assert cuda["nvcc"][0] == "nvcc" and "--fatbin" in cuda["nvcc"] and "-O3" in cuda["nvcc"]
     assert cuda["embedded"] == {"module_formats": ["cubin"], "sass": archs, "ptx": [ptx]}
     assert manifest["build"]["pipeline"]["cuda_graph"] is True
-    assert manifest["build"]["pipeline"]["passes"][0] == "FuseTransposeMatmul"
+    passes = manifest["build"]["pipeline"]["passes"]
+    expected = ["VtoolSplitKVDecodeAttention"] + (["VtoolOffloadGemmToCublas"] if manifest["gemm"] == "cublas" else [])
+    assert passes[:len(expected) + 1] == expected + ["FuseTransposeMatmul"]
+    # the split-KV decode kernel replaced TVM's: two kernels under its symbol, the merge one included
+    assert b"batch_decode_paged_kv_kernel_1" in (folder / "model.so").read_bytes()
     return manifest
+
+
+def exported_symbols(path: Path) -> set[str]:
+    """The dynamic symbols a library defines, read with nm when it is installed, else the
+    symbol name's bytes (a weaker check: present, not necessarily exported)."""
+    if shutil.which("nm"):
+        out = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True).stdout
+        return {line.split()[-1] for line in out.splitlines() if line.strip()}
+    data = path.read_bytes()
+    return {name for name in ("__tvm_ffi_vtool_cublas_gemm_nt",) if name.encode() in data}
 
 
 @needs_nvcc
@@ -186,8 +200,20 @@ def test_multi_arch_target_is_one_library_with_sass_for_each(cuda_builds, tmp_pa
 @needs_nvcc
 @pytest.mark.parametrize("target,dtype", [("sm_90a", "bfloat16"), ("sm_80", "float16")])
 def test_half_precision_builds(cuda_builds, target, dtype, tmp_path):
-    manifest = _check(_artifact(cuda_builds, target, dtype), [target], lookup(target).ptx, tmp_path)
+    folder = _artifact(cuda_builds, target, dtype)
+    manifest = _check(folder, [target], lookup(target).ptx, tmp_path)
     assert manifest["dtype"] == dtype
+    # half precision defaults to cuBLAS for the many-row matmuls: the wrapper is linked in
+    # and exported under the name the Relax VM looks up among the library's functions
+    assert manifest["gemm"] == "cublas" and manifest["build"]["pipeline"]["gemm"] == "cublas"
+    assert "__tvm_ffi_vtool_cublas_gemm_nt" in exported_symbols(folder / "model.so")
+
+
+@needs_nvcc
+def test_float32_builds_keep_their_own_matmuls(cuda_builds):
+    folder = _artifact(cuda_builds, "sm_90a", "float32")
+    assert json.loads((folder / "manifest.json").read_text())["gemm"] == "tir"
+    assert "__tvm_ffi_vtool_cublas_gemm_nt" not in exported_symbols(folder / "model.so")
 
 
 @needs_nvcc

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from vtool import VtoolError
 from vtool.models.config import ModelConfig, parse_hf_config, source_config
-from vtool.models.weights import check_checkpoint_shapes, plan_parameters
+from vtool.models.weights import check_checkpoint_shapes, kept_formats, plan_parameters
 from vtool.runtime.artifact import installed_versions
 from vtool.runtime.checkpoint import Checkpoint, open_checkpoint
 from vtool.runtime.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, ManifestError, read_manifest, write_manifest
@@ -30,10 +30,15 @@ from vtool.runtime.paths import artifact_cache
 from vtool.targets import TargetSpec, buildable
 
 DTYPES = ("float32", "float16", "bfloat16")
+# --quantization: auto = gguf for a GGUF file on a CPU target, else none;
+# none = every weight dequantized to the dtype at load; gguf = keep the file's Q8_0/Q4_0/Q4_1 blocks.
+QUANTIZATIONS = ("auto", "none", "gguf")
+QUANT_TARGET_FAMILIES = ("x86",)  # families with quantized kernels
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 # Sources whose change changes the compiled library (part of the cache key).
 _COMPILER_SOURCES = ("models", "schedules", "targets", "toolchain/pipeline.py", "toolchain/build.py",
-                     "toolchain/cuda.py")
+                     "toolchain/cuda.py", "toolchain/gemm_offload.py", "toolchain/native/cublas_gemm.cc",
+                     "runtime/quant_blocks.py")  # the block layout the kernels are compiled for
 
 Progress = Callable[[str], None]
 
@@ -58,9 +63,10 @@ def _toolchain_versions(target: TargetSpec) -> dict[str, str]:
     return {}
 
 
-def cache_key(raw_config: dict[str, Any], target: TargetSpec, dtype: str, quantization: str) -> str:
+def cache_key(raw_config: dict[str, Any], target: TargetSpec, dtype: str, quantization: str,
+              gemm: str = "tir") -> str:
     payload = {"config": source_config(raw_config), "target": target.describe(), "dtype": dtype,
-               "quantization": quantization, "versions": installed_versions(),
+               "quantization": quantization, "gemm": gemm, "versions": installed_versions(),
                "compiler": compiler_source_digest()}
     toolchain = _toolchain_versions(target)
     if toolchain:
@@ -74,30 +80,76 @@ def _validate_dtype(dtype: str) -> None:
         raise VtoolError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
 
 
-def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Progress):
+def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
+                         target_spec: TargetSpec) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(scheme, kept: module -> block format, dense: module -> stored types dequantized
+    instead) for --quantization `requested`; a combination that cannot work is refused."""
+    if requested not in QUANTIZATIONS:
+        raise VtoolError(f"unknown quantization {requested!r}; supported: {', '.join(QUANTIZATIONS)}")
+    if requested == "none":
+        return "none", {}, {}
+    if requested == "auto" and (ckpt.format != "gguf" or target_spec.family not in QUANT_TARGET_FAMILIES):
+        return "none", {}, {}
+    if ckpt.format != "gguf":
+        raise VtoolError(f"--quantization gguf keeps a GGUF file's quantized blocks, but {ckpt.path} is a "
+                         f"{ckpt.format} checkpoint; use --quantization none")
+    if target_spec.family not in QUANT_TARGET_FAMILIES:
+        raise VtoolError(f"--quantization gguf has kernels for x86 CPU targets only, not {target_spec.name} "
+                         f"({target_spec.family}); use --quantization none there")
+    kept, dense = kept_formats(cfg, {n: (t.dtype, t.shape) for n, t in ckpt.tensors().items()})
+    if not kept:
+        if requested == "auto":
+            return "none", {}, {}
+        raise VtoolError(f"--quantization gguf: {ckpt.path} has no weight stored as Q8_0, Q4_0 or Q4_1 "
+                         f"(the formats with kernels); use --quantization none")
+    return "gguf", kept, dense
+
+
+def _quantization_key(scheme: str, kept: dict[str, str]) -> str:
+    """The cache key's quantization: the scheme plus which weight keeps which format
+    (two GGUF files of one model in different formats need different libraries)."""
+    if not kept:
+        return scheme
+    return scheme + ":" + hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _count_formats(kept: dict[str, str], dense: dict[str, str]) -> dict[str, Any]:
+    """The manifest's summary: how many weights keep each block format, and which were
+    dequantized at load for want of a kernel (module -> stored types)."""
+    counts: dict[str, int] = {}
+    for fmt in kept.values():
+        counts[fmt] = counts.get(fmt, 0) + 1
+    return {"kept": counts, "dequantized": dict(sorted(dense.items()))}
+
+
+def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Progress,
+            formats: dict[str, str] | None = None):
     import tvm
 
     from vtool.models.llama import DecoderForCausalLM
 
     target = tvm.target.Target(target_spec.tvm)
     progress("exporting the Relax module")
-    model = DecoderForCausalLM(cfg, dtype, target)
+    model = DecoderForCausalLM(cfg, dtype, target, formats)
     spec = model.get_default_spec()
     mod, named_params = model.export_tvm(spec=spec)
-    return target, mod, plan_parameters(named_params), list(spec)
+    return target, mod, plan_parameters(named_params, formats), list(spec)
 
 
 def _compile(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
-             progress: Progress) -> dict[str, Any]:
+             progress: Progress, gemm: str = "tir", formats: dict[str, str] | None = None) -> dict[str, Any]:
     """Compile and link model.so; returns the manifest's params, entry_points and, for
-    CUDA, the cuda build record."""
+    CUDA, the cuda build record. `formats`: the weights kept in blocks (CPU only)."""
     if target_spec.family == "cuda":
-        return _compile_cuda(cfg, target_spec, dtype, library_path, progress)
+        if formats:
+            raise VtoolError(f"quantized weights have no CUDA kernels yet ({target_spec.name}); "
+                             "use --quantization none")
+        return _compile_cuda(cfg, target_spec, dtype, library_path, progress, gemm)
     import tvm
 
     from vtool.toolchain.pipeline import build_pipeline, describe
 
-    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress)
+    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress, formats)
     progress(f"compiling for {target_spec.name}")
     with target:
         executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, target_spec.family))
@@ -107,7 +159,7 @@ def _compile(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path
 
 
 def _compile_cuda(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
-                  progress: Progress) -> dict[str, Any]:
+                  progress: Progress, gemm: str = "tir") -> dict[str, Any]:
     from vtool.toolchain import cuda
 
     cuda.find_nvcc()  # refuse early, with the reason, when there is no toolkit
@@ -115,13 +167,14 @@ def _compile_cuda(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library
         import tvm  # noqa: F401  (loads the CUDA runtime when a driver is installed)
 
         if cuda.cuda_runtime_loaded():
-            return compile_cuda_here(cfg, target_spec, dtype, library_path, progress)
-    request = {"config": cfg.to_dict(), "target": target_spec.name, "dtype": dtype, "library": str(library_path)}
+            return compile_cuda_here(cfg, target_spec, dtype, library_path, progress, gemm=gemm)
+    request = {"config": cfg.to_dict(), "target": target_spec.name, "dtype": dtype, "library": str(library_path),
+               "gemm": gemm}
     return cuda.run_worker(request, progress)
 
 
 def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
-                      progress: Progress, in_subprocess: bool = False) -> dict[str, Any]:
+                      progress: Progress, in_subprocess: bool = False, gemm: str = "tir") -> dict[str, Any]:
     """The CUDA compile proper, in a process whose TVM has its CUDA runtime loaded (the
     worker subprocess, or this one when a real driver is installed)."""
     import tvm
@@ -144,7 +197,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     try:
         with cuda.fatbin_callback(target_spec.archs, target_spec.ptx, record), target, \
                 tvm.transform.PassContext(opt_level=3, config=pass_config("cuda")):
-            executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, "cuda"))
+            executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, "cuda", gemm))
     except Exception:
         nvcc_error = record.pop("_error", None)
         if nvcc_error is not None:
@@ -153,7 +206,15 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     t_compile = time.perf_counter() - t0
     progress("linking the shared library")
     t0 = time.perf_counter()
-    executable.export_library(str(library_path))
+    shims: list[str] = []
+    if gemm == "cublas":
+        from vtool.toolchain.gemm_offload import compile_shim
+
+        shims.append(str(compile_shim(library_path.parent)))
+    # export_library appends its own objects to the list it is given: hand it a copy.
+    executable.export_library(str(library_path), addons=list(shims))
+    for obj in shims:
+        Path(obj).unlink()
     t_link = time.perf_counter() - t0
     info = cuda.check_library(library_path, target_spec.archs, target_spec.ptx)
     record.update({
@@ -162,13 +223,20 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
         "seconds": {"export_tvm": round(t_export, 2), "tvm.compile (incl. nvcc)": round(t_compile, 2),
                     "nvcc": record.pop("nvcc_seconds", 0.0), "export_library": round(t_link, 2)},
     })
-    return {"params": params, "entry_points": entry_points, "pipeline": describe("cuda"), "cuda": record}
+    return {"params": params, "entry_points": entry_points, "pipeline": describe("cuda", gemm), "cuda": record}
 
 
 def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str = "float32",
                    output: str | Path | None = None, progress: Progress | None = None,
-                   checkpoint: Checkpoint | None = None, force: bool = False) -> Path:
-    """Build (or find in the cache) the artifact for one checkpoint, target and dtype."""
+                   checkpoint: Checkpoint | None = None, force: bool = False, gemm: str = "auto",
+                   quantization: str = "auto") -> Path:
+    """Build (or find in the cache) the artifact for one checkpoint, target and dtype.
+
+    quantization: QUANTIZATIONS; "auto" keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks on a
+    CPU target and dequantizes everything elsewhere.
+
+    gemm: "auto" | "tir" | "cublas" (toolchain/gemm_offload.py): which kernels run the
+    prefill and batched-decode matmuls of a CUDA build."""
     progress = progress or (lambda _msg: None)
     _validate_dtype(dtype)
     target_spec = buildable(target_name)
@@ -180,8 +248,11 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
         from vtool.toolchain.cuda import check_attention_shape
 
         check_attention_shape(cfg)
-    quantization = "none"
-    key = cache_key(raw, target_spec, dtype, quantization)
+    quantization, kept, dense = resolve_quantization(quantization, ckpt, cfg, target_spec)
+    from vtool.toolchain.gemm_offload import resolve_gemm
+
+    gemm = resolve_gemm(gemm, target_spec.family, dtype)
+    key = cache_key(raw, target_spec, dtype, _quantization_key(quantization, kept), gemm)
     folder = Path(output) if output else artifact_cache() / key
     if not force and _is_complete(folder, key):
         progress(f"using cached build {folder}")
@@ -191,7 +262,10 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=folder.parent))
     try:
-        compiled = _compile(cfg, target_spec, dtype, staging / LIBRARY_NAME, progress)
+        if dense:
+            progress(f"no kernels for {', '.join(sorted(set(dense.values())))}: "
+                     f"{len(dense)} weights dequantized to {dtype} at load")
+        compiled = _compile(cfg, target_spec, dtype, staging / LIBRARY_NAME, progress, gemm, kept)
         build_info: dict[str, Any] = {"seconds": round(time.perf_counter() - t0, 2), "host": platform.machine(),
                                       "compiler_digest": compiler_source_digest(),
                                       "pipeline": compiled["pipeline"]}
@@ -210,6 +284,8 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
             "target": target_spec.describe(),
             "dtype": dtype,
             "quantization": quantization,
+            "quantized_weights": _count_formats(kept, dense),
+            "gemm": gemm,
             "versions": installed_versions(),
             "entry_points": compiled["entry_points"],
             "params": compiled["params"],

@@ -47,7 +47,7 @@ def resolve_model(model: str | None) -> Path:
 
 
 def build_with_progress(model_path: Path, target: str, dtype: str, output: str | None = None,
-                        force: bool = False) -> Path:
+                        force: bool = False, gemm: str = "auto", quantization: str = "auto") -> Path:
     from vtool.toolchain.build import build_artifact
 
     with console.status("building") as status:
@@ -56,7 +56,8 @@ def build_with_progress(model_path: Path, target: str, dtype: str, output: str |
             if msg.startswith(("built", "using cached")):
                 console.print(f"[dim]{msg}[/]", highlight=False)
 
-        return build_artifact(model_path, target, dtype, output=output, progress=report, force=force)
+        return build_artifact(model_path, target, dtype, output=output, progress=report, force=force, gemm=gemm,
+                              quantization=quantization)
 
 
 def _artifact_option(fn: Callable) -> Callable:
@@ -65,10 +66,20 @@ def _artifact_option(fn: Callable) -> Callable:
                              "TVM runtime); --model still names the weights")(fn)
 
 
-def artifact_for(model_path: Path, artifact: str | None, target: str, dtype: str) -> Path:
+def artifact_for(model_path: Path, artifact: str | None, target: str, dtype: str,
+                 quantization: str = "auto") -> Path:
     """The prebuilt artifact when given (nothing is compiled, so no compiler is needed),
     else the cached or fresh build."""
-    return Path(artifact) if artifact else build_with_progress(model_path, target, dtype)
+    return Path(artifact) if artifact else build_with_progress(model_path, target, dtype,
+                                                               quantization=quantization)
+
+
+def _quantization_option(fn: Callable) -> Callable:
+    return click.option(
+        "--quantization", default="auto", show_default=True, type=click.Choice(["auto", "none", "gguf"]),
+        help="gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized in memory (CPU kernels dequantize "
+             "inside the matmul; other types are dequantized at load); none: dequantize every weight to "
+             "--dtype at load; auto: gguf for a GGUF file on a CPU target, else none")(fn)
 
 
 def _model_options(fn: Callable) -> Callable:
@@ -85,9 +96,14 @@ def _model_options(fn: Callable) -> Callable:
 @_model_options
 @click.option("--output", default=None, help="artifact folder (default: the user build cache)")
 @click.option("--force", is_flag=True, help="rebuild even when the cache has this build")
-def build(model: str | None, target: str, dtype: str, output: str | None, force: bool) -> None:
+@click.option("--gemm", default="auto", show_default=True, type=click.Choice(["auto", "tir", "cublas"]),
+              help="CUDA: kernels for the prefill and batched-decode matmuls (auto = cuBLAS for bf16/f16, "
+                   "vtool's TIR kernels for float32); batch-1 decode always uses vtool's GEMV kernels")
+@_quantization_option
+def build(model: str | None, target: str, dtype: str, output: str | None, force: bool, gemm: str,
+          quantization: str) -> None:
     """Compile a model into an artifact folder (model.so + manifest.json)."""
-    folder = build_with_progress(resolve_model(model), target, dtype, output, force)
+    folder = build_with_progress(resolve_model(model), target, dtype, output, force, gemm, quantization)
     out.print(str(folder), highlight=False)
 
 
@@ -121,17 +137,18 @@ def targets() -> None:
               help="load once, run N times, report warm decode tok/s")
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
 @click.option("--max-model-len", default=None, type=int, help="context length (default: model's, capped at 4096)")
+@_quantization_option
 @_artifact_option
 def run(model: str | None, target: str, dtype: str, prompt: str, tokenizer_config: str | None, max_tokens: int,
         temperature: float, top_p: float, top_k: int, seed: int | None, stream: bool, repeat: int, chat: bool,
-        max_model_len: int | None, artifact: str | None) -> None:
+        max_model_len: int | None, artifact: str | None, quantization: str) -> None:
     """Generate text from a prompt (builds the model on first use)."""
     from vtool.runtime.checkpoint import open_checkpoint
     from vtool.runtime.run_cmd import RunOptions, run_completion
 
     model_path = resolve_model(model)
     checkpoint = open_checkpoint(model_path)
-    artifact_dir = artifact_for(model_path, artifact, target, dtype)
+    artifact_dir = artifact_for(model_path, artifact, target, dtype, quantization)
     options = RunOptions(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                          seed=seed, stream=stream, repeat=repeat, chat=chat, tokenizer_config=tokenizer_config,
                          max_model_len=max_model_len)

@@ -76,7 +76,8 @@ def main(argv: list[str]) -> int:
         if request["dtype"] == "float16":  # the only dtype whose matmuls DLight tensorizes
             _preload_tensor_intrinsics()
         result = compile_cuda_here(ModelConfig.from_dict(request["config"]), lookup(request["target"]),
-                                   request["dtype"], Path(request["library"]), progress, in_subprocess=True)
+                                   request["dtype"], Path(request["library"]), progress, in_subprocess=True,
+                                   gemm=request.get("gemm", "tir"))
     except VtoolError as err:
         print("vtool-error: " + str(err).replace("\n", "\\n"), flush=True)
         return 2

@@ -25,6 +25,8 @@ from vtool.schedules import rules_for
 
 # Explicit pipeline choices per family; the manifest records them (build.pipeline).
 CUDA_GRAPHS = True
+# models/decode_attention.py's split-KV kernel in place of TVM's decode attention.
+SPLIT_KV_DECODE = True
 
 
 def pass_config(family: str) -> dict[str, Any]:
@@ -36,12 +38,14 @@ def pass_config(family: str) -> dict[str, Any]:
     return {}
 
 
-def describe(family: str) -> dict[str, Any]:
+def describe(family: str, gemm: str = "tir") -> dict[str, Any]:
     """The manifest's record of the pipeline a library was built with."""
     if family == "cuda":
         from vtool.schedules.cuda import describe as schedules
 
-        return {"passes": ["FuseTransposeMatmul", "cuda.library_dispatch", "LegalizeOps", "AnnotateTIROpPattern",
+        offload = ["VtoolOffloadGemmToCublas"] if gemm == "cublas" else []
+        decode = ["VtoolSplitKVDecodeAttention"] if SPLIT_KV_DECODE else []
+        return {"gemm": gemm, "passes": decode + offload + ["FuseTransposeMatmul", "cuda.library_dispatch", "LegalizeOps", "AnnotateTIROpPattern",
                            "FoldConstant", "FuseOps", "FuseTIR", "vtool.schedules.cuda", "cuda.dataflow_lower",
                            "cuda.finalize"],
                 "schedules": schedules(), "cuda_graph": CUDA_GRAPHS, "pass_config": pass_config(family),
@@ -60,18 +64,29 @@ def _backend(family: str):  # noqa: ANN202 - a TVM backend pipeline module
     return backend
 
 
-def build_pipeline(target: tvm.target.Target, family: str) -> tvm.transform.Pass:
-    """FuseTransposeMatmul, the backend's library dispatch, legalize + fuse, vtool's
-    schedules for the family, the backend's dataflow lowering and finalize passes."""
+def build_pipeline(target: tvm.target.Target, family: str, gemm: str = "tir") -> tvm.transform.Pass:
+    """(With gemm="cublas", the prefill/batched matmuls to cuBLAS,) FuseTransposeMatmul,
+    the backend's library dispatch, legalize + fuse, vtool's schedules for the family,
+    the backend's dataflow lowering and finalize passes."""
     backend = _backend(family)
     schedule_pass = rules_for(family)
+    offload: list[tvm.transform.Pass] = []
+    if family == "cuda" and SPLIT_KV_DECODE:
+        from vtool.models.decode_attention import decode_attention_pass
+
+        offload.append(decode_attention_pass())
+    if gemm == "cublas":
+        from vtool.toolchain.gemm_offload import offload_pass
+
+        offload.append(offload_pass())
 
     @tvm.transform.module_pass(opt_level=0, name=f"Vtool{family.upper()}Pipeline")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         with target:
             passes = (
-                # First, or every x @ W.T transposes its weight per call.
-                [relax.transform.FuseTransposeMatmul()]
+                offload
+                # First of the rest, or every x @ W.T transposes its weight per call.
+                + [relax.transform.FuseTransposeMatmul()]
                 + backend.library_dispatch_passes(target)
                 # The CPU backend's legalize_passes, and the CUDA one's without its trailing
                 # DLight pass: vtool's schedules take that place on both.

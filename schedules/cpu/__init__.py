@@ -10,6 +10,7 @@ import tvm
 from tvm import tirx
 
 from vtool.schedules.cpu.matmul import schedule_nt_matmul
+from vtool.schedules.cpu.quantized import schedule_quantized_matmul
 
 
 def vector_lanes(target: tvm.target.Target) -> int:
@@ -30,6 +31,10 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
         updates = {}
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc) or func.attrs is None:
+                continue
+            scheduled = schedule_quantized_matmul(func, lanes)  # found by its block names
+            if scheduled is not None:
+                updates[gv] = scheduled
                 continue
             if "op_pattern" not in func.attrs and not gv.name_hint.startswith("fused_NT_matmul"):
                 continue

@@ -77,7 +77,35 @@ def weight_bytes_per_step() -> int:
     return 2 * (L * per_layer + h + c["vocab_size"] * h)  # bf16; the embedding table is read one row at a time
 
 
-def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int) -> None:
+def profile_kernels(name: str, run, weight_bytes: int, steps: int = 16) -> None:
+    """Per-kernel GPU time of `run` (`steps` decode steps) from torch.profiler, whose CUPTI
+    tracing sees every kernel of the process, TVM's included: where a step's time goes,
+    how much of it is kernels at all (the rest is gaps between launches), and the
+    bandwidth the GEMV kernels reach on their own."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    groups: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        key = event.name
+        groups.setdefault(key, []).append(event.device_time_total if hasattr(event, "device_time_total")
+                                          else event.cuda_time_total)
+    per_step = {k: sum(v) / steps for k, v in groups.items()}  # microseconds
+    total = sum(per_step.values())
+    top = sorted(per_step.items(), key=lambda kv: -kv[1])[:12]
+    gemv = sum(v for k, v in per_step.items() if "matmul" in k.lower())
+    record(step=f"{name}_profile", kernel_us_per_step=round(total, 1), gemv_us_per_step=round(gemv, 1),
+           gemv_gb_s=round(weight_bytes / (gemv * 1e-6) / 1e9, 1) if gemv else None,
+           launches_per_step=round(sum(len(v) for v in groups.values()) / steps, 1),
+           top=[(k[:80], round(v, 1), len(groups[k]) // steps) for k, v in top])
+
+
+def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool = False) -> None:
     from vtool.runtime.checkpoint import open_checkpoint
     from vtool.runtime.generate import Generator
     from vtool.runtime.sampling_params import SamplingParams
@@ -108,6 +136,8 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int) -> None:
     timed_decode(8)
     step = timed_decode(steps)
     record(step="vtool_decode_b1_model_only", ms_per_token=round(step * 1e3, 3), tok_s=round(1 / step, 1))
+    if profile:
+        profile_kernels("vtool_decode_b1", lambda: timed_decode(16), weight_bytes_per_step())
     result = gen.generate(list(range(1000, 1128)), SamplingParams(temperature=0, max_tokens=steps))
     record(step="vtool_generate_b1_host_sampling", tok_s=round(result.decode_tokens_per_second, 1),
            ms_per_token=round(1e3 / max(result.decode_tokens_per_second, 1e-9), 3))
@@ -234,6 +264,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/llama8b-random"))
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of 16 decode steps (torch.profiler)")
     ap.add_argument("--logits-check", action="store_true", help="only compare bf16 logits with the float32 truth")
     args = ap.parse_args()
     make_checkpoint(args.checkpoint)
@@ -243,7 +274,7 @@ def main() -> None:
     bw = copy_bandwidth()
     record(step="copy_bandwidth", gb_s=round(bw, 1), weight_gb=round(weight_bytes_per_step() / 1e9, 2),
            roofline_ms=round(weight_bytes_per_step() / bw / 1e6, 3))
-    bench_vtool(args.artifact, args.checkpoint, args.steps)
+    bench_vtool(args.artifact, args.checkpoint, args.steps, args.profile)
     if not args.skip_hf:
         bench_transformers(args.checkpoint, args.steps)
     by = {r["step"]: r for r in RESULTS}

@@ -1,0 +1,124 @@
+"""GGUF block repacking (vtool.runtime.quant_blocks) and the build's choice of which
+weights stay quantized (vtool.models.weights.kept_formats). No compiler involved.
+
+The repacked parts must dequantize to exactly what gguf.quants.dequantize (the code
+transformers' GGUF loader uses) gives: every format's dequantization is exact in float32.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vtool.models import quant_formats
+from vtool.models.config import parse_hf_config
+from vtool.models.weights import kept_formats, plan_parameters, weight_modules
+from vtool.runtime import quant_blocks
+from vtool.runtime.quant_blocks import QuantFormatError, dequantize, repack
+
+Q = gguf.GGMLQuantizationType
+FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+
+
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from(FORMATS), tiles=st.integers(1, 6), blocks=st.integers(1, 5),
+       scale=st.sampled_from([1e-3, 0.1, 3.0, 200.0]), seed=st.integers(0, 2**31 - 1))
+def test_repack_dequantizes_like_gguf(fmt, tiles, blocks, scale, seed):
+    rows, cols = tiles * quant_formats.TILE_ROWS, blocks * 32
+    w = (np.random.default_rng(seed).standard_normal((rows, cols)) * scale).astype(np.float32)
+    raw = gguf.quants.quantize(w, Q[fmt])
+    parts = repack(fmt, raw, cols)
+    assert tuple(parts) == quant_formats.parts(fmt)
+    for name, arr in parts.items():
+        assert arr.shape == quant_formats.part_shape(fmt, name, rows, cols)
+        assert str(arr.dtype) == quant_formats.part_dtype(fmt, name)
+        assert arr.flags.c_contiguous
+    want = gguf.quants.dequantize(raw, Q[fmt]).reshape(rows, cols)
+    np.testing.assert_array_equal(dequantize(fmt, parts), want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(fmt=st.sampled_from(FORMATS), seed=st.integers(0, 2**31 - 1))
+def test_repack_of_random_bytes_matches_gguf(fmt, seed):
+    """Any byte pattern (not only what the quantizer writes): nibbles, signs, scales."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[Q[fmt]]
+    raw = rng.integers(0, 256, size=(8, 2, size), dtype=np.uint8)
+    for off in (0, 2) if fmt == "Q4_1" else (0,):  # finite float16 scales
+        raw[..., off:off + 2] = rng.uniform(-2, 2, size=(8, 2, 1)).astype("<f2").view(np.uint8)
+    raw = raw.reshape(8, -1)
+    want = gguf.quants.dequantize(raw, Q[fmt]).reshape(8, 2 * block)
+    np.testing.assert_array_equal(dequantize(fmt, repack(fmt, raw, 2 * block)), want)
+
+
+def test_runtime_and_model_tables_agree():
+    """The compiled parameters the model declares are the arrays the runtime makes."""
+    assert set(quant_blocks.FORMATS) == set(quant_formats.KERNEL_FORMATS)
+    assert quant_blocks.TILE_ROWS == quant_formats.TILE_ROWS and quant_blocks.BLOCK == quant_formats.BLOCK
+    for name, fmt in quant_blocks.FORMATS.items():
+        parts, dtype, per_block = quant_formats.KERNEL_FORMATS[name]
+        assert fmt.parts == parts and fmt.qweight_dtype == dtype and fmt.qweight_per_block == per_block
+
+
+@pytest.mark.parametrize("raw_shape, cols, match", [
+    ((6, 34), 32, "rows divisible by 4"),
+    ((4, 34), 48, "columns by 32"),
+    ((4, 35), 32, r"expected \[rows, 34\] bytes"),
+])
+def test_repack_refuses_bad_sizes(raw_shape, cols, match):
+    with pytest.raises(QuantFormatError, match=match):
+        repack("Q8_0", np.zeros(raw_shape, np.uint8), cols)
+
+
+def test_repack_refuses_unknown_format():
+    with pytest.raises(QuantFormatError, match="no quantized kernel for GGML type Q6_K"):
+        repack("Q6_K", np.zeros((4, 210), np.uint8), 256)
+
+
+# --- which weights stay in blocks --------------------------------------------------------
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+def _stored(types: dict[str, str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    from vtool.models.weights import expected_source_shapes
+
+    cfg = parse_hf_config(CONFIG)
+    return {n: (types.get(n, "Q4_1" if len(s) == 2 else "F32"), s) for n, s in expected_source_shapes(cfg).items()}
+
+
+def test_kept_formats_all_q4_1():
+    cfg = parse_hf_config(CONFIG)
+    kept, dense = kept_formats(cfg, _stored({}))
+    assert kept == {m: "Q4_1" for m in weight_modules(cfg)} and dense == {}
+
+
+def test_kept_formats_mixed_fused_group_is_dequantized():
+    """q/k in Q4_0 with v in Q8_0 cannot be one block matrix: qkv is dequantized, named."""
+    cfg = parse_hf_config(CONFIG)
+    kept, dense = kept_formats(cfg, _stored({"model.layers.0.self_attn.q_proj.weight": "Q4_0",
+                                            "model.layers.0.self_attn.k_proj.weight": "Q4_0",
+                                            "model.layers.0.self_attn.v_proj.weight": "Q8_0",
+                                            "lm_head.weight": "Q6_K", "model.embed_tokens.weight": "F16"}))
+    assert "model.layers.0.self_attn.qkv_proj" not in kept
+    assert dense == {"model.layers.0.self_attn.qkv_proj": "Q4_0+Q8_0", "lm_head": "Q6_K"}
+    assert "model.embed_tokens" not in kept and "model.embed_tokens" not in dense  # a float table: plain dense
+
+
+def test_plan_names_the_block_sources():
+    class P:
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype = shape, dtype
+
+    formats = {"model.layers.0.self_attn.qkv_proj": "Q4_1"}
+    plan = plan_parameters([("model.layers.0.self_attn.qkv_proj.qweight", P((32, 2, 4, 16), "uint8")),
+                            ("model.layers.0.self_attn.qkv_proj.bias", P((128,), "float32")),
+                            ("model.layers.0.mlp.down_proj.weight", P((64, 128), "float32"))], formats)
+    assert plan[0]["quant"] == {"format": "Q4_1", "part": "qweight"}
+    assert plan[0]["transform"] == "concat_rows"
+    assert plan[0]["sources"] == [f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv"]
+    assert "quant" not in plan[1] and plan[1]["sources"][0].endswith("q_proj.bias")
+    assert "quant" not in plan[2] and plan[2]["sources"] == ["model.layers.0.mlp.down_proj.weight"]

@@ -1,0 +1,111 @@
+"""The quantized kernels (vtool.models.quantized_linear) under the CPU schedules
+(vtool.schedules.cpu.quantized), compiled one by one for this CPU and held to numpy over
+gguf.quants.dequantize of the same blocks.
+
+Tolerance: the kernels dequantize exactly and accumulate in float32, so only summation
+order differs from the float64 reference: |y - ref| <= 1e-5 * sum_k |x_k * w_k| per output
+(float32 rounding over K <= 576 terms, with a wide margin). The embedding gather is exact.
+"""
+from __future__ import annotations
+
+import functools
+
+import gguf
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from tvm import te, tirx  # noqa: E402
+
+from vtool.models.quant_formats import part_dtype, part_shape, parts  # noqa: E402
+from vtool.models.quantized_linear import matmul_te, take_te  # noqa: E402
+from vtool.runtime.quant_blocks import repack  # noqa: E402
+from vtool.schedules.cpu import vector_lanes  # noqa: E402
+from vtool.schedules.cpu.quantized import schedule_quantized_matmul  # noqa: E402
+from vtool.targets import buildable  # noqa: E402
+
+FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+TARGET = tvm.target.Target(buildable("host").tvm)
+
+
+def _blocks(fmt: str, n: int, k: int, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    w = (np.random.default_rng(seed).standard_normal((n, k)) * 0.5).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt])
+    deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).reshape(n, k)
+    return repack(fmt, raw, k), deq
+
+
+def _placeholders(fmt: str, n: int, k: int) -> list[te.Tensor]:
+    return [te.placeholder(part_shape(fmt, p, n, k), part_dtype(fmt, p), name=p) for p in parts(fmt)]
+
+
+@functools.lru_cache(maxsize=None)
+def _matmul(fmt: str, n: int, k: int, rows: int | None, lanes: int):
+    """Compiled [1, rows, k] x [n, k]^T; rows None = symbolic (the prefill/GEMM schedule)."""
+    m = tirx.Var("m", "int64") if rows is None else rows
+    x = te.placeholder((1, m, k), "float32", name="x")
+    w = _placeholders(fmt, n, k)
+    func = te.create_prim_func([x, *w, matmul_te(fmt, x, *w)])
+    scheduled = schedule_quantized_matmul(func, lanes)
+    assert scheduled is not None, "the quantized matmul rule did not recognise its kernel"
+    with TARGET:
+        return tvm.compile(tvm.IRModule({"main": scheduled}), target=TARGET)
+
+
+def _run(lib, inputs: list[np.ndarray], out_shape: tuple[int, ...], dtype: str = "float32") -> np.ndarray:
+    dev = tvm.cpu()
+    args = [tvm.runtime.tensor(a, dev) for a in inputs] + [tvm.runtime.empty(out_shape, dtype, dev)]
+    lib(*args)
+    return args[-1].numpy()
+
+
+def _check(y: np.ndarray, x: np.ndarray, deq: np.ndarray) -> None:
+    ref = x.astype(np.float64) @ deq.T.astype(np.float64)
+    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(deq).T.astype(np.float64)) + 1e-30
+    worst = float((np.abs(y - ref) / bound).max())
+    assert worst <= 1.0, f"error {worst:.2f}x the tolerance"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n, k", [(64, 96), (200, 576)])
+def test_gemv_matches_numpy(fmt, n, k):
+    w, deq = _blocks(fmt, n, k, seed=n + k)
+    x = np.random.default_rng(1).standard_normal((1, 1, k)).astype(np.float32)
+    y = _run(_matmul(fmt, n, k, 1, vector_lanes(TARGET)), [x, *w.values()], (1, 1, n))
+    _check(y[0], x[0], deq)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+def test_gemm_matches_numpy(fmt, m):
+    """Symbolic row count (prefill, batched decode): tails of every size."""
+    n, k = 72, 160
+    w, deq = _blocks(fmt, n, k, seed=m)
+    x = np.random.default_rng(m).standard_normal((1, m, k)).astype(np.float32)
+    y = _run(_matmul(fmt, n, k, None, vector_lanes(TARGET)), [x, *w.values()], (1, m, n))
+    _check(y[0], x[0], deq)
+
+
+@pytest.mark.parametrize("lanes", [8, 4])
+@pytest.mark.parametrize("rows", [1, None])
+def test_narrower_vector_tiers(lanes, rows):
+    """The AVX2 (8 lanes) and SSE (4 lanes) splits of a 16-weight chunk."""
+    n, k, m = 40, 128, 5
+    w, deq = _blocks("Q4_1", n, k, seed=lanes)
+    m = 1 if rows == 1 else m
+    x = np.random.default_rng(lanes).standard_normal((1, m, k)).astype(np.float32)
+    y = _run(_matmul("Q4_1", n, k, rows, lanes), [x, *w.values()], (1, m, n))
+    _check(y[0], x[0], deq)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_take_gathers_dequantized_rows(fmt):
+    v, k = 48, 96
+    w, deq = _blocks(fmt, v, k, seed=3)
+    ids = np.array([0, 47, 5, 5, 22], dtype=np.int32)
+    ids_t = te.placeholder((tirx.Var("n", "int64"),), "int32", name="ids")
+    wp = _placeholders(fmt, v, k)
+    func = te.create_prim_func([ids_t, *wp, take_te(fmt, "float32", ids_t, *wp)])
+    with TARGET:
+        lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
+    np.testing.assert_array_equal(_run(lib, [ids, *w.values()], (len(ids), k)), deq[ids])

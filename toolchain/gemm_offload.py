@@ -1,0 +1,118 @@
+"""Send the large matmuls of CUDA builds to cuBLAS (`vtool build --gemm`).
+
+Batch-1 decode multiplies a vector by each weight: memory-bound, and vtool's own GEMV
+kernels (schedules/cuda) run it near the copy bandwidth and inside a CUDA graph. Prefill
+and batched decode multiply a matrix: compute-bound past a few dozen rows, where the
+16x16x16 WMMA tiles DLight can emit reached about a tenth of what torch gets from cuBLAS
+on an H200 (2048-token prefill of an 8B model: 689 ms vs 64 ms). So in the functions
+that take many rows (OFFLOADED_FUNCTIONS), every `x @ W.T` whose weight is bf16/f16 (or
+float32 when asked) becomes one call of `vtool_cublas_gemm_nt`, a cuBLAS GemmEx wrapper
+linked into the library (native/cublas_gemm.cc). The float32 accumulation the model
+asks for is kept: GemmEx computes in float32 and writes the dtype the graph wanted (the
+bf16 cast after the matmul folds into the call).
+"""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from vtool import VtoolError
+
+if TYPE_CHECKING:  # the compiler is imported only when a pass is made: resolve_gemm runs on
+    import tvm     # every build_artifact call, cached builds included
+    from tvm import relax
+
+GemmBackend = Literal["tir", "cublas"]
+GEMM_CHOICES = ("auto", "tir", "cublas")
+EXTERN_SYMBOL = "vtool_cublas_gemm_nt"
+OFFLOADED_FUNCTIONS = ("prefill", "batch_prefill", "batch_decode")
+SOURCE = Path(__file__).with_name("native") / "cublas_gemm.cc"
+_OFFLOADED_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class GemmChoiceError(VtoolError):
+    """A --gemm choice that cannot apply to this target or dtype."""
+
+
+def resolve_gemm(choice: str, family: str, dtype: str) -> GemmBackend:
+    """The backend a build uses: `auto` is cuBLAS for bf16/f16 CUDA builds (their prefill
+    is where tensor cores matter) and vtool's TIR kernels otherwise; float32 keeps TIR so
+    its parity with transformers stays bit-for-bit in reach."""
+    if choice not in GEMM_CHOICES:
+        raise GemmChoiceError(f"--gemm {choice!r} is not one of {', '.join(GEMM_CHOICES)}")
+    if choice == "auto":
+        return "cublas" if family == "cuda" and dtype in ("bfloat16", "float16") else "tir"
+    if choice == "cublas" and family != "cuda":
+        raise GemmChoiceError(f"--gemm cublas needs a CUDA target; this build's target family is {family}")
+    return choice  # type: ignore[return-value]
+
+
+def _nt_patterns():
+    from tvm.relax.dpl import is_op, wildcard
+
+    x, w = wildcard(), wildcard()
+    matmul = is_op("relax.matmul")(x, is_op("relax.permute_dims")(w))
+    return x, w, matmul, is_op("relax.astype")(matmul)
+
+
+def _rewriter(x_pat: Any, w_pat: Any):  # noqa: ANN202 - a rewrite_call callback
+    from tvm import relax
+
+    def rewrite(expr: relax.Expr, matches) -> relax.Expr:
+        x, w = matches[x_pat], matches[w_pat]
+        xs, ws, out = x.ty, w.ty, expr.ty
+        if (ws.ndim != 2 or xs.dtype != ws.dtype or xs.dtype not in _OFFLOADED_DTYPES
+                or out.dtype not in _OFFLOADED_DTYPES):
+            return expr
+        return relax.call_dps_packed(EXTERN_SYMBOL, [x, w], out_ty=relax.TensorType(out.shape, out.dtype))
+
+    return rewrite
+
+
+def offload_matmuls(func: relax.Function) -> relax.Function:
+    """`x @ W.T` (with its trailing cast, when there is one) -> vtool_cublas_gemm_nt."""
+    from tvm.relax.dpl import rewrite_call
+
+    x, w, matmul, cast = _nt_patterns()
+    # The cast pattern first, so a bf16 output is written by cuBLAS directly rather than
+    # as float32 and cast in another kernel.
+    func = rewrite_call(cast, _rewriter(x, w), func)
+    return rewrite_call(matmul, _rewriter(x, w), func)
+
+
+def offload_pass(functions: tuple[str, ...] = OFFLOADED_FUNCTIONS) -> tvm.transform.Pass:
+    import tvm
+    from tvm import relax
+
+    @tvm.transform.module_pass(opt_level=0, name="VtoolOffloadGemmToCublas")
+    def _pass(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        for gvar, func in list(mod.functions.items()):
+            if gvar.name_hint in functions and isinstance(func, relax.Function):
+                mod[gvar] = offload_matmuls(func)
+        return relax.transform.DeadCodeElimination()(mod)
+
+    return _pass
+
+
+def count_offloaded(mod: tvm.IRModule) -> int:
+    """How many cuBLAS calls a module holds (the build reports it)."""
+    return str(mod).count(f'"{EXTERN_SYMBOL}"')
+
+
+def compile_shim(workdir: Path) -> Path:
+    """native/cublas_gemm.cc -> an object file export_library links into the model library.
+
+    Only the tvm-ffi headers are needed (cuBLAS is opened with dlopen at run time), so this
+    works on a build machine without CUDA libraries."""
+    import tvm_ffi.libinfo
+
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    obj = workdir / f"cublas_gemm-{digest}.o"
+    cmd = ["g++", "-std=c++17", "-O2", "-fPIC", "-c", str(SOURCE), "-o", str(obj),
+           f"-I{tvm_ffi.libinfo.find_include_path()}", f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise VtoolError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr.strip()}")
+    return obj

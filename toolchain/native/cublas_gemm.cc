@@ -1,0 +1,149 @@
+// y = x @ w^T on cuBLAS, for the prefill and batched-decode matmuls of CUDA builds.
+//
+// Linked into the model library itself (toolchain/cublas.py compiles this file at build
+// time), and exported as the FFI symbol the Relax VM finds among the library's own
+// functions: `vtool_cublas_gemm_nt`. cuBLAS is opened with dlopen on the first call, so
+// building needs no CUDA headers or libraries and a library built with it still loads
+// (and its batch-1 decode, which stays on vtool's own GEMV kernels, still runs) on a
+// machine whose cuBLAS is missing until a prefill needs it.
+//
+// The cuBLAS declarations below are the stable C ABI of cublas_v2.h (CUDA 11-13); the
+// enum values are those of library_types.h and cublas_api.h.
+#include <dlfcn.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace {
+
+using cublasHandle = void*;
+using cudaStream = void*;
+// cudaDataType_t / cublasComputeType_t / cublasOperation_t / cublasGemmAlgo_t values
+constexpr int kCudaR32F = 0, kCudaR16F = 2, kCudaR16BF = 14;
+constexpr int kComputeF32 = 68;
+constexpr int kOpN = 0, kOpT = 1;
+constexpr int kGemmDefault = -1;
+
+using CreateFn = int (*)(cublasHandle*);
+using SetStreamFn = int (*)(cublasHandle, cudaStream);
+using GemmExFn = int (*)(cublasHandle, int, int, int, int, int, const void*, const void*, int, int,
+                         const void*, int, int, const void*, void*, int, int, int, int);
+
+struct Cublas {
+  CreateFn create = nullptr;
+  SetStreamFn set_stream = nullptr;
+  GemmExFn gemm_ex = nullptr;
+  std::unordered_map<int, cublasHandle> handles;  // one per CUDA device
+  std::mutex mu;
+};
+
+void* OpenCublas() {
+  // The runtime (vtool.runtime.cuda) preloads the library it found, so the soname lookup
+  // below returns that copy; VTOOL_CUBLAS_LIBRARY names one explicitly.
+  const char* named = std::getenv("VTOOL_CUBLAS_LIBRARY");
+  const char* candidates[] = {named, "libcublas.so.13", "libcublas.so.12", "libcublas.so"};
+  for (const char* name : candidates) {
+    if (name == nullptr || *name == '\0') continue;
+    if (void* lib = dlopen(name, RTLD_NOW | RTLD_GLOBAL)) return lib;
+  }
+  return nullptr;
+}
+
+Cublas& Library() {
+  static Cublas* lib = [] {
+    auto* c = new Cublas();
+    void* handle = OpenCublas();
+    if (handle == nullptr) {
+      TVM_FFI_THROW(RuntimeError)
+          << "this library runs its prefill and batched matmuls on cuBLAS, and no cuBLAS was "
+             "found (tried VTOOL_CUBLAS_LIBRARY, libcublas.so.13, libcublas.so.12): install it "
+             "with `pip install nvidia-cublas` or rebuild with `vtool build --gemm tir`";
+    }
+    c->create = reinterpret_cast<CreateFn>(dlsym(handle, "cublasCreate_v2"));
+    c->set_stream = reinterpret_cast<SetStreamFn>(dlsym(handle, "cublasSetStream_v2"));
+    c->gemm_ex = reinterpret_cast<GemmExFn>(dlsym(handle, "cublasGemmEx"));
+    if (!c->create || !c->set_stream || !c->gemm_ex) {
+      TVM_FFI_THROW(RuntimeError) << "the cuBLAS library found lacks cublasCreate_v2, "
+                                     "cublasSetStream_v2 or cublasGemmEx";
+    }
+    return c;
+  }();
+  return *lib;
+}
+
+int CudaType(DLDataType t) {
+  if (t.code == kDLBfloat && t.bits == 16) return kCudaR16BF;
+  if (t.code == kDLFloat && t.bits == 16) return kCudaR16F;
+  if (t.code == kDLFloat && t.bits == 32) return kCudaR32F;
+  TVM_FFI_THROW(TypeError) << "vtool_cublas_gemm_nt: unsupported dtype code " << int(t.code)
+                           << " bits " << int(t.bits);
+  return -1;
+}
+
+void* DataPtr(const tvm::ffi::TensorView& t) {
+  return static_cast<char*>(t.data_ptr()) + t.byte_offset();
+}
+
+// out[..., n] = x[..., k] @ w[n, k]^T, accumulated in float32 whatever the storage dtype.
+void GemmNT(tvm::ffi::TensorView x, tvm::ffi::TensorView w, tvm::ffi::TensorView out) {
+  TVM_FFI_ICHECK(x.device().device_type == kDLCUDA && w.device().device_type == kDLCUDA &&
+                 out.device().device_type == kDLCUDA)
+      << "vtool_cublas_gemm_nt: tensors must be on a CUDA device";
+  TVM_FFI_ICHECK(w.ndim() == 2 && x.ndim() >= 1 && out.ndim() == x.ndim())
+      << "vtool_cublas_gemm_nt: expected x[..., k], w[n, k], out[..., n]";
+  TVM_FFI_ICHECK(x.IsContiguous() && w.IsContiguous() && out.IsContiguous())
+      << "vtool_cublas_gemm_nt: tensors must be contiguous";
+  const int64_t n = w.size(0), k = w.size(1);
+  TVM_FFI_ICHECK(x.size(-1) == k && out.size(-1) == n)
+      << "vtool_cublas_gemm_nt: shapes disagree (x last dim " << x.size(-1) << ", w " << n << "x"
+      << k << ", out last dim " << out.size(-1) << ")";
+  int64_t m = 1;
+  for (int i = 0; i + 1 < x.ndim(); ++i) {
+    TVM_FFI_ICHECK(x.size(i) == out.size(i)) << "vtool_cublas_gemm_nt: leading dims differ";
+    m *= x.size(i);
+  }
+  if (m == 0) return;
+  const int ab_type = CudaType(x.dtype());
+  TVM_FFI_ICHECK(CudaType(w.dtype()) == ab_type) << "vtool_cublas_gemm_nt: x and w dtypes differ";
+  const int c_type = CudaType(out.dtype());
+  const int device_id = x.device().device_id;
+
+  Cublas& lib = Library();
+  cublasHandle handle;
+  {
+    std::lock_guard<std::mutex> lock(lib.mu);
+    auto it = lib.handles.find(device_id);
+    if (it == lib.handles.end()) {
+      cublasHandle created = nullptr;
+      int status = lib.create(&created);
+      TVM_FFI_ICHECK(status == 0) << "cublasCreate failed with status " << status;
+      it = lib.handles.emplace(device_id, created).first;
+    }
+    handle = it->second;
+  }
+  // The stream TVM launches its own kernels on, so ordering needs no extra sync.
+  cudaStream stream = TVMFFIEnvGetStream(kDLCUDA, device_id);
+  int status = lib.set_stream(handle, stream);
+  TVM_FFI_ICHECK(status == 0) << "cublasSetStream failed with status " << status;
+
+  // Row-major out[m, n] is column-major out^T[n, m] = w[n, k] (col-major k x n, transposed)
+  // times x^T (col-major k x m).
+  const float alpha = 1.0f, beta = 0.0f;
+  status = lib.gemm_ex(handle, kOpT, kOpN, static_cast<int>(n), static_cast<int>(m),
+                       static_cast<int>(k), &alpha, DataPtr(w), ab_type, static_cast<int>(k),
+                       DataPtr(x), ab_type, static_cast<int>(k), &beta, DataPtr(out), c_type,
+                       static_cast<int>(n), kComputeF32, kGemmDefault);
+  TVM_FFI_ICHECK(status == 0) << "cublasGemmEx failed with status " << status << " (m=" << m
+                              << ", n=" << n << ", k=" << k << ")";
+}
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_cublas_gemm_nt, GemmNT);
