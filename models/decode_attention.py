@@ -183,30 +183,25 @@ def split_kv_decode(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
                                         part_m[bx, by, bz] = merged[0]
                                         part_d[bx, by, bz] = merged[1]
                                 # (a block past the splits in use finds an empty range and
-                                # writes an empty state, which the merge skips anyway)
+                                # writes an empty state: m = -5e4, d = 0, o = 0)
 
         # Kernel 2: merge the splits of each (sequence, query head).
         for bx in T.thread_binding(B, thread="blockIdx.x"):
             for by in T.thread_binding(H_qo, thread="blockIdx.y"):
                 for tx in T.thread_binding(LANES, thread="threadIdx.x"):
                     with T.sblock("merge"):
-                        # (the accessed ranges depend on lets made inside: declare none)
-                        T.reads()
-                        T.writes()
                         acc = T.sblock_alloc_buffer((V,), "float32", scope="local")
                         md = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                        n_pages: T.let[T.int32] = page_table_indptr[bx + 1] - page_table_indptr[bx]
-                        seq_len: T.let[T.int32] = T.if_then_else(
-                            n_pages > 0, (n_pages - 1) * page_size + length_info[bx], 0)
-                        used: T.let[T.int32] = T.max(1, T.min(
-                            S, T.min(T.ceildiv(TARGET_BLOCKS, B * H_qo), T.ceildiv(seq_len, MIN_CHUNK))))
+                        # Every block of kernel 1 wrote a state (an empty one past the splits
+                        # in use), so all S are read, in unrolled loops whose loads can all
+                        # be in flight at once.
                         md[0] = part_m[bx, by, 0]
-                        for s in T.serial(1, used):
+                        for s in T.unroll(1, S):
                             md[0] = T.max(md[0], part_m[bx, by, s])
                         md[1] = T.float32(0)
                         for v in T.serial(V):
                             acc[v] = T.float32(0)
-                        for s in T.serial(used):
+                        for s in T.unroll(S):
                             weight: T.let[T.float32] = T.exp2(part_m[bx, by, s] - md[0])
                             md[1] += part_d[bx, by, s] * weight
                             for v in T.serial(V):

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from vtool import VtoolError
+from vtool.runtime.gpu_sampler import DeviceSampler, sequence_on_device
 from vtool.runtime.kv_cache import PagedKVCache
 from vtool.runtime.prefix_cache import PrefixCache
 from vtool.runtime.request import Request, StepOutput, Status
@@ -48,6 +49,9 @@ class EngineConfig:
     kv_memory_bytes: int | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enable_prefix_caching: bool = True
+    # On a GPU, sample with the library's compiled functions when every request in the
+    # batch allows it (runtime/gpu_sampler.py); False keeps every draw on the host.
+    device_sampling: bool = True
     scheduling_policy: str = "fcfs"
     max_new_tokens_ceiling: int | None = None  # server-side cap on an unset max_tokens
     max_model_len: int | None = None  # None: the session's
@@ -98,6 +102,31 @@ class EngineCounters:
     finished: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
+class StepLogits:
+    """One step's logits, left where the model wrote them (rows [n, V] of float32), with
+    the item each row belongs to (owners[r]; -1 for a row no item needs). They come to the
+    host once, and only if a host sampler or prompt logprobs ask for rows."""
+
+    def __init__(self, model: Any, tensor: Any, vocab_size: int, owners: list[int], num_items: int):
+        self.model, self.tensor, self.vocab_size = model, tensor, vocab_size
+        self.owners = np.asarray(owners)
+        self.num_items = num_items
+        self._host: np.ndarray | None = None
+
+    def rows_are(self, items: list[int]) -> bool:
+        """Whether the rows are exactly these items' rows, one each, in this order (then the
+        tensor itself can be sampled on the device)."""
+        return self.owners.tolist() == list(items)
+
+    def rows(self, item: int) -> np.ndarray | None:
+        """Item's rows on the host, [k, V], or None when the step computed none for it."""
+        if not (self.owners == item).any():
+            return None
+        if self._host is None:
+            self._host = self.model.to_numpy(self.tensor).reshape(len(self.owners), self.vocab_size)
+        return self._host[self.owners == item]
+
+
 class Engine:
     def __init__(self, session: Session, config: EngineConfig = EngineConfig()):
         self.session = session
@@ -129,6 +158,19 @@ class Engine:
         self.counters = EngineCounters()
         self.vocab_size = self.model.vocab_size
         self._create_view = global_func("runtime.TVMTensorCreateView")
+        self.device_sampler = self._make_device_sampler()
+
+    def _make_device_sampler(self) -> DeviceSampler | None:
+        """The library's sampling functions on a GPU (the full logits then stay there), or
+        None: on the CPU the host sampler reads the logits in place anyway, and a library
+        built without the functions samples on the host too."""
+        if not self.config.device_sampling or not getattr(self.model, "on_gpu", False):
+            return None
+        try:
+            return DeviceSampler(self.model)
+        except VtoolError as err:
+            log.warning("sampling on the host: %s", err)
+            return None
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -192,26 +234,32 @@ class Engine:
         now = time.monotonic()
         for request, _ in plan.items:
             request.first_scheduled_time = request.first_scheduled_time or now
-        logits_rows = self._run_model(plan.items)
+        logits = self._run_model(plan.items)
         self.counters.steps += 1
-        ready: list[tuple[Request, np.ndarray]] = []
-        for (request, n), rows in zip(plan.items, logits_rows):
+        ready: list[tuple[Request, int]] = []  # (request, index of its item)
+        for i, (request, n) in enumerate(plan.items):
             in_prompt = max(0, min(request.num_computed + n, len(request.prompt_ids)) - request.num_computed)
             self.counters.computed_prefill_tokens += in_prompt if request.num_preemptions == 0 else 0
-            if rows is not None and request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
-                self._collect_prompt_logits(request, n, rows)
+            if request.params.prompt_logprobs is not None and request.prompt_logprobs is None \
+                    and logits.rows(i) is not None:
+                self._collect_prompt_logits(request, n, logits.rows(i))
             request.num_computed += n
             if request.num_computed == request.num_tokens:
-                ready.append((request, rows[-1]))
+                ready.append((request, i))
         outputs = []
         if ready:
-            results = sample_batch(np.stack([row for _, row in ready]), [r.sampler for r, _ in ready])
+            samplers = [r.sampler for r, _ in ready]
+            if (self.device_sampler is not None and logits.rows_are([i for _, i in ready])
+                    and all(sequence_on_device(s) for s in samplers)):
+                results = self.device_sampler.sample_batch(logits.tensor, samplers)
+            else:
+                results = sample_batch(np.stack([logits.rows(i)[-1] for _, i in ready]), samplers)
             for (request, _), result in zip(ready, results):
                 outputs.append(self._advance(request, result))
         return outputs
 
-    def _run_model(self, items: list[tuple[Request, int]]) -> list[np.ndarray | None]:
-        """Run the batch; for each item, the logits rows it needs (None when it needs none)."""
+    def _run_model(self, items: list[tuple[Request, int]]) -> StepLogits:
+        """Run the batch; the logits of the rows the items need, left on the device."""
         m = self.model
         tokens: list[int] = []
         for request, n in items:
@@ -227,8 +275,7 @@ class Engine:
                 # of GEMV kernels, where batch_decode's symbolic batch runs uncaptured matmuls.
                 entry = "decode" if len(items) == 1 else "batch_decode"
                 logits, _ = m.function(entry)(embeds, self.kv.tvm, m.params)
-                rows = m.to_numpy(logits).reshape(len(items), self.vocab_size)
-                return [rows[i: i + 1] for i in range(len(items))]
+                return StepLogits(m, logits, self.vocab_size, list(range(len(items))), len(items))
             positions, owners, offset = [], [], 0
             for i, (request, n) in enumerate(items):
                 completes = request.num_computed + n == request.num_tokens
@@ -243,9 +290,7 @@ class Engine:
             embeds = self._create_view(flat, m.ffi.Shape([1, len(tokens), m.hidden_size]), m.dtype, 0)
             logits, _ = m.function("batch_prefill")(
                 embeds, m.upload(np.asarray(positions, dtype=np.int32), slot="positions"), self.kv.tvm, m.params)
-            rows = m.to_numpy(logits).reshape(len(positions), self.vocab_size)
-            owners_arr = np.asarray(owners)
-            return [rows[owners_arr == i] if (owners_arr == i).any() else None for i in range(len(items))]
+            return StepLogits(m, logits, self.vocab_size, owners, len(items))
         finally:
             self.kv.end_forward()
 

@@ -449,3 +449,43 @@ def test_smollm2_bfloat16_engine_batch_matches_transformers(smollm2):
     for i, ref in enumerate(refs):
         check_greedy(f"smollm2 engine #{i}", done[f"r{i}"], ref["tokens"], ref["logits"],
                      near_tie=SMOLLM2_NEAR_TIE, decode=tokenizer.decode)
+
+
+def _engine_tokens(session, prompts, params_for, device_sampling: bool) -> tuple[dict, Any]:
+    from vtool.runtime.engine import Engine, EngineConfig
+
+    engine = Engine(session, EngineConfig(max_num_seqs=4, enable_prefix_caching=False,
+                                          gpu_memory_utilization=0.3, device_sampling=device_sampling))
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params_for(i))
+    done: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for _ in range(10 * STEPS):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            done[out.request_id].extend(out.new_token_ids)
+    assert not engine.has_unfinished(), "the engine stopped making progress"
+    return done, engine
+
+
+def test_smollm2_engine_samples_on_the_gpu_like_the_host(smollm2):
+    """Seeded random sampling through the engine: the compiled device sampler (logits never
+    leave the GPU) draws the same tokens as the host sampler from the same seeds, for plain
+    temperature, top-p and top-k + min-p requests batched together, and with a greedy one."""
+    session, tokenizer, prompts, _ = smollm2
+    kinds = [dict(temperature=0.8), dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, top_k=20, min_p=0.05),
+             dict(temperature=0.0)]
+    batch = (prompts * 2)[: len(kinds)]
+
+    def params_for(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=STEPS, ignore_eos=True, seed=1234 + i, **kinds[i])
+
+    on_device, engine = _engine_tokens(session, batch, params_for, device_sampling=True)
+    assert engine.device_sampler is not None, "the library has no device sampler"
+    on_host, host_engine = _engine_tokens(session, batch, params_for, device_sampling=False)
+    assert host_engine.device_sampler is None
+    for i, kind in enumerate(kinds):
+        ours, theirs = on_device[f"r{i}"], on_host[f"r{i}"]
+        print(f"[smollm2 device sampling {kind}] {tokenizer.decode(ours)!r}")
+        assert len(ours) == STEPS
+        assert ours == theirs, f"{kind}: device {ours} vs host {theirs}"

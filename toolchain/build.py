@@ -189,6 +189,10 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
             f"on the loader path (LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH', '')!r})")
     t0 = time.perf_counter()
     target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress)
+    # Sampling on the GPU (models/sampler.py): the engine samples there, so logits stay put.
+    from vtool.models.sampler import sampler_module
+
+    mod.update(sampler_module(cfg.vocab_size))
     t_export = time.perf_counter() - t0
     record: dict[str, Any] = {"archs": list(target_spec.archs), "ptx": target_spec.ptx}
     progress(f"compiling for {target_spec.name} (nvcc fatbin: SASS {', '.join(target_spec.archs)} "
@@ -223,7 +227,10 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
         "seconds": {"export_tvm": round(t_export, 2), "tvm.compile (incl. nvcc)": round(t_compile, 2),
                     "nvcc": record.pop("nvcc_seconds", 0.0), "export_library": round(t_link, 2)},
     })
-    return {"params": params, "entry_points": entry_points, "pipeline": describe("cuda", gemm), "cuda": record}
+    from vtool.runtime.gpu_sampler import FUNCTIONS as SAMPLER_FUNCTIONS
+
+    return {"params": params, "entry_points": entry_points, "pipeline": describe("cuda", gemm), "cuda": record,
+            "sampler": list(SAMPLER_FUNCTIONS)}
 
 
 def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str = "float32",
@@ -271,6 +278,8 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
                                       "pipeline": compiled["pipeline"]}
         if "cuda" in compiled:
             build_info["cuda"] = compiled["cuda"]
+        if "sampler" in compiled:
+            build_info["sampler"] = compiled["sampler"]
 
         write_manifest(staging, {
             "format_version": FORMAT_VERSION,

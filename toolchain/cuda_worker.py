@@ -73,8 +73,9 @@ def main(argv: list[str]) -> int:
         from vtool.toolchain.build import compile_cuda_here
 
         request = json.loads(Path(request_path).read_text())
-        if request["dtype"] == "float16":  # the only dtype whose matmuls DLight tensorizes
-            _preload_tensor_intrinsics()
+        # vtool.schedules.cuda imports the tensor-core intrinsics for every dtype (the bf16
+        # rule registers its own beside DLight's fp16 ones): parse them the light way.
+        _preload_tensor_intrinsics()
         result = compile_cuda_here(ModelConfig.from_dict(request["config"]), lookup(request["target"]),
                                    request["dtype"], Path(request["library"]), progress, in_subprocess=True,
                                    gemm=request.get("gemm", "tir"))

@@ -34,7 +34,8 @@ def describe() -> dict:
     """What the manifest records about the schedules."""
     return {"low_batch_dispatch": [{"max_n": limit, "rule": f"LowBatchGEMV({bucket})"} for limit, bucket in LOW_BATCH_BUCKETS]
             + [{"rule": "bf16 WMMA tensor cores, else Matmul"}],
-            "default_rules": ["vtool.BF16TensorCoreMatmul"] + [f"dlight.gpu.{r}" for r in DEFAULT_RULES]}
+            "default_rules": ["vtool.BF16TensorCoreMatmul", "vtool.RowReduction"]
+            + [f"dlight.gpu.{r}" if r != "GEMV" else "vtool.GuardedGEMV" for r in DEFAULT_RULES]}
 
 
 def _is_scheduled(func: tirx.PrimFunc) -> bool:
@@ -110,5 +111,11 @@ def cuda_schedule_pass() -> tvm.transform.Pass:
             mod[gv] = func
         return mod
 
-    rules = [BF16TensorCoreMatmul()] + [getattr(dl.gpu, name)() for name in DEFAULT_RULES]
+    from vtool.schedules.cuda.sampling_rules import GuardedGEMV, RowReduction
+
+    # RowReduction: the sampler's per-row reductions (one block per row instead of
+    # Fallback's one thread); GuardedGEMV: DLight's GEMV minus an assert that would end the
+    # build on those kernels (sampling_rules.py says which).
+    rules = ([BF16TensorCoreMatmul(), RowReduction()]
+             + [GuardedGEMV() if name == "GEMV" else getattr(dl.gpu, name)() for name in DEFAULT_RULES])
     return tvm.transform.Sequential([_low_batch, dl.ApplyDefaultSchedule(*rules)], name="VtoolCUDASchedules")

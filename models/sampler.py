@@ -1,0 +1,244 @@
+"""Token sampling as compiled Relax functions, so a GPU step copies token ids to the host
+instead of the whole float32 logits [b, vocab] (issue #4).
+
+The functions reproduce runtime/sampling.py's host sampler for requests that need no
+per-request logit processing (no logit_bias, penalties, min_tokens masking or logprobs;
+runtime/gpu_sampler.py's can_sample_on_device says which). For the same uniform draw u
+they pick the same token as the host, except where float rounding decides (a near-tie):
+
+  greedy (temperature == 0 here; the host's temperature < 1e-5): argmax of the raw
+      logits, ties to the lowest token id (numpy's argmax);
+  random: x = logits / temperature (float32); w = exp(x - max x) (float32, the max weighs
+      exactly 1); keep the tokens with x >= the k-th largest x (vLLM keeps ties at the
+      cut), and w >= min_p; then top-p: in descending-logit order (ties by token id), keep
+      the tokens whose heavier kept mass is < top_p of the kept total (float64). Draw by
+      inverse CDF in token-id order: the first token whose float64 cumulative weight
+      exceeds u * total weight.
+
+Every function returns (token_ids int32[b], logprobs float64[b]): logprobs is the raw
+log-softmax of the chosen token (what SampleResult.logprob holds, for cumulative_logprob).
+A row whose logits hold a NaN or no finite maximum (or whose scaled logits overflow) gets
+token -1: the caller raises, as the host sampler does.
+
+Why float64 for top_p, the uniform draw and the cumulative sums: the host draws
+u = Generator.random() (float64) and compares cumulative float64 weights with u * total.
+Measured in numpy over 128256 standard-normal logits (x1, x2, x4) at temperature 1, no
+filters: with u rounded to float32, 0.07-0.17% of draws pick another token; with a
+sequential float32 cumulative sum as well, 9-22%. In float64 the disagreement is a
+near-tie of ~1e-12 relative.
+
+TVM pieces: relax.op.sort (DispatchSortScan: topi.gpu.sort on CUDA, tvm.contrib.sort on
+the CPU) and relax.op.cumsum (the GPU 2-D scan kernel); everything else is elementwise or a
+row reduction, which LegalizeOps/FuseOps turn into kernels vtool's schedules handle.
+relax.op.multinomial_from_uniform is not used: its CUDA kernel compares float32 cumulative
+sums with u - 1e-6, which is not the host's draw.
+
+On the CPU, sample_top_p_top_k calls tvm.contrib.sort.sort, which lives in
+libtvm_runtime_extra.so, not in the libtvm_runtime.so the vtool runtime loads (importing
+tvm registers it). The CPU needs no device sampling (its logits are read in place), so
+build these functions into CUDA libraries; the CPU build is for testing them.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax, te, tirx
+
+# The function names, shared with the runtime wrapper (which must not import tvm).
+from vtool.runtime.gpu_sampler import ARGMAX, FUNCTIONS, TEMPERATURE, TOP_P_TOP_K
+
+BATCH_VAR = "sample_batch"
+_F32_MAX = 3.4028234663852886e38
+
+
+def _row(t: relax.Expr) -> relax.Expr:
+    return relax.op.expand_dims(t, 1)
+
+
+class _Graph:
+    """Helpers over one BlockBuilder dataflow block: relax ops, and TE for the pieces that
+    need the token position."""
+
+    def __init__(self, bb: relax.BlockBuilder, vocab: int):
+        self.bb, self.vocab = bb, vocab
+
+    def emit(self, expr: relax.Expr) -> relax.Var:
+        return self.bb.emit(expr)
+
+    def te(self, fn, *args, name: str) -> relax.Var:  # noqa: ANN001 - a TE compute
+        return self.bb.emit_te(fn, *args, primfunc_name_hint=name)
+
+    def count(self, cond: relax.Expr) -> relax.Var:
+        """Per row, how many entries are true: int32[b, 1]."""
+        return self.emit(relax.op.sum(relax.op.astype(cond, "int32"), axis=1, keepdims=True))
+
+    def prefix_min(self, values: relax.Var, n: relax.Var, name: str) -> relax.Var:
+        """Per row, min of values[i, :n[i]] (values float32 [b, V], n int32 [b, 1]) as [b, 1]."""
+
+        def compute(v: te.Tensor, k: te.Tensor) -> te.Tensor:
+            j = te.reduce_axis((0, self.vocab), name="j")
+            big = tirx.const(_F32_MAX, "float32")
+            return te.compute(
+                (v.shape[0], 1),
+                lambda i, _: te.min(tirx.Select(tirx.Cast("int32", j) < k[i, 0], v[i, j], big), axis=j),
+                name=name)
+
+        return self.te(compute, values, n, name=name)
+
+    def last_positive(self, w: relax.Var) -> relax.Var:
+        """Per row, the largest index with w > 0 (-1 if none): int32 [b, 1]. (Reduced in
+        int64, the index type call_te gives j: a cast around the max would hide the
+        reducer from the GPU's cross-thread reduction.)"""
+
+        def compute(v: te.Tensor) -> te.Tensor:
+            j = te.reduce_axis((0, self.vocab), name="j")
+            return te.compute(
+                (v.shape[0], 1),
+                lambda i, _: te.max(tirx.Select(v[i, j] > tirx.const(0, v.dtype), tirx.Cast("int64", j),
+                                                tirx.const(-1, "int64")), axis=j),
+                name="last_positive")
+
+        last = self.te(compute, w, name="sampler_last_positive")
+        return self.emit(relax.op.astype(last, "int32"))
+
+    def tie_rank(self, x: relax.Var, t: relax.Var) -> relax.Var:
+        """For each entry equal to its row's t, how many entries before it (by index) equal
+        t: an int32 [b, V] inclusive cumsum minus the entry itself."""
+        eq = self.emit(relax.op.astype(relax.op.equal(x, t), "int32"))
+        inclusive = self.emit(relax.op.cumsum(eq, axis=1, dtype="int32"))
+        return self.emit(relax.op.subtract(inclusive, eq))
+
+    def gather_row(self, data: relax.Var, index: relax.Var) -> relax.Var:
+        """data[i, index[i]] for index int32 [b] clamped into the row: [b]."""
+
+        def compute(d: te.Tensor, idx: te.Tensor) -> te.Tensor:
+            hi = tirx.const(self.vocab - 1, "int32")
+            return te.compute(
+                (d.shape[0],),
+                lambda i: d[i, tirx.max(tirx.min(idx[i], hi), tirx.const(0, "int32"))],
+                name="gather_row")
+
+        return self.te(compute, data, index, name="sampler_gather_row")
+
+
+def _raw_stats(g: _Graph, logits: relax.Var) -> tuple[relax.Var, relax.Var]:
+    """(argmax int32 [b], log-sum-exp float64 [b, 1]) of the raw logits, the host's way:
+    exp(raw - max) in float32, summed in float64."""
+    raw_max = g.emit(relax.op.max(logits, axis=1, keepdims=True))
+    e = g.emit(relax.op.exp(relax.op.subtract(logits, raw_max)))
+    total = g.emit(relax.op.sum(relax.op.astype(e, "float64"), axis=1, keepdims=True))
+    lse = g.emit(relax.op.add(relax.op.astype(raw_max, "float64"), relax.op.log(total)))
+    argmax = g.emit(relax.op.astype(relax.op.argmax(logits, axis=1), "int32"))
+    return argmax, lse
+
+
+def _finish(g: _Graph, logits: relax.Var, token: relax.Var, lse: relax.Var,
+            ok: relax.Var) -> relax.Expr:
+    """(token or -1 where the row is bad, raw log-softmax of the token)."""
+    token = g.emit(relax.op.where(ok, token, relax.const(-1, "int32")))
+    chosen = g.gather_row(logits, token)
+    logprob = g.emit(relax.op.subtract(relax.op.astype(chosen, "float64"), relax.op.squeeze(lse, [1])))
+    return relax.Tuple([token, logprob])
+
+
+def _draw(g: _Graph, w: relax.Var, uniform: relax.Var) -> relax.Var:
+    """Inverse CDF in token-id order over float64 weights w [b, V]: the first token whose
+    cumulative weight exceeds uniform * total, kept off zero-weight tokens past the end.
+    int32 [b]."""
+    cdf = g.emit(relax.op.cumsum(w, axis=1, dtype="float64"))
+    total = g.emit(relax.op.sum(w, axis=1, keepdims=True))
+    target = g.emit(relax.op.multiply(_row(uniform), total))
+    first_over = g.count(relax.op.less_equal(cdf, target))
+    token = g.emit(relax.op.minimum(first_over, g.last_positive(w)))
+    return g.emit(relax.op.squeeze(token, [1]))
+
+
+def _random_sample(g: _Graph, logits: relax.Var, temperature: relax.Var, min_p: relax.Var,
+                   uniform: relax.Var, top_p: relax.Var | None, top_k: relax.Var | None,
+                   greedy_token: relax.Var, lse: relax.Var) -> relax.Expr:
+    zero = relax.const(0.0, "float32")
+    greedy = g.emit(relax.op.equal(temperature, zero))
+    safe_t = g.emit(relax.op.where(greedy, relax.const(1.0, "float32"), temperature))
+    x = g.emit(relax.op.divide(logits, _row(safe_t)))
+    m = g.emit(relax.op.max(x, axis=1, keepdims=True))
+    if top_p is None:
+        w32 = g.emit(relax.op.exp(relax.op.subtract(x, m)))
+        keep = relax.op.greater_equal(w32, _row(min_p))
+    else:
+        v = g.vocab
+        sx = g.emit(relax.op.sort(x, axis=1, descending=True))
+        k_on = relax.op.logical_and(relax.op.greater(top_k, relax.const(0, "int32")),
+                                    relax.op.less(top_k, relax.const(v, "int32")))
+        k_eff = g.emit(_row(relax.op.where(k_on, top_k, relax.const(v, "int32"))))
+        kth = g.prefix_min(sx, k_eff, name="sampler_kth")
+        ws = g.emit(relax.op.exp(relax.op.subtract(sx, m)))
+        keep_s = g.emit(relax.op.logical_and(relax.op.greater_equal(sx, kth),
+                                             relax.op.greater_equal(ws, _row(min_p))))
+        wk = g.emit(relax.op.where(keep_s, relax.op.astype(ws, "float64"), relax.const(0.0, "float64")))
+        cs = g.emit(relax.op.cumsum(wk, axis=1, dtype="float64"))
+        total = g.emit(relax.op.sum(wk, axis=1, keepdims=True))
+        before = relax.op.subtract(cs, wk)
+        p_row = _row(top_p)
+        nucleus = relax.op.logical_or(relax.op.greater_equal(p_row, relax.const(1.0, "float64")),
+                                      relax.op.less(before, relax.op.multiply(p_row, total)))
+        kept = g.count(relax.op.logical_and(keep_s, nucleus))  # a prefix of the sorted row, >= 1
+        t = g.prefix_min(sx, kept, name="sampler_cutoff")  # the smallest kept logit
+        above = g.count(relax.op.greater(sx, t))
+        rank = g.tie_rank(x, t)
+        keep = relax.op.logical_or(
+            relax.op.greater(x, t),
+            relax.op.logical_and(relax.op.equal(x, t), relax.op.less(rank, relax.op.subtract(kept, above))))
+        w32 = g.emit(relax.op.exp(relax.op.subtract(x, m)))
+    w = g.emit(relax.op.where(keep, relax.op.astype(w32, "float64"), relax.const(0.0, "float64")))
+    drawn = _draw(g, w, uniform)
+    token = g.emit(relax.op.where(greedy, greedy_token, drawn))
+    m_ok = g.emit(relax.op.squeeze(relax.op.isfinite(m), [1]))
+    ok = g.emit(relax.op.logical_and(relax.op.squeeze(relax.op.isfinite(lse), [1]),
+                                     relax.op.logical_or(greedy, m_ok)))
+    return _finish(g, logits, token, lse, ok)
+
+
+def sampler_module(vocab_size: int) -> tvm.IRModule:
+    """The sampling functions for a vocabulary of vocab_size tokens, over a symbolic batch:
+
+        sample_argmax(logits f32[b, V]) -> (i32[b], f64[b])
+        sample_temperature(logits f32[b, V], temperature f32[b], min_p f32[b],
+                           uniform f64[b]) -> (i32[b], f64[b])
+        sample_top_p_top_k(logits f32[b, V], temperature f32[b], top_p f64[b], top_k i32[b],
+                           min_p f32[b], uniform f64[b]) -> (i32[b], f64[b])
+
+    temperature 0 makes a row greedy (its uniform is ignored); top_k <= 0 or >= V is off;
+    top_p >= 1 is off; min_p 0 is off. Outputs: token ids (-1: bad logits row) and the raw
+    log-softmax of each chosen token.
+    """
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    bb = relax.BlockBuilder()
+    g = _Graph(bb, vocab_size)
+
+    def tensor(name: str, shape: list, dtype: str) -> relax.Var:
+        return relax.Var(name, relax.TensorType(shape, dtype))
+
+    for name in FUNCTIONS:
+        b = tirx.Var(BATCH_VAR, "int64")
+        logits = tensor("logits", [b, vocab_size], "float32")
+        temperature = tensor("temperature", [b], "float32")
+        top_p = tensor("top_p", [b], "float64")
+        top_k = tensor("top_k", [b], "int32")
+        min_p = tensor("min_p", [b], "float32")
+        uniform = tensor("uniform", [b], "float64")
+        params = {ARGMAX: [logits],
+                  TEMPERATURE: [logits, temperature, min_p, uniform],
+                  TOP_P_TOP_K: [logits, temperature, top_p, top_k, min_p, uniform]}[name]
+        with bb.function(name, params):
+            with bb.dataflow():
+                argmax, lse = _raw_stats(g, logits)
+                if name == ARGMAX:
+                    ok = g.emit(relax.op.squeeze(relax.op.isfinite(lse), [1]))
+                    out = _finish(g, logits, argmax, lse, ok)
+                else:
+                    sort_args = (top_p, top_k) if name == TOP_P_TOP_K else (None, None)
+                    out = _random_sample(g, logits, temperature, min_p, uniform, *sort_args,
+                                         greedy_token=argmax, lse=lse)
+                gv = bb.emit_output(out)
+            bb.emit_func_output(gv)
+    return bb.get()
