@@ -489,3 +489,33 @@ def test_smollm2_engine_samples_on_the_gpu_like_the_host(smollm2):
         print(f"[smollm2 device sampling {kind}] {tokenizer.decode(ours)!r}")
         assert len(ours) == STEPS
         assert ours == theirs, f"{kind}: device {ours} vs host {theirs}"
+
+
+# -- (c) FlashInfer attention (`vtool build --attention flashinfer`) ----------------------------
+# Libraries built elsewhere with FlashInfer's kernels (they need flashinfer-python and minutes
+# of nvcc at build time, so they are prebuilt): VTOOL_GPU_FLASHINFER_ARTIFACTS names a folder
+# whose index.json maps a case name to {"checkpoint": dir, "artifact": dir} (relative paths).
+FLASHINFER_ENV = "VTOOL_GPU_FLASHINFER_ARTIFACTS"
+
+
+def _flashinfer_cases() -> list[str]:
+    root = os.environ.get(FLASHINFER_ENV)
+    if not root or not (Path(root) / "index.json").exists():
+        return ["(none)"]
+    return sorted(json.loads((Path(root) / "index.json").read_text()))
+
+
+@pytest.mark.parametrize("case", _flashinfer_cases())
+def test_flashinfer_bfloat16_matches_transformers(gpu, case):
+    """Prefill and decode through FlashInfer's kernels against transformers, with the same
+    bf16 bounds as the TIR-attention libraries."""
+    root = os.environ.get(FLASHINFER_ENV)
+    if case == "(none)":
+        pytest.skip(f"no FlashInfer artifacts ({FLASHINFER_ENV} unset or without index.json)")
+    entry = json.loads((Path(root) / "index.json").read_text())[case]
+    folder, artifact = Path(root) / entry["checkpoint"], Path(root) / entry["artifact"]
+    model = CompiledModel(artifact, open_checkpoint(folder))
+    assert model.manifest.get("attention") == "flashinfer"
+    gen = Generator(model, max_model_len=256)
+    ref = bf16_reference(load_hf_tiny(folder, torch.float32), load_hf_tiny(folder, torch.bfloat16), PROMPT)
+    check_bfloat16(f"{case} flashinfer bfloat16", gen, PROMPT, ref, near_tie=TINY_NEAR_TIE_REF_ERRS * ref["ref_err"])

@@ -38,6 +38,7 @@ _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 # Sources whose change changes the compiled library (part of the cache key).
 _COMPILER_SOURCES = ("models", "schedules", "targets", "toolchain/pipeline.py", "toolchain/build.py",
                      "toolchain/cuda.py", "toolchain/gemm_offload.py", "toolchain/native/cublas_gemm.cc",
+                     "toolchain/flashinfer_attention.py",
                      "runtime/quant_blocks.py")  # the block layout the kernels are compiled for
 
 Progress = Callable[[str], None]
@@ -64,10 +65,12 @@ def _toolchain_versions(target: TargetSpec) -> dict[str, str]:
 
 
 def cache_key(raw_config: dict[str, Any], target: TargetSpec, dtype: str, quantization: str,
-              gemm: str = "tir") -> str:
+              gemm: str = "tir", attention: str = "tir") -> str:
     payload = {"config": source_config(raw_config), "target": target.describe(), "dtype": dtype,
                "quantization": quantization, "gemm": gemm, "versions": installed_versions(),
                "compiler": compiler_source_digest()}
+    if attention != "tir":  # e.g. "flashinfer-0.6.15.post1"; tir builds keep their keys
+        payload["attention"] = attention
     toolchain = _toolchain_versions(target)
     if toolchain:
         payload["toolchain"] = toolchain
@@ -123,7 +126,7 @@ def _count_formats(kept: dict[str, str], dense: dict[str, str]) -> dict[str, Any
 
 
 def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Progress,
-            formats: dict[str, str] | None = None):
+            formats: dict[str, str] | None = None, attention: str = "tir"):
     import tvm
 
     from vtool.models.llama import DecoderForCausalLM
@@ -131,20 +134,25 @@ def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Pro
     target = tvm.target.Target(target_spec.tvm)
     progress("exporting the Relax module")
     model = DecoderForCausalLM(cfg, dtype, target, formats)
+    if attention != "tir":
+        from vtool.toolchain.flashinfer_attention import use_attention
+
+        use_attention(model, attention)
     spec = model.get_default_spec()
     mod, named_params = model.export_tvm(spec=spec)
     return target, mod, plan_parameters(named_params, formats), list(spec)
 
 
 def _compile(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
-             progress: Progress, gemm: str = "tir", formats: dict[str, str] | None = None) -> dict[str, Any]:
+             progress: Progress, gemm: str = "tir", formats: dict[str, str] | None = None,
+             attention: str = "tir") -> dict[str, Any]:
     """Compile and link model.so; returns the manifest's params, entry_points and, for
     CUDA, the cuda build record. `formats`: the weights kept in blocks (CPU only)."""
     if target_spec.family == "cuda":
         if formats:
             raise VtoolError(f"quantized weights have no CUDA kernels yet ({target_spec.name}); "
                              "use --quantization none")
-        return _compile_cuda(cfg, target_spec, dtype, library_path, progress, gemm)
+        return _compile_cuda(cfg, target_spec, dtype, library_path, progress, gemm, attention)
     import tvm
 
     from vtool.toolchain.pipeline import build_pipeline, describe
@@ -159,7 +167,7 @@ def _compile(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path
 
 
 def _compile_cuda(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
-                  progress: Progress, gemm: str = "tir") -> dict[str, Any]:
+                  progress: Progress, gemm: str = "tir", attention: str = "tir") -> dict[str, Any]:
     from vtool.toolchain import cuda
 
     cuda.find_nvcc()  # refuse early, with the reason, when there is no toolkit
@@ -167,14 +175,16 @@ def _compile_cuda(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library
         import tvm  # noqa: F401  (loads the CUDA runtime when a driver is installed)
 
         if cuda.cuda_runtime_loaded():
-            return compile_cuda_here(cfg, target_spec, dtype, library_path, progress, gemm=gemm)
+            return compile_cuda_here(cfg, target_spec, dtype, library_path, progress, gemm=gemm,
+                                     attention=attention)
     request = {"config": cfg.to_dict(), "target": target_spec.name, "dtype": dtype, "library": str(library_path),
-               "gemm": gemm}
+               "gemm": gemm, "attention": attention}
     return cuda.run_worker(request, progress)
 
 
 def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
-                      progress: Progress, in_subprocess: bool = False, gemm: str = "tir") -> dict[str, Any]:
+                      progress: Progress, in_subprocess: bool = False, gemm: str = "tir",
+                      attention: str = "tir") -> dict[str, Any]:
     """The CUDA compile proper, in a process whose TVM has its CUDA runtime loaded (the
     worker subprocess, or this one when a real driver is installed)."""
     import tvm
@@ -187,8 +197,13 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
             "TVM's CUDA runtime (libtvm_runtime_cuda.so) did not load, so codegen would embed CUDA source; "
             "it needs libcuda.so.1 (the build-time stub or a driver) and libcudart.so.13 (the CUDA 13 toolkit) "
             f"on the loader path (LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH', '')!r})")
+    fi = None
+    if attention == "flashinfer":  # the kernels' objects, cached apart from the model (minutes to build)
+        from vtool.toolchain import flashinfer_attention
+
+        fi = flashinfer_attention.build_objects(dtype, cfg.head_dim, target_spec.archs, progress)
     t0 = time.perf_counter()
-    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress)
+    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress, attention=attention)
     # Sampling on the GPU (models/sampler.py): the engine samples there, so logits stay put.
     from vtool.models.sampler import sampler_module
 
@@ -216,11 +231,15 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
 
         shims.append(str(compile_shim(library_path.parent)))
     # export_library appends its own objects to the list it is given: hand it a copy.
-    executable.export_library(str(library_path), addons=list(shims))
+    executable.export_library(str(library_path), addons=list(shims) + (fi.addons() if fi else []))
     for obj in shims:
         Path(obj).unlink()
     t_link = time.perf_counter() - t0
-    info = cuda.check_library(library_path, target_spec.archs, target_spec.ptx)
+    if fi:
+        info = flashinfer_attention.check_library(library_path, target_spec.archs, target_spec.ptx, fi)
+        record["attention"] = fi.record
+    else:
+        info = cuda.check_library(library_path, target_spec.archs, target_spec.ptx)
     record.update({
         "embedded": {"module_formats": info["module_formats"], "sass": info["sass"], "ptx": info["ptx"]},
         "codegen_process": "subprocess (build-time libcuda stub)" if in_subprocess else "in-process (CUDA driver)",
@@ -236,7 +255,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
 def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str = "float32",
                    output: str | Path | None = None, progress: Progress | None = None,
                    checkpoint: Checkpoint | None = None, force: bool = False, gemm: str = "auto",
-                   quantization: str = "auto") -> Path:
+                   quantization: str = "auto", attention: str = "tir") -> Path:
     """Build (or find in the cache) the artifact for one checkpoint, target and dtype.
 
     quantization: QUANTIZATIONS; "auto" keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks on a
@@ -259,7 +278,10 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
     from vtool.toolchain.gemm_offload import resolve_gemm
 
     gemm = resolve_gemm(gemm, target_spec.family, dtype)
-    key = cache_key(raw, target_spec, dtype, _quantization_key(quantization, kept), gemm)
+    from vtool.toolchain.flashinfer_attention import attention_key, resolve_attention
+
+    attention = resolve_attention(attention, target_spec.family, dtype, cfg)
+    key = cache_key(raw, target_spec, dtype, _quantization_key(quantization, kept), gemm, attention_key(attention))
     folder = Path(output) if output else artifact_cache() / key
     if not force and _is_complete(folder, key):
         progress(f"using cached build {folder}")
@@ -272,7 +294,7 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
         if dense:
             progress(f"no kernels for {', '.join(sorted(set(dense.values())))}: "
                      f"{len(dense)} weights dequantized to {dtype} at load")
-        compiled = _compile(cfg, target_spec, dtype, staging / LIBRARY_NAME, progress, gemm, kept)
+        compiled = _compile(cfg, target_spec, dtype, staging / LIBRARY_NAME, progress, gemm, kept, attention)
         build_info: dict[str, Any] = {"seconds": round(time.perf_counter() - t0, 2), "host": platform.machine(),
                                       "compiler_digest": compiler_source_digest(),
                                       "pipeline": compiled["pipeline"]}
@@ -295,6 +317,7 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
             "quantization": quantization,
             "quantized_weights": _count_formats(kept, dense),
             "gemm": gemm,
+            "attention": attention,
             "versions": installed_versions(),
             "entry_points": compiled["entry_points"],
             "params": compiled["params"],

@@ -47,7 +47,8 @@ def resolve_model(model: str | None) -> Path:
 
 
 def build_with_progress(model_path: Path, target: str, dtype: str, output: str | None = None,
-                        force: bool = False, gemm: str = "auto", quantization: str = "auto") -> Path:
+                        force: bool = False, gemm: str = "auto", quantization: str = "auto",
+                        attention: str = "tir") -> Path:
     from vtool.toolchain.build import build_artifact
 
     with console.status("building") as status:
@@ -57,7 +58,7 @@ def build_with_progress(model_path: Path, target: str, dtype: str, output: str |
                 console.print(f"[dim]{msg}[/]", highlight=False)
 
         return build_artifact(model_path, target, dtype, output=output, progress=report, force=force, gemm=gemm,
-                              quantization=quantization)
+                              quantization=quantization, attention=attention)
 
 
 def _artifact_option(fn: Callable) -> Callable:
@@ -101,9 +102,9 @@ def _model_options(fn: Callable) -> Callable:
                    "vtool's TIR kernels for float32); batch-1 decode always uses vtool's GEMV kernels")
 @_quantization_option
 def build(model: str | None, target: str, dtype: str, output: str | None, force: bool, gemm: str,
-          quantization: str) -> None:
+          attention: str, quantization: str) -> None:
     """Compile a model into an artifact folder (model.so + manifest.json)."""
-    folder = build_with_progress(resolve_model(model), target, dtype, output, force, gemm, quantization)
+    folder = build_with_progress(resolve_model(model), target, dtype, output, force, gemm, quantization, attention)
     out.print(str(folder), highlight=False)
 
 
@@ -121,6 +122,9 @@ def targets() -> None:
         table.add_row(row.name, row.family, ", ".join(row.features),
                       "yes" if row.buildable else f"no: {row.not_buildable_reason}")
     out.print(table)
+@click.option("--attention", default="tir", show_default=True, type=click.Choice(["tir", "flashinfer"]),
+              help="CUDA: kernels for paged prefill/decode attention (flashinfer: FlashInfer's, compiled "
+                   "ahead of time; needs flashinfer-python at build time, see toolchain/flashinfer_attention.py)")
 
 
 @main.command()

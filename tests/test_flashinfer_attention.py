@@ -1,0 +1,78 @@
+"""`--attention flashinfer`: the choice, the KV-cache hook and the link checks, without flashinfer.
+
+Building the FlashInfer objects needs flashinfer-python and minutes of nvcc, so it is not
+run here; the model side is: exporting a tiny Llama with the FlashInfer KV cache needs
+neither flashinfer nor a compiler (flashinfer_kv_cache keeps TVM from compiling it).
+"""
+from __future__ import annotations
+
+import pytest
+
+from vtool.models.config import parse_hf_config
+from vtool.toolchain import flashinfer_attention as fa
+
+RAW = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 128,
+       "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
+       "tie_word_embeddings": False}
+
+
+def test_arch_list():
+    assert fa.arch_list(["sm_90a"]) == "9.0a"
+    assert fa.arch_list(["sm_80", "sm_90a"]) == "8.0 9.0a"
+    assert fa.arch_list(["sm_120f"]) == "12.0f"
+
+
+def test_resolve_attention():
+    cfg = parse_hf_config(RAW)
+    assert fa.resolve_attention("tir", "x86", "float32", cfg) == "tir"
+    assert fa.resolve_attention("flashinfer", "cuda", "bfloat16", cfg) == "flashinfer"
+    with pytest.raises(fa.FlashInferError, match="CUDA target"):
+        fa.resolve_attention("flashinfer", "x86", "bfloat16", cfg)
+    with pytest.raises(fa.FlashInferError, match="float32"):
+        fa.resolve_attention("flashinfer", "cuda", "float32", cfg)
+    with pytest.raises(fa.FlashInferError, match="head_dim"):
+        fa.resolve_attention("flashinfer", "cuda", "bfloat16", parse_hf_config({**RAW, "head_dim": 32}))
+    with pytest.raises(fa.FlashInferError, match="query heads per"):
+        fa.resolve_attention("flashinfer", "cuda", "bfloat16",
+                             parse_hf_config({**RAW, "num_attention_heads": 5, "num_key_value_heads": 1}))
+    with pytest.raises(fa.FlashInferError, match="not one of"):
+        fa.resolve_attention("flash", "cuda", "bfloat16", cfg)
+
+
+def test_binding_signature_check(tmp_path):
+    fits = ("Array<int64_t> BatchPrefillWithKVCachePlan(\n    TensorView a, int64_t b,\n"
+            "    bool disable_split_kv, int64_t num_colocated_ctas);\n")
+    (tmp_path / "batch_prefill_jit_binding.cu").write_text(fits)
+    assert fa._binding_fits(tmp_path) is None
+    newer = fits.replace("num_colocated_ctas)", "num_colocated_ctas, int64_t uniform_q_len)")
+    (tmp_path / "batch_prefill_jit_binding.cu").write_text(newer)
+    assert "uniform_q_len" in fa._binding_fits(tmp_path)
+
+
+def test_rename_exports(tmp_path):
+    src = tmp_path / "batch_decode_jit_binding.cu"
+    src.write_text("TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan, Plan);\nTVM_FFI_DLL_EXPORT_TYPED_FUNC(run, Run);\n")
+    fa._rename_exports([src, tmp_path / "other.cu"], "batch_decode")
+    assert src.read_text() == ("TVM_FFI_DLL_EXPORT_TYPED_FUNC(batch_decode_plan, Plan);\n"
+                               "TVM_FFI_DLL_EXPORT_TYPED_FUNC(batch_decode_run, Run);\n")
+
+
+def test_flashinfer_kv_cache_export():
+    """The hook swaps the cache class; the exported module calls FlashInfer's functions by
+    name, and TVM's FlashInfer module generators are restored afterwards."""
+    import tvm
+    from tvm.relax.backend.cuda import flashinfer as tvm_flashinfer
+
+    from vtool.models.llama import DecoderForCausalLM
+    from vtool.targets import lookup
+
+    before = tvm_flashinfer.gen_flashinfer_prefill_module
+    model = DecoderForCausalLM(parse_hf_config(RAW), "bfloat16", tvm.target.Target(lookup("sm_90a").tvm))
+    fa.use_attention(model, "flashinfer")
+    mod, _ = model.export_tvm(spec=model.get_default_spec())
+    text = mod["create_tir_paged_kv_cache"].script()
+    for symbol in fa.PREFILL_SYMBOLS + fa.DECODE_SYMBOLS:
+        assert f'"{symbol}"' in text
+    assert "tir_attention_decode\"" not in text  # the TIR decode kernel is not what the cache calls
+    assert tvm_flashinfer.gen_flashinfer_prefill_module is before
