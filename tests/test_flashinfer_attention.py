@@ -76,3 +76,25 @@ def test_flashinfer_kv_cache_export():
         assert f'"{symbol}"' in text
     assert "tir_attention_decode\"" not in text  # the TIR decode kernel is not what the cache calls
     assert tvm_flashinfer.gen_flashinfer_prefill_module is before
+
+
+def test_auto_falls_back_to_tir_saying_why(monkeypatch, tmp_path):
+    """auto never fails a build: without a fitting flashinfer it is tir, with the reason."""
+    cfg = parse_hf_config(RAW)
+    notices: list[str] = []
+    assert fa.resolve_attention("auto", "x86", "float32", cfg, notices.append) == "tir"
+    assert notices == []  # nothing to explain on a CPU
+    monkeypatch.setattr(fa, "_PROBE", None)
+    # a flashinfer that cannot be imported: an empty folder first on the path, none installed
+    monkeypatch.setenv(fa.FLASHINFER_PATH_ENV, str(tmp_path))
+    monkeypatch.setattr(fa, "_run_helper", lambda *_a, **_k: (_ for _ in ()).throw(
+        fa.FlashInferError("flashinfer-python is not importable")))
+    assert fa.resolve_attention("auto", "cuda", "bfloat16", cfg, notices.append) == "tir"
+    assert len(notices) == 1 and "flashinfer-python is not importable" in notices[0]
+    # a shape FlashInfer has no kernels for falls back too, before any probe
+    odd = parse_hf_config({**RAW, "head_dim": 96, "hidden_size": 384})
+    assert fa.resolve_attention("auto", "cuda", "bfloat16", odd, notices.append) == "tir"
+    assert "head_dim" in notices[-1]
+    # and an explicit flashinfer still refuses, by name
+    with pytest.raises(fa.FlashInferError, match="not importable"):
+        fa.resolve_attention("flashinfer", "cuda", "bfloat16", cfg) and fa.probe()

@@ -255,7 +255,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
 def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str = "float32",
                    output: str | Path | None = None, progress: Progress | None = None,
                    checkpoint: Checkpoint | None = None, force: bool = False, gemm: str = "auto",
-                   quantization: str = "auto", attention: str = "tir") -> Path:
+                   quantization: str = "auto", attention: str = "auto") -> Path:
     """Build (or find in the cache) the artifact for one checkpoint, target and dtype.
 
     quantization: QUANTIZATIONS; "auto" keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks on a
@@ -280,7 +280,7 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
     gemm = resolve_gemm(gemm, target_spec.family, dtype)
     from vtool.toolchain.flashinfer_attention import attention_key, resolve_attention
 
-    attention = resolve_attention(attention, target_spec.family, dtype, cfg)
+    attention = resolve_attention(attention, target_spec.family, dtype, cfg, notice=progress)
     key = cache_key(raw, target_spec, dtype, _quantization_key(quantization, kept), gemm, attention_key(attention))
     folder = Path(output) if output else artifact_cache() / key
     if not force and _is_complete(folder, key):

@@ -48,7 +48,7 @@ def resolve_model(model: str | None) -> Path:
 
 def build_with_progress(model_path: Path, target: str, dtype: str, output: str | None = None,
                         force: bool = False, gemm: str = "auto", quantization: str = "auto",
-                        attention: str = "tir") -> Path:
+                        attention: str = "auto") -> Path:
     from vtool.toolchain.build import build_artifact
 
     with console.status("building") as status:
@@ -122,9 +122,10 @@ def targets() -> None:
         table.add_row(row.name, row.family, ", ".join(row.features),
                       "yes" if row.buildable else f"no: {row.not_buildable_reason}")
     out.print(table)
-@click.option("--attention", default="tir", show_default=True, type=click.Choice(["tir", "flashinfer"]),
+@click.option("--attention", default="auto", show_default=True, type=click.Choice(["auto", "tir", "flashinfer"]),
               help="CUDA: kernels for paged prefill/decode attention (flashinfer: FlashInfer's, compiled "
-                   "ahead of time; needs flashinfer-python at build time, see toolchain/flashinfer_attention.py)")
+                   "ahead of time, needs flashinfer-python at build time, see toolchain/flashinfer_attention.py; "
+                   "auto: flashinfer when a fitting one is importable and the model's shape suits it, else tir)")
 
 
 @main.command()
