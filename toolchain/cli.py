@@ -100,6 +100,10 @@ def _model_options(fn: Callable) -> Callable:
 @click.option("--gemm", default="auto", show_default=True, type=click.Choice(["auto", "tir", "cublas"]),
               help="CUDA: kernels for the prefill and batched-decode matmuls (auto = cuBLAS for bf16/f16, "
                    "vtool's TIR kernels for float32); batch-1 decode always uses vtool's GEMV kernels")
+@click.option("--attention", default="auto", show_default=True, type=click.Choice(["auto", "tir", "flashinfer"]),
+              help="CUDA: kernels for paged prefill/decode attention (flashinfer: FlashInfer's, compiled "
+                   "ahead of time, needs flashinfer-python at build time, see toolchain/flashinfer_attention.py; "
+                   "auto: flashinfer when a fitting one is importable and the model's shape suits it, else tir)")
 @_quantization_option
 def build(model: str | None, target: str, dtype: str, output: str | None, force: bool, gemm: str,
           attention: str, quantization: str) -> None:
@@ -122,10 +126,6 @@ def targets() -> None:
         table.add_row(row.name, row.family, ", ".join(row.features),
                       "yes" if row.buildable else f"no: {row.not_buildable_reason}")
     out.print(table)
-@click.option("--attention", default="auto", show_default=True, type=click.Choice(["auto", "tir", "flashinfer"]),
-              help="CUDA: kernels for paged prefill/decode attention (flashinfer: FlashInfer's, compiled "
-                   "ahead of time, needs flashinfer-python at build time, see toolchain/flashinfer_attention.py; "
-                   "auto: flashinfer when a fitting one is importable and the model's shape suits it, else tir)")
 
 
 @main.command()
