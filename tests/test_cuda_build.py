@@ -161,8 +161,10 @@ def _check(folder: Path, archs: list[str], ptx: str, tmp_path: Path) -> dict:
     passes = manifest["build"]["pipeline"]["passes"]
     expected = ["VtoolSplitKVDecodeAttention"] + (["VtoolOffloadGemmToCublas"] if manifest["gemm"] == "cublas" else [])
     assert passes[:len(expected) + 1] == expected + ["FuseTransposeMatmul"]
-    # the split-KV decode kernel replaced TVM's: two kernels under its symbol, the merge one included
-    assert b"batch_decode_paged_kv_kernel_1" in (folder / "model.so").read_bytes()
+    # the split-KV decode kernel (two kernels under TVM's symbol, the merge one named "_1")
+    # replaces TVM's where the lanes can split the head, and TVM's stays elsewhere
+    splits = manifest["config"]["head_dim"] % 32 == 0
+    assert (b"batch_decode_paged_kv_kernel_1" in (folder / "model.so").read_bytes()) == splits
     return manifest
 
 
@@ -266,3 +268,18 @@ def test_attention_shapes_tvm_cannot_launch_on_cuda_are_refused_by_name(tmp_path
     with pytest.raises(VtoolError, match="head_dim=16 with 1 query head.*not supported on CUDA.*128 threads in z"):
         build_artifact(folder, "sm_90a")
     build_artifact(folder, "host")  # the CPU kernels have no such limit
+
+
+@needs_nvcc
+def test_a_splittable_head_gets_the_split_kv_decode_and_the_sampler(tmp_path_factory):
+    """qwen2-bias has head_dim 32: its library carries the split-KV decode kernels (and the
+    GPU sampling functions every CUDA library has)."""
+    model = make_tiny_model("qwen2-bias", tmp_path_factory.mktemp("qwen2"))
+    folder = build_artifact(model, "sm_90a", "bfloat16")
+    manifest = _check(folder, ["sm_90a"], lookup("sm_90a").ptx, tmp_path_factory.mktemp("chk"))
+    assert manifest["config"]["head_dim"] == 32
+    data = (folder / "model.so").read_bytes()
+    assert b"batch_decode_paged_kv_kernel_1" in data
+    assert manifest["build"]["sampler"] == ["sample_argmax", "sample_temperature", "sample_top_p_top_k"]
+    for name in manifest["build"]["sampler"]:
+        assert name.encode() in data
