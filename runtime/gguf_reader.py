@@ -9,12 +9,14 @@ Quantized blocks are expanded with gguf.quants.dequantize, the same code transfo
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import mmap
 import re
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-import gguf
 import ml_dtypes
 import numpy as np
 
@@ -123,28 +125,225 @@ class _Truncated(Exception):
     pass
 
 
-class _Reader(gguf.GGUFReader):
-    """GGUFReader that names the tensor a truncated file cuts off.
+# --- a light GGUF reader -----------------------------------------------------------------------------
+# gguf.GGUFReader maps the whole file and builds numpy views for every part of every
+# metadata value: for a 49K-token vocabulary (tokens, token types, merges) that is ~175 MB
+# of Python objects and 2-3 s, held as long as the reader lives (and the runtime opened it
+# twice: once for the config, once for the tokenizer). This reads the same header into plain
+# Python values, in one pass over a temporary map of the file, and keeps per tensor only its
+# place in the file; a float tensor's bytes are mapped when asked for and unmapped with the
+# array. Same values as GGUFReader's field.contents() (tests hold the two equal).
 
-    The stock reader maps every tensor while opening and fails on a short file with a bare
-    numpy reshape error; this checks each tensor's byte range first. The check reads the
-    reader's tensor-info fields; should their layout change it steps aside (the stock
-    error still stops the open).
-    """
+READER_VERSIONS = (2, 3)
+# What the checkpoint does not keep (the tokenizer reads them itself): ~10 MB of strings for 49K tokens
+TOKENIZER_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                              "tokenizer.ggml.scores"})
+DEFAULT_ALIGNMENT = 32
+_SCALARS: dict[int, str] = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+                            10: "<u8", 11: "<i8", 12: "<f8"}  # GGUFValueType -> numpy dtype
+_STRING, _ARRAY = 8, 9
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_FLOAT_ITEMS = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}
 
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        size = len(self.data)
-        for field in fields:
+
+GGUF_MAGIC = 0x46554747  # b"GGUF" read as a little-endian uint32
+# GGML type id -> (name, weights per block, bytes per block), as gguf.GGMLQuantizationType and
+# gguf.GGML_QUANT_SIZES (a test holds them equal); the gguf package itself (numpy + yaml + ...,
+# ~5 MB resident) is imported only to expand a tensor or for a type not listed here.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 30: ("BF16", 1, 2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GGMLType:
+    """A tensor's GGML type: `.name` and `.value` as gguf.GGMLQuantizationType's."""
+
+    value: int
+    name: str
+    block: int
+    type_size: int
+
+    @classmethod
+    def of(cls, raw: int) -> "GGMLType":
+        known = GGML_TYPES.get(raw)
+        if known is None:
+            import gguf
+
+            t = gguf.GGMLQuantizationType(raw)  # ValueError for an unknown id
+            known = (t.name, *gguf.GGML_QUANT_SIZES[t])
+        return cls(raw, *known)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor's entry (the subset of gguf.ReaderTensor vtool reads)."""
+
+    name: str
+    tensor_type: GGMLType
+    shape: np.ndarray  # GGUF order (ne[0] = innermost), as gguf.ReaderTensor.shape
+    n_elements: int
+    n_bytes: int
+    data_offset: int  # absolute byte offset in the file
+    path: Path
+
+    @property
+    def data(self) -> np.ndarray:
+        """The bytes in the file, mapped read-only, shaped as gguf.ReaderTensor.data: float and
+        integer types as their dtype, block types as uint8 [..., bytes per row]."""
+        dims = tuple(reversed([int(d) for d in self.shape]))
+        item = _FLOAT_ITEMS.get(self.tensor_type.name)
+        if item is None:
+            t = self.tensor_type
+            item, dims = np.uint8, (*dims[:-1], dims[-1] // t.block * t.type_size)
+        return np.memmap(self.path, dtype=item, mode="r", offset=self.data_offset, shape=dims)
+
+
+class _Cursor:
+    def __init__(self, buf: Any):
+        self.buf, self.pos, self.size = buf, 0, len(buf)
+
+    def _need(self, n: int) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise ValueError(f"the header runs past the end of the file ({self.size} bytes) at byte {self.pos}")
+
+    def u32(self) -> int:
+        self._need(4)
+        (v,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return v
+
+    def u64(self) -> int:
+        self._need(8)
+        (v,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def string(self) -> str:
+        n = self.u64()
+        self._need(n)
+        v = str(self.buf[self.pos:self.pos + n], encoding="utf-8")
+        self.pos += n
+        return v
+
+    def scalars(self, vtype: int, count: int) -> list[Any]:
+        dtype = np.dtype(_SCALARS[vtype])
+        self._need(count * dtype.itemsize)
+        v = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
+        self.pos += count * dtype.itemsize
+        return v
+
+    def value(self, vtype: int, keep: bool) -> Any:
+        """One value of type `vtype`; with keep False it is skipped (None)."""
+        if vtype == _STRING:
+            if keep:
+                return self.string()
+            n = self.u64()
+            self._need(n)
+            self.pos += n
+            return None
+        if vtype in _SCALARS:
+            if not keep:
+                size = np.dtype(_SCALARS[vtype]).itemsize
+                self._need(size)
+                self.pos += size
+                return None
+            return self.scalars(vtype, 1)[0]
+        if vtype == _ARRAY:
+            sub, count = self.u32(), self.u64()
+            if sub in _SCALARS:
+                if keep:
+                    return self.scalars(sub, count)
+                size = count * np.dtype(_SCALARS[sub]).itemsize
+                self._need(size)
+                self.pos += size
+                return None
+            if sub == _STRING and keep:
+                return [self.string() for _ in range(count)]
+            items = [self.value(sub, keep) for _ in range(count)]
+            return items if keep else None
+        raise ValueError(f"unknown GGUF value type {vtype} at byte {self.pos}")
+
+
+class GGUFFile:
+    """A GGUF file's header: `fields` (key -> Python value, as gguf's field.contents()),
+    `tensors` (GGUFTensor, in file order), `version`, `byte_order` ("I" native little-endian,
+    "S" swapped: refused by the callers). `keep(key)` False skips a value (it is not decoded).
+    Raises ValueError (bad magic, version, duplicate key or tensor, bad alignment), KeyError
+    (an unknown tensor type) or _Truncated."""
+
+    def __init__(self, path: str | Path, keep: Callable[[str], bool] | None = None):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            size = f.seek(0, 2)
+            if size < 8:
+                raise ValueError(f"{size} bytes: too short for a GGUF header")
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             try:
-                _, name, _, dims, raw_type, offset = field.parts
-                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
-                end = int(start_offs) + int(offset[0]) + math.prod(int(d) for d in dims) * type_size // block
-                label = bytes(name).decode("utf-8", "replace")
-            except Exception:  # unexpected layout or type: leave it to the stock reader
-                continue
+                self._parse(m, size, keep)
+            finally:
+                try:
+                    m.close()
+                except BufferError:  # a numpy view still alive in an exception's traceback
+                    pass
+
+    def _parse(self, buf: mmap.mmap, size: int, keep: Callable[[str], bool] | None) -> None:
+        c = _Cursor(buf)
+        if c.u32() != GGUF_MAGIC:
+            raise ValueError("GGUF magic invalid")
+        version = c.u32()
+        self.byte_order = "I"
+        if version & 0xFFFF == 0:  # written for the other byte order
+            self.byte_order, self.version, self.fields, self.tensors, self.array_lengths = "S", version, {}, [], {}
+            return
+        if version not in READER_VERSIONS:
+            raise ValueError(f"GGUF version {version}; readable: {', '.join(map(str, READER_VERSIONS))}")
+        self.version = version
+        self.array_lengths: dict[str, int] = {}  # key -> items, for the arrays `keep` skipped
+        n_tensors, n_kv = c.u64(), c.u64()
+        fields: dict[str, Any] = {}
+        skipped: set[str] = set()
+        for _ in range(n_kv):
+            key = c.string()
+            if key in fields or key in skipped:
+                raise KeyError(f"Duplicate {key} already in list at offset {c.pos}")
+            vtype = c.u32()
+            if keep is None or keep(key) or key == "general.alignment":
+                fields[key] = c.value(vtype, True)
+            else:
+                if vtype == _ARRAY:  # its length, for free
+                    self.array_lengths[key] = _U64.unpack_from(buf, c.pos + 4)[0] if c.pos + 12 <= size else 0
+                c.value(vtype, False)
+                skipped.add(key)
+        entries = []
+        for _ in range(n_tensors):
+            name = c.string()
+            dims = [c.u64() for _ in range(c.u32())]
+            entries.append((name, dims, c.u32(), c.u64()))
+        alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"Invalid alignment {alignment!r}: must be a non-zero power of two")
+        start = -(-c.pos // alignment) * alignment
+        self.fields = {k: v for k, v in fields.items() if keep is None or keep(k)}
+        tensors, names = [], set()
+        for name, dims, raw_type, offset in entries:
+            if name in names:
+                raise ValueError(f"Found duplicated tensor with name {name}")
+            names.add(name)
+            ttype = GGMLType.of(raw_type)
+            block, type_size = ttype.block, ttype.type_size
+            n = math.prod(dims)
+            n_bytes = n * type_size // block
+            end = start + offset + n_bytes
             if end > size:
-                raise _Truncated(f"truncated: tensor {label!r} ends at byte {end} but the file has {size} bytes")
-        super()._build_tensors(start_offs, fields)
+                raise _Truncated(f"truncated: tensor {name!r} ends at byte {end} but the file has {size} bytes")
+            tensors.append(GGUFTensor(name, ttype, np.asarray(dims, dtype=np.uint64), n, n_bytes, start + offset,
+                                      self.path))
+        self.tensors = tensors
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -155,7 +354,7 @@ class GGUFCheckpoint(Checkpoint):
         with open(file, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise CheckpointError(f"{file}: not a GGUF file (no GGUF magic)")
-        self._reader_obj: Any = None  # gguf.GGUFReader, opened on first use (~2 s for 100 MB)
+        self._reader_obj: GGUFFile | None = None  # the header, read on first use
         self._config: dict[str, Any] | None = None
         self._infos: dict[str, TensorInfo] | None = None
         self._raw: dict[str, Any] = {}  # HF name -> gguf ReaderTensor
@@ -163,28 +362,34 @@ class GGUFCheckpoint(Checkpoint):
 
     # -- file access ----------------------------------------------------------------
     @property
-    def _reader(self) -> Any:
+    def _reader(self) -> GGUFFile:
+        """The header without the tokenizer's big arrays (the tokenizer reads those itself);
+        metadata() reads the whole header again."""
         if self._reader_obj is None:
-            try:
-                reader = _Reader(self.path)
-            except _Truncated as e:
-                raise CheckpointError(f"{self.path}: {e}") from None
-            except Exception as e:  # the reader reports truncation/corruption as assorted errors
-                raise CheckpointError(
-                    f"{self.path}: unreadable GGUF file (truncated or corrupt): {type(e).__name__}: {e}"
-                ) from None
-            if reader.byte_order != "I":
-                raise CheckpointError(f"{self.path}: big-endian GGUF files are not supported")
+            reader = self._open(keep=lambda key: key not in TOKENIZER_ARRAYS)
             self._reader_obj = reader
         return self._reader_obj
 
+    def _open(self, keep: Callable[[str], bool] | None) -> GGUFFile:
+        try:
+            reader = GGUFFile(self.path, keep)
+        except _Truncated as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
+        except Exception as e:  # the reader reports truncation/corruption as assorted errors
+            raise CheckpointError(
+                f"{self.path}: unreadable GGUF file (truncated or corrupt): {type(e).__name__}: {e}"
+            ) from None
+        if reader.byte_order != "I":
+            raise CheckpointError(f"{self.path}: big-endian GGUF files are not supported")
+        return reader
+
     def _get(self, key: str, default: Any = KeyError) -> Any:
-        field = self._reader.fields.get(key)
-        if field is None:
+        fields = self._reader.fields
+        if key not in fields:
             if default is KeyError:
                 raise CheckpointError(f"{self.path}: GGUF metadata lacks required key {key!r}")
             return default
-        return field.contents()
+        return fields[key]
 
     def _scalar(self, key: str, default: Any = KeyError) -> Any:
         v = self._get(key, default)
@@ -195,9 +400,7 @@ class GGUFCheckpoint(Checkpoint):
     def metadata(self) -> dict[str, Any]:
         """Every GGUF key-value as Python values (arrays as lists), header fields excluded."""
         if self._metadata is None:
-            self._metadata = {
-                k: f.contents() for k, f in self._reader.fields.items() if not k.startswith("GGUF.")
-            }
+            self._metadata = dict(self._open(keep=None).fields)  # GGUF.* header fields are not in it
         return dict(self._metadata)
 
     # -- config ---------------------------------------------------------------------
@@ -233,8 +436,7 @@ class GGUFCheckpoint(Checkpoint):
         if vocab is None and "token_embd.weight" in names:
             vocab = int(names["token_embd.weight"].shape[1])  # ne[1] = rows of the embedding
         if vocab is None:
-            field = self._reader.fields.get("tokenizer.ggml.tokens")
-            vocab = len(field.data) if field is not None else None
+            vocab = self._reader.array_lengths.get("tokenizer.ggml.tokens")
         theta = _f32(self._scalar(k("rope.freq_base"), 10000.0))
         cfg: dict[str, Any] = {
             "architectures": [ARCHITECTURES[arch]],
@@ -327,7 +529,9 @@ class GGUFCheckpoint(Checkpoint):
         elif kind == "BF16":
             arr = data.view(ml_dtypes.bfloat16)  # stored as raw bytes, 2 per element
         else:
-            arr = gguf.quants.dequantize(data, t.tensor_type)
+            import gguf  # only here: see GGML_TYPES
+
+            arr = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.tensor_type.value))
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         return arr.reshape(shape)
 

@@ -45,8 +45,10 @@ def load_tokenizer(checkpoint: Checkpoint, tokenizer_config: str | Path | None) 
 def open_session(artifact: Path, checkpoint: Checkpoint, tokenizer_config: str | Path | None = None,
                  max_model_len: int | None = None,
                  progress: Callable[[int, int], None] | None = None) -> Session:
-    model = CompiledModel(artifact, checkpoint, progress)
+    # The tokenizer first: building it takes transient memory that is given back before the
+    # weights (the bulk of what stays resident) are bound, so the two peaks do not add up.
     tokenizer = load_tokenizer(checkpoint, tokenizer_config)
+    model = CompiledModel(artifact, checkpoint, progress)
     limit = model.manifest["config"]["max_position_embeddings"]
     if max_model_len is None:
         max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)

@@ -67,14 +67,19 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
 def _gguf_fields(path: Path) -> dict[str, Any]:
-    """The tokenizer.* metadata of a GGUF file, as Python values."""
-    from gguf import GGUFReader  # imported here: loading it costs time the dir path doesn't need
+    """The tokenizer.* metadata of a GGUF file, as Python values. vtool's light header reader
+    (runtime/gguf_reader.py): gguf.GGUFReader would build ~175 MB of numpy views for a 49K-token
+    vocabulary, most of a small model's peak memory; this keeps the strings only."""
+    # imported here: the gguf package costs import time the tokenizer.json path doesn't need
+    from vtool.runtime.gguf_reader import GGUFFile, _Truncated
 
     try:
-        reader = GGUFReader(str(path))
-    except (OSError, ValueError, KeyError, IndexError) as e:  # bad magic, truncated, duplicate keys
+        reader = GGUFFile(path, keep=lambda key: key.startswith("tokenizer."))
+    except (OSError, ValueError, KeyError, IndexError, _Truncated) as e:  # bad magic, truncated, duplicate keys
         raise TokenizerError(f"{path}: cannot read as GGUF ({type(e).__name__}: {e})") from e
-    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    if reader.byte_order != "I":
+        raise TokenizerError(f"{path}: cannot read as GGUF (big-endian files are not supported)")
+    return reader.fields
 
 
 def _build_gguf_backend(path: Path, meta: Mapping[str, Any]) -> tuple[_Backend, _Pre]:
@@ -88,14 +93,25 @@ def _build_gguf_backend(path: Path, meta: Mapping[str, Any]) -> tuple[_Backend, 
     if pre is None:
         seen = "is missing" if pre_name is None else f"is {pre_name!r}, which vtool does not support"
         raise TokenizerError(f"{path}: tokenizer.ggml.pre {seen}; accepted: {', '.join(sorted(GGUF_PRE_TOKENIZERS))}")
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)  # a duplicated string keeps its first id, as a dict-based vocab must
 
-    backend = _Backend(models.BPE(vocab, merges, ignore_merges=pre.ignore_merges))
+    # The BPE model goes in as tokenizer.json text, GGUF's "a b" merge strings as they are (the
+    # format's legacy merges, split at the space as before): models.BPE(vocab, merges) wants
+    # a (str, str) tuple per merge, ~10 MB of Python objects for 50K merges at the moment the
+    # process peaks (the weights are bound by then).
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+             "ignore_merges": pre.ignore_merges, "vocab": vocab, "merges": meta.get("tokenizer.ggml.merges") or []}
+    text = json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+                       "normalizer": None, "pre_tokenizer": None, "post_processor": None, "decoder": None,
+                       "model": model}, ensure_ascii=False)
+    del model, vocab
+    backend = _Backend.from_str(text)
+    del text
     if pre.nfc:
         backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence(

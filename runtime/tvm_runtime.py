@@ -44,9 +44,66 @@ def runtime_library_dir() -> Path:
     return folder
 
 
+CPU_THREADS_ENV = "VTOOL_CPU_THREADS"
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (SMT siblings counted once)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+def apply_cpu_threads(threads: int | str | None = None) -> int:
+    """The CPU kernels' thread count: `threads`, else $VTOOL_CPU_THREADS, else TVM_NUM_THREADS
+    or OMP_NUM_THREADS when set (TVM's own variables), else the physical cores this process
+    may run on (TVM's own default halves the logical CPUs on x86, guessing at SMT: one
+    thread on a 2-core machine without SMT). TVM's thread pool reads TVM_NUM_THREADS once,
+    when its first parallel kernel runs, so this sets it (and VTOOL_CPU_THREADS, which child
+    processes inherit) before the runtime library is loaded. Returns the count."""
+    value = threads if threads is not None else os.environ.get(CPU_THREADS_ENV)
+    if value is None or value == "":
+        for name in ("TVM_NUM_THREADS", "OMP_NUM_THREADS"):
+            if os.environ.get(name, "").strip().isdigit() and int(os.environ[name]) > 0:
+                return int(os.environ[name])
+        value = physical_cores()
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise RuntimeLoadError(f"{CPU_THREADS_ENV}/--threads must be a positive integer, got {value!r}")
+    os.environ[CPU_THREADS_ENV] = os.environ["TVM_NUM_THREADS"] = str(n)
+    return n
+
+
+def block_torch_import() -> bool:
+    """Keep torch out of this process when it is not imported yet: tvm_ffi's __init__ does
+    `import torch` whenever torch is installed (guarded by ImportError), ~200 MB of resident
+    memory and seconds of start-up that a process only running compiled models never uses.
+    A None entry in sys.modules makes that import raise ImportError at once. For the CLI's
+    runtime commands only: a program that imports torch later would get the ImportError too.
+    Returns whether torch is blocked."""
+    import sys
+
+    if "torch" in sys.modules:
+        return sys.modules["torch"] is None
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    return True
+
+
 @functools.lru_cache(maxsize=1)
 def ffi() -> Any:
     """tvm_ffi with the runtime's global functions (vm.builtin.*, runtime.*) registered."""
+    apply_cpu_threads()
     # tvm_ffi would otherwise build a torch DLPack extension whenever torch is installed.
     os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
     import tvm_ffi

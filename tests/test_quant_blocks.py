@@ -122,3 +122,33 @@ def test_plan_names_the_block_sources():
     assert plan[0]["sources"] == [f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv"]
     assert "quant" not in plan[1] and plan[1]["sources"][0].endswith("q_proj.bias")
     assert "quant" not in plan[2] and plan[2]["sources"] == ["model.layers.0.mlp.down_proj.weight"]
+
+
+# --- vtool's light GGUF header reader (runtime/gguf_reader.py GGUFFile) ---------------------------
+# Here because the quantized path binds through it. Held to gguf.GGUFReader on the default model.
+
+def test_light_gguf_reader_matches_gguf_package():
+    import gguf
+
+    from vtool.runtime.default_model import default_model_path
+    from vtool.runtime.gguf_reader import GGML_TYPES, GGUFFile
+
+    for raw, (name, block, size) in GGML_TYPES.items():
+        t = gguf.GGMLQuantizationType(raw)
+        assert (t.name, *gguf.GGML_QUANT_SIZES[t]) == (name, block, size)
+    path = default_model_path()
+    ours, ref = GGUFFile(path), gguf.GGUFReader(path)
+    want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert list(ours.fields) == list(want)
+    for key, value in want.items():
+        assert ours.fields[key] == value and type(ours.fields[key]) is type(value), key
+    assert len(ours.tensors) == len(ref.tensors)
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.name, a.tensor_type.name, a.shape.tolist(), a.n_bytes, a.data_offset) == \
+               (b.name, b.tensor_type.name, b.shape.tolist(), int(b.n_bytes), int(b.data_offset))
+        assert a.data.shape == b.data.shape and a.data.dtype == b.data.dtype
+    for a, b in list(zip(ours.tensors, ref.tensors))[:4]:
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
+    only = GGUFFile(path, keep=lambda k: k.startswith("tokenizer."))
+    assert set(only.fields) == {k for k in want if k.startswith("tokenizer.")} | {
+        k for k in ("general.alignment",) if k in want}

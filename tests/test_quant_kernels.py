@@ -109,3 +109,36 @@ def test_take_gathers_dequantized_rows(fmt):
     with TARGET:
         lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
     np.testing.assert_array_equal(_run(lib, [ids, *w.values()], (len(ids), k)), deq[ids])
+
+
+# --- the CPU prefill attention that replaces TVM's serial kernel (schedules/cpu/attention.py) -------
+# Here because the quantized builds are what made it the prefill's bottleneck. Held to TVM's own
+# kernel on the same inputs: online softmax changes only the summation order (float32).
+
+@pytest.mark.parametrize("lens,kv_lens,causal", [([5], [5], 1), ([37, 1, 20], [37, 1, 20], 1),
+                                                 ([7, 3], [19, 3], 1), ([17], [17], 0), ([130], [130], 1)])
+def test_prefill_attention_matches_tvms_kernel(lens, kv_lens, causal):
+    from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_ragged_cpu
+
+    from vtool.schedules.cpu.attention import NAME, rewrite_prefill_ragged
+
+    h_kv, h_q, d = 3, 9, 64
+    orig = _attention_prefill_ragged_cpu(h_kv, h_q, d, d, "float32", {}).with_attr("global_symbol", NAME)
+    new = rewrite_prefill_ragged(NAME, orig)
+    assert new is not None and rewrite_prefill_ragged("other_name", orig) is None
+    rng = np.random.default_rng(3)
+    tq, tk = sum(lens), sum(kv_lens)
+    inputs = [rng.standard_normal((tq, h_q, d)).astype("float32"), np.cumsum([0] + lens).astype("int32"),
+              rng.standard_normal((tk, h_kv, d)).astype("float32"), rng.standard_normal((tk, h_kv, d)).astype("float32"),
+              np.cumsum([0] + kv_lens).astype("int32"), np.zeros(tq, "int32"), np.zeros(len(lens), "int32")]
+    results = []
+    for func in (orig, new):
+        lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
+        dev = tvm.cpu()
+        args = [tvm.runtime.tensor(a, dev) for a in inputs]
+        out = tvm.runtime.tensor(np.zeros((tq, h_q, d), "float32"), dev)
+        lse = tvm.runtime.tensor(np.zeros((tq, h_q), "float32"), dev)
+        lib["main"](*args, out, lse, causal, 0, 1.0, 10000.0, 0.125)
+        results.append((out.numpy(), lse.numpy()))
+    np.testing.assert_allclose(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(results[1][1], results[0][1], atol=1e-5, rtol=1e-5)

@@ -83,6 +83,28 @@ def _quantization_option(fn: Callable) -> Callable:
              "--dtype at load; auto: gguf for a GGUF file on a CPU target, else none")(fn)
 
 
+# --- CPU threads and the runtime-only process setup (run / serve / bench) ------------------------
+
+def _threads_option(fn: Callable) -> Callable:
+    return click.option(
+        "--threads", default=None, type=click.IntRange(min=1), envvar="VTOOL_CPU_THREADS",
+        help="CPU kernels' threads (env VTOOL_CPU_THREADS; default: the physical cores this process may "
+             "run on). Sets TVM_NUM_THREADS for the TVM runtime")(fn)
+
+
+def _runtime_process(threads: int | None) -> None:
+    """Setup for the commands that run models: the thread count, set before the TVM runtime
+    loads; and torch kept out of the process. tvm_ffi imports torch whenever it is installed
+    (`import torch` in its __init__, guarded by ImportError), which costs ~200 MB of resident
+    memory and seconds of start-up that running a compiled model never uses: a None entry in
+    sys.modules makes that import fail fast. Only when torch is not imported already (the
+    Python API inside a torch program keeps it)."""
+    from vtool.runtime.tvm_runtime import apply_cpu_threads, block_torch_import
+
+    apply_cpu_threads(threads)
+    block_torch_import()
+
+
 def _model_options(fn: Callable) -> Callable:
     fn = click.option("--dtype", default="float32", show_default=True,
                       type=click.Choice(["float32", "float16", "bfloat16"]), help="compute dtype")(fn)
@@ -144,10 +166,12 @@ def targets() -> None:
 @click.option("--max-model-len", default=None, type=int, help="context length (default: model's, capped at 4096)")
 @_quantization_option
 @_artifact_option
+@_threads_option
 def run(model: str | None, target: str, dtype: str, prompt: str, tokenizer_config: str | None, max_tokens: int,
         temperature: float, top_p: float, top_k: int, seed: int | None, stream: bool, repeat: int, chat: bool,
-        max_model_len: int | None, artifact: str | None, quantization: str) -> None:
+        max_model_len: int | None, artifact: str | None, quantization: str, threads: int | None) -> None:
     """Generate text from a prompt (builds the model on first use)."""
+    _runtime_process(threads)
     from vtool.runtime.checkpoint import open_checkpoint
     from vtool.runtime.run_cmd import RunOptions, run_completion
 
@@ -190,14 +214,16 @@ def run(model: str | None, target: str, dtype: str, prompt: str, tokenizer_confi
 @click.option("--trust-remote-code", is_flag=True, help="accepted for vLLM recipes; no effect")
 @click.option("--enable-auto-tool-choice", is_flag=True, help="accepted for vLLM recipes; no effect")
 @_artifact_option
+@_threads_option
 def serve(model: str | None, target: str, dtype: str, host: str, port: int, served_model_name: tuple[str, ...],
           tokenizer_config: str | None, block_size: int, num_blocks: int | None, kv_cache_memory_bytes: int | None,
           gpu_memory_utilization: float,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
           scheduling_policy: str, enable_log_requests: bool, enable_log_outputs: bool, max_log_len: int,
           disable_metrics: bool, enable_force_include_usage: bool, api_key: str | None, trust_remote_code: bool,
-          enable_auto_tool_choice: bool, artifact: str | None) -> None:
+          enable_auto_tool_choice: bool, artifact: str | None, threads: int | None) -> None:
     """Serve an OpenAI-compatible API (builds the model on first use)."""
+    _runtime_process(threads)
     from vtool.runtime.checkpoint import open_checkpoint
     from vtool.runtime.engine import EngineConfig
     from vtool.runtime.serve_cmd import ServeOptions
@@ -243,11 +269,17 @@ def serve(model: str | None, target: str, dtype: str, host: str, port: int, serv
 @click.option("--api-key", default=None)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--result-json", default=None, help="write the report here as JSON")
+@_threads_option
 def bench(model: str | None, url: str | None, endpoint: str, dataset_path: str | None, num_prompts: int,
           input_len: int, output_len: int, concurrency: str, max_num_batched_tokens: int, num_blocks: int | None,
           max_num_seqs: int | None, target: str, dtype: str, ignore_eos: bool, api_key: str | None, seed: int,
-          result_json: str | None) -> None:
-    """Measure serving throughput and latency (TTFT, TPOT, ITL, E2EL) as vLLM defines them."""
+          result_json: str | None, threads: int | None) -> None:
+    """Measure serving throughput and latency (TTFT, TPOT, ITL, E2EL) as vLLM defines them.
+    --threads applies to the local server it starts (passed on as VTOOL_CPU_THREADS)."""
+    if threads is not None:
+        from vtool.runtime.tvm_runtime import apply_cpu_threads
+
+        apply_cpu_threads(threads)  # the local server process inherits VTOOL_CPU_THREADS
     from vtool.runtime.bench_cmd import BenchOptions, bench_main, parse_concurrency
     from vtool.runtime.bench_server import local_server
 

@@ -2,13 +2,15 @@
 
 Each rule returns a scheduled PrimFunc or None; a kernel no rule takes stays as
 legalized (slow, never wrong). Kernels already scheduled elsewhere (the KV cache's
-attention kernels ship their own) are left alone.
+attention kernels ship their own) are left alone, except the KV cache's serial CPU prefill
+attention, which schedules/cpu/attention.py replaces by a parallel, vectorized kernel.
 """
 from __future__ import annotations
 
 import tvm
 from tvm import tirx
 
+from vtool.schedules.cpu.attention import rewrite_prefill_ragged
 from vtool.schedules.cpu.matmul import schedule_nt_matmul
 from vtool.schedules.cpu.quantized import schedule_quantized_matmul
 
@@ -31,6 +33,10 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
         updates = {}
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc) or func.attrs is None:
+                continue
+            rewritten = rewrite_prefill_ragged(gv.name_hint, func)  # TVM's serial CPU prefill attention
+            if rewritten is not None:
+                updates[gv] = rewritten
                 continue
             scheduled = schedule_quantized_matmul(func, lanes)  # found by its block names
             if scheduled is not None:

@@ -1,0 +1,145 @@
+"""A parallel, vectorized CPU kernel for the prefill attention of TVM's paged KV cache.
+
+TVM's CPU `batch_prefill_ragged_kv` (relax/frontend/nn/llm/_prefill_kernels.py,
+`_attention_prefill_ragged_cpu`: the attention over the chunk's own keys and values,
+which is all of it for a fresh prompt) is one serial, scalar loop nest: every (query,
+key, head) score is computed, masked ones included, on one thread. On SmolLM2 that was
+about half of a 512-token prefill's wall time while the other core waited. This rule
+replaces that PrimFunc, same name and signature, by:
+
+  * a parallel loop over (query, head) pairs of each sequence;
+  * causal rows visiting only their visible keys (kv_len - qo_len + row + 1);
+  * online softmax over tiles of TILE keys (base-2, as TVM's kernels: scores are scaled
+    by log2(e) * sm_scale, lse = m + log2(d)), so nothing of kv_len size is stored;
+  * the q.k dot products and the p.v updates vectorized over the head dimension.
+
+Only `rotary_mode == 0` is handled: vtool's KV cache is made with RopeMode.NORMAL
+(models/llama.py), so the rotary embedding is applied before the cache and the attention
+kernels are always called with rotary_mode 0. Any other value fails loudly (a TIR assert),
+never silently without the rotation. The replacement is identified by its global name and
+its exact parameter layout; anything else is left alone.
+"""
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+NAME = "batch_prefill_ragged_kv"
+TILE = 16  # keys per online-softmax step
+LANES = 16  # float32 lanes of the dot products (AVX-512); the head dim must be a multiple of it
+LOG2E = math.log2(math.e)
+
+
+def _shape(func: tirx.PrimFunc, index: int) -> list | None:
+    shape = getattr(func.params[index], "shape", None)  # buffer parameters carry their shape
+    return None if shape is None else list(shape)
+
+
+def rewrite_prefill_ragged(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """The replacement for TVM's CPU ragged prefill attention, or None when `func` is not it."""
+    if name != NAME or len(func.params) != 14:
+        return None
+    shapes = [_shape(func, i) for i in range(14)]
+    if any(s is None for s in shapes[:9]) or any(s is not None for s in shapes[9:]):
+        return None
+    q, k, v = shapes[0], shapes[2], shapes[3]
+    if len(q) != 3 or len(k) != 3 or len(v) != 3:
+        return None
+    try:
+        h_q, d_qk, h_kv, d_v = int(q[1]), int(q[2]), int(k[1]), int(v[2])
+    except TypeError:
+        return None
+    dtype = str(func.params[0].dtype)
+    if dtype != "float32" or h_q % h_kv or d_qk % LANES or d_v % LANES or int(k[2]) != d_qk:
+        return None
+    new = _kernel(h_kv, h_q, d_qk, d_v)
+    return new.with_attrs(func.attrs) if func.attrs is not None else new
+
+
+def _kernel(h_kv: int, h_q: int, d_qk: int, d_v: int) -> tirx.PrimFunc:
+    group = h_q // h_kv
+    n_dc, n_vc = d_qk // LANES, d_v // LANES
+    neg = -5e4  # TVM's kernels' "minus infinity" (finite: exp2 of a difference stays defined)
+
+    @T.prim_func(s_tir=True)
+    def batch_prefill_ragged_kv(
+        var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle, var_kv_indptr: T.handle,
+        var_q_rope_position: T.handle, var_k_rope_pos_offset: T.handle, var_output: T.handle, var_lse: T.handle,
+        causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+    ):
+        batch_size = T.int32()
+        qo_len = T.int32()
+        kv_len = T.int32()
+        q_indptr_elem_offset = T.int32()
+        kv_indptr_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (qo_len, h_q, d_qk), "float32")
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
+        k = T.match_buffer(var_k, (kv_len, h_kv, d_qk), "float32")
+        v = T.match_buffer(var_v, (kv_len, h_kv, d_v), "float32")
+        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32",  # noqa: F841
+                                         elem_offset=q_rope_position_elem_offset)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",  # noqa: F841
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        output = T.match_buffer(var_output, (qo_len, h_q, d_v), "float32")
+        lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
+
+        T.Assert(rotary_mode == 0, "vtool's CPU prefill attention takes rotary_mode 0 (rope applied before the cache)")
+        for b in T.serial(batch_size):
+            for qh in T.parallel((q_indptr[b + 1] - q_indptr[b]) * h_q):
+                q_idx: T.let[T.int32] = qh // h_q
+                h: T.let[T.int32] = qh % h_q
+                hk: T.let[T.int32] = h // group
+                q_row: T.let[T.int32] = q_indptr[b] + q_idx
+                kv0: T.let[T.int32] = kv_indptr[b]
+                n_kv: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
+                n_q: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                n_keys: T.let[T.int32] = T.if_then_else(causal > 0, T.min(n_kv - n_q + q_idx + 1, n_kv), n_kv)
+                scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
+                with T.sblock("attn"):
+                    acc = T.sblock_alloc_buffer((d_v,), "float32")
+                    part = T.sblock_alloc_buffer((LANES,), "float32")
+                    s = T.sblock_alloc_buffer((TILE,), "float32")
+                    st = T.sblock_alloc_buffer((4,), "float32")  # m, d, tile max, scratch
+                    for i in T.vectorized(d_v):
+                        acc[i] = T.float32(0)
+                    st[0] = T.float32(neg)
+                    st[1] = T.float32(0)
+                    for kt in T.serial((n_keys + TILE - 1) // TILE):
+                        st[2] = T.float32(neg)
+                        for t in T.serial(TILE):
+                            if kt * TILE + t < n_keys:
+                                for j in T.vectorized(LANES):
+                                    part[j] = q[q_row, h, j] * k[kv0 + kt * TILE + t, hk, j]
+                                for c in T.unroll(1, n_dc):
+                                    for j in T.vectorized(LANES):
+                                        part[j] = part[j] + q[q_row, h, c * LANES + j] * k[kv0 + kt * TILE + t, hk, c * LANES + j]
+                                for j in T.vectorized(8):  # a tree, not a 16-add chain
+                                    part[j] = part[j] + part[j + 8]
+                                for j in T.vectorized(4):
+                                    part[j] = part[j] + part[j + 4]
+                                s[t] = ((part[0] + part[2]) + (part[1] + part[3])) * scale
+                                st[2] = T.max(st[2], s[t])
+                        # st[2] = the tile's max; rescale what is accumulated when it rises
+                        if st[2] > st[0]:
+                            st[3] = T.exp2(st[0] - st[2])
+                            st[1] = st[1] * st[3]
+                            for i in T.vectorized(d_v):
+                                acc[i] = acc[i] * st[3]
+                            st[0] = st[2]
+                        for t in T.serial(TILE):
+                            if kt * TILE + t < n_keys:
+                                st[3] = T.exp2(s[t] - st[0])
+                                st[1] = st[1] + st[3]
+                                for c in T.unroll(n_vc):
+                                    for j in T.vectorized(LANES):
+                                        acc[c * LANES + j] = acc[c * LANES + j] + st[3] * v[kv0 + kt * TILE + t, hk, c * LANES + j]
+                    for i in T.vectorized(d_v):
+                        output[q_row, h, i] = T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0))
+                    lse[q_row, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(neg))
+
+    return batch_prefill_ragged_kv

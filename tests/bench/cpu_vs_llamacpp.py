@@ -1,0 +1,272 @@
+"""vtool against llama.cpp on the CPU, same GGUF files, same threads, same conditions (issue #5).
+
+    python tests/bench/cpu_vs_llamacpp.py [--threads 2] [--rounds 3] [--nice -19] [--only NAME ...]
+                                          [--bandwidth-gbs 59.8] [--out results.json]
+
+For each GGUF file that tests/bench/llamacpp.py prepares (SmolLM2-135M Q4_1 = the default
+model, SmolLM2 Q8_0, Qwen3-0.6B-shape Q4_1 and Q8_0):
+  1. builds vtool's artifact for it (`--quantization gguf`, `--target host`, float32; cached);
+  2. per round, alternately: vtool's figures (a subprocess, see below), then llama-bench's
+     pp512 and tg128 (llamacpp.llama_bench, `-r --reps`, llama.cpp's default settings);
+     every invocation, vtool's included, first waits (bounded) for the other processes to go
+     quiet, runs in a scheduling group of its own at --nice, and records the cores' worth of
+     CPU others used meanwhile; the best of --rounds rounds is kept for each figure (other load
+     can only slow a run down);
+  3. writes a JSON (every round, every command) and prints the figures, vtool / llama.cpp
+     ratios and the decode roofline (measured read bandwidth / weight bytes per token).
+
+vtool's figures, measured in a worker (`--worker`, run with VTOOL_CPU_THREADS=--threads):
+  pp512        one 512-token prefill of a fresh sequence through the `prefill` entry point
+               (synthetic token ids), embed included, logits of the last token to the host:
+               512 / seconds, mean of --reps (llama-bench: one 512-token batch, mean of -r);
+  tg128        128 decode steps of one sequence from an empty context through the `decode`
+               entry point, embed included, each step's logits to the host and argmax there
+               (the model step with greedy host sampling): 128 / seconds, mean of --reps
+               (llama-bench: 128 one-token steps from an empty context, no sampling);
+  tg128_engine the same 128 steps as the engine runs them (vtool.runtime.engine.Engine: scheduler,
+               KV-block bookkeeping, the host sampler, incremental detokenization), greedy,
+               ignore_eos, a 1-token prompt, timed from the first generated token to the 129th.
+Each worker first warms up (one prefill, a few decode steps), as llama-bench does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+N_PROMPT, N_GEN = 512, 128
+
+
+def log(msg: str) -> None:
+    print(f"[cpu_vs_llamacpp] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- the vtool worker
+
+def worker(artifact: str, model: str, reps: int, engine_too: bool) -> dict[str, Any]:
+    """Runs in its own process (VTOOL_CPU_THREADS set by the parent): loads the artifact and
+    measures pp512, tg128 and tg128_engine; returns the figures (t/s per repetition)."""
+    import numpy as np
+
+    from vtool.runtime.checkpoint import open_checkpoint
+    from vtool.runtime.session import open_session
+
+    t0 = time.perf_counter()
+    session = open_session(Path(artifact), open_checkpoint(Path(model)), max_model_len=N_PROMPT + N_GEN + 16)
+    load_s = time.perf_counter() - t0
+    gen = session.generator
+    vocab = session.model.vocab_size
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(100, min(vocab, 30000), N_PROMPT)]
+
+    def pp() -> float:
+        gen._fresh_sequence(N_PROMPT + N_GEN)
+        t = time.perf_counter()
+        gen._forward("prefill", prompt)
+        return N_PROMPT / (time.perf_counter() - t)
+
+    def tg(steps: int = N_GEN) -> float:
+        gen._fresh_sequence(steps + 1)
+        token = prompt[0]
+        t = time.perf_counter()
+        for _ in range(steps):
+            token = int(np.argmax(gen._forward("decode", [token])))
+        return steps / (time.perf_counter() - t)
+
+    pp()
+    tg(8)  # warm-up, as llama-bench's
+    out: dict[str, Any] = {"load_seconds": round(load_s, 2),
+                           "threads_env": os.environ.get("VTOOL_CPU_THREADS"),
+                           "pp512": [round(pp(), 2) for _ in range(reps)],
+                           "tg128": [round(tg(), 2) for _ in range(reps)]}
+    if engine_too:
+        from vtool.runtime.engine import Engine, EngineConfig
+        from vtool.runtime.sampling_params import SamplingParams
+
+        engine = Engine(session, EngineConfig(max_num_seqs=1, enable_prefix_caching=False,
+                                              max_model_len=N_PROMPT + N_GEN + 16))
+        params = SamplingParams(temperature=0.0, max_tokens=N_GEN + 1, ignore_eos=True)
+
+        def tg_engine(i: int) -> float:
+            engine.add_request(f"tg-{i}", prompt[:1], params)
+            first = last = None
+            n = 0
+            while engine.has_unfinished():
+                for o in engine.step():
+                    n += len(o.new_token_ids)
+                    last = time.perf_counter()
+                    first = first or last
+            assert n == N_GEN + 1, n
+            return N_GEN / (last - first)
+
+        tg_engine(-1)
+        out["tg128_engine"] = [round(tg_engine(i), 2) for i in range(reps)]
+    return out
+
+
+def run_worker(artifact: Path, model: str, threads: int, reps: int, nice: int, quiet: tuple[float, float],
+               engine_too: bool) -> dict[str, Any]:
+    """The worker in a subprocess, in the conditions llama-bench gets (quiet wait, own
+    scheduling group at `nice`, same thread count)."""
+    from membw import OtherLoad, own_sched_group, wait_quiet
+
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--artifact", str(artifact),
+           "--model", model, "--reps", str(reps)] + (["--engine"] if engine_too else [])
+    env = {**os.environ, "VTOOL_CPU_THREADS": str(threads)}
+    before = wait_quiet(*quiet)
+    t0 = time.perf_counter()
+    with OtherLoad() as load:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                              preexec_fn=(lambda: own_sched_group(nice)) if nice else None)
+    run: dict[str, Any] = {"command": f"VTOOL_CPU_THREADS={threads} " + " ".join(cmd), "nice": nice,
+                           "returncode": done.returncode, "seconds": round(time.perf_counter() - t0, 1),
+                           "other_load_cores_before": before, "other_load_cores_during": load.cores}
+    try:
+        run["result"] = json.loads(done.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        run["result"] = None
+        run["stderr_tail"] = done.stderr.strip()[-1500:]
+    return run
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+def build_vtool(model: str, target: str) -> Path:
+    from vtool.toolchain.build import build_artifact
+
+    t = time.perf_counter()
+    folder = build_artifact(model, target, "float32", quantization="gguf", progress=lambda m: log(f"  {m}"))
+    log(f"vtool artifact {folder} ({time.perf_counter() - t:.0f} s)")
+    return folder
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def bandwidth_from(args: argparse.Namespace, root: Path) -> tuple[float | None, str]:
+    if args.bandwidth_gbs:
+        return args.bandwidth_gbs, "--bandwidth-gbs"
+    for name in ("membw-1gib.json", "membw-4gib.json"):
+        p = root / name
+        if p.exists():
+            try:
+                return float(json.loads(p.read_text())["read_gbs"][str(args.threads)]["best"]), str(p)
+            except (KeyError, ValueError, json.JSONDecodeError):
+                pass
+    return None, "none (pass --bandwidth-gbs, from tests/bench/membw.py)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", "-t", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per invocation (llama-bench -r)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating vtool/llama-bench rounds; best kept")
+    ap.add_argument("--only", nargs="*", help="model names (smollm2-135m-q4_1 smollm2-135m-q8_0 "
+                                              "qwen3-0.6b-q4_1 qwen3-0.6b-q8_0); default all")
+    ap.add_argument("--nice", type=int, default=-19, help="as llamacpp.py --nice (negative needs root)")
+    ap.add_argument("--quiet-cores", type=float, default=0.3)
+    ap.add_argument("--max-wait", type=float, default=120.0)
+    ap.add_argument("--target", default="host")
+    ap.add_argument("--no-engine", action="store_true", help="skip the tg128_engine figure")
+    ap.add_argument("--vtool-only", action="store_true", help="skip llama-bench")
+    ap.add_argument("--bandwidth-gbs", type=float, help="read bandwidth for the roofline (default: membw JSON "
+                                                        "in the llama.cpp folder, --threads column)")
+    ap.add_argument("--out", type=Path, help="JSON (default: <llama.cpp folder>/cpu_vs_llamacpp.json)")
+    # the worker
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--artifact", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(worker(a.artifact, a.model, a.reps, a.engine)))
+        return
+
+    import llamacpp
+
+    root = llamacpp.llamacpp_root()
+    info = llamacpp.build(root, os.cpu_count() or 2)
+    binary = root / "build" / "bin" / "llama-bench"
+    models = llamacpp.prepare_models(root, a.only)
+    bandwidth, bw_source = bandwidth_from(a, root)
+    quiet = (a.quiet_cores, a.max_wait)
+    report: dict[str, Any] = {
+        "what": "vtool vs llama-bench, pp512 / tg128 t/s, same GGUF, same threads, own sched group at --nice",
+        "threads": a.threads, "reps": a.reps, "rounds": a.rounds, "nice": a.nice,
+        "llama_cpp": info["llama_cpp_commit"], "machine": {"cpu": llamacpp.cpu_name(), "cores": os.cpu_count()},
+        "bandwidth_gbs": bandwidth, "bandwidth_source": bw_source,
+        "vtool_figures": "pp512: `prefill` entry; tg128: `decode` entry + host argmax; tg128_engine: Engine.step "
+                         "(greedy host sampler, detokenizer)", "models": {}}
+    for name, m in models.items():
+        artifact = build_vtool(m["path"], a.target)
+        entry: dict[str, Any] = {**m, "vtool_artifact": str(artifact), "vtool_runs": [],
+                                 "llama_runs": {"pp512": [], "tg128": []}}
+        for r in range(a.rounds):
+            run = run_worker(artifact, m["path"], a.threads, a.reps, a.nice, quiet, not a.no_engine)
+            entry["vtool_runs"].append(run)
+            res = run["result"] or {}
+            log(f"{name} round {r + 1}: vtool " + (", ".join(f"{k} {mean(res[k]):.1f}" for k in
+                                                             ("pp512", "tg128", "tg128_engine") if k in res)
+                                                  or f"FAILED: {run.get('stderr_tail', '')[-400:]}")
+                + f" (other load {run['other_load_cores_during']})")
+            if a.vtool_only:
+                continue
+            for label, test in (("pp512", ["-p", str(N_PROMPT), "-n", "0"]), ("tg128", ["-p", "0", "-n", str(N_GEN)])):
+                lr = llamacpp.llama_bench(binary, m["path"], test, a.threads, a.reps, None, quiet, a.nice)
+                entry["llama_runs"][label].append(lr)
+                log(f"{name} round {r + 1}: llama.cpp {label} "
+                    + (f"{lr['rows'][0]['avg_ts']:.1f}" if lr["rows"] else "FAILED")
+                    + f" (other load {lr['other_load_cores_during']})")
+        best: dict[str, Any] = {}
+        for key in ("pp512", "tg128", "tg128_engine"):
+            vals = [(mean(run["result"][key]), run) for run in entry["vtool_runs"] if run["result"] and key in run["result"]]
+            if vals:
+                v, run = max(vals, key=lambda x: x[0])
+                best[f"vtool_{key}"] = {"t_s": round(v, 2), "samples": run["result"][key],
+                                        "other_load_cores_during": run["other_load_cores_during"]}
+        for key in ("pp512", "tg128"):
+            vals = [(lr["rows"][0]["avg_ts"], lr) for lr in entry["llama_runs"][key] if lr["rows"]]
+            if vals:
+                v, lr = max(vals, key=lambda x: x[0])
+                best[f"llama_{key}"] = {"t_s": round(v, 2), "stddev": round(lr["rows"][0]["stddev_ts"], 2),
+                                        "command": lr["command"], "other_load_cores_during": lr["other_load_cores_during"]}
+        for key in ("pp512", "tg128", "tg128_engine"):
+            lk = "llama_" + ("tg128" if key == "tg128_engine" else key)
+            if f"vtool_{key}" in best and lk in best:
+                best[f"ratio_{key}"] = round(best[f"vtool_{key}"]["t_s"] / best[lk]["t_s"], 3)
+        if bandwidth:
+            best["tg_roofline_t_s"] = round(bandwidth * 1e9 / m["decode_weight_bytes_per_token"], 1)
+        entry["best"] = best
+        report["models"][name] = entry
+        out = a.out or root / "cpu_vs_llamacpp.json"
+        out.write_text(json.dumps(report, indent=2) + "\n")  # after every model: a partial run is kept
+
+    print(f"vtool vs llama.cpp {info['llama_cpp_commit'][:10]}, -t {a.threads}, best of {a.rounds} rounds x "
+          f"{a.reps} reps, nice {a.nice}; bandwidth {bandwidth} GB/s ({bw_source}); JSON: {out}")
+    hdr = (f"{'model':<18} {'MB/tok':>6} {'roof':>6} | {'pp512 vt':>8} {'llama':>7} {'ratio':>5} | "
+           f"{'tg128 vt':>8} {'engine':>6} {'llama':>6} {'ratio':>5} {'eng/l':>5} {'%roof':>5}")
+    print(hdr)
+    for name, e in report["models"].items():
+        b = e["best"]
+        g = lambda k: b.get(k, {}).get("t_s", float("nan"))  # noqa: E731
+        roof = b.get("tg_roofline_t_s", float("nan"))
+        print(f"{name:<18} {e['decode_weight_bytes_per_token'] / 1e6:>6.1f} {roof:>6.0f} | "
+              f"{g('vtool_pp512'):>8.1f} {g('llama_pp512'):>7.1f} {b.get('ratio_pp512', float('nan')):>5.2f} | "
+              f"{g('vtool_tg128'):>8.1f} {g('vtool_tg128_engine'):>6.1f} {g('llama_tg128'):>6.1f} "
+              f"{b.get('ratio_tg128', float('nan')):>5.2f} {b.get('ratio_tg128_engine', float('nan')):>5.2f} "
+              f"{100 * g('vtool_tg128') / roof:>5.0f}")
+    print("ratio = vtool / llama.cpp (t/s); roof = decode roofline t/s (bandwidth / weight bytes per token); "
+          "%roof = vtool tg128 / roofline")
+
+
+if __name__ == "__main__":
+    main()
