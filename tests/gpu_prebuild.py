@@ -17,9 +17,9 @@ and, since one device call carries at most 64 MiB and the GGUF alone is 98 MB, p
 it plus the GGUF (as smollm2/<name>.gguf) into a tar.gz split over .devcarry/gpu-pack-1..N
 (--chunk-mib each, default 48). It prints the device calls to make, one per part, back to
 back (a machine stays held for 30 s after a call): every call but the last copies its part to
-/root/stage; the last one carries .devcarry/rt and the last part, and runs
+~/stage; the last one carries .devcarry/rt and the last part, and runs
 
-    python3 tests/gpu_prebuild.py unpack --to /root/gpu-tests /root/stage .devcarry/gpu-pack-N
+    python3 tests/gpu_prebuild.py unpack --to ~/gpu-tests ~/stage .devcarry/gpu-pack-N
 
 (stdlib only: it joins the parts in name order and extracts them) before pytest.
 """
@@ -135,9 +135,9 @@ def pack(out: Path, gguf: Path | None, pack_dir: Path, chunk_mib: int) -> None:
     print(f"packed into {len(parts)} part(s) of at most {chunk_mib} MiB: {', '.join(rel)}")
     print("\nOn the GPU machine, back to back (each call within 30 s of the previous):")
     for i, folder in enumerate(rel[:-1], 1):
-        print(f"  call {i}: carry [\"{folder}\"]\n    mkdir -p /root/stage && cp {folder}/{PART_PREFIX}* /root/stage/")
+        print(f"  call {i}: carry [\"{folder}\"]\n    mkdir -p ~/stage && cp {folder}/{PART_PREFIX}* ~/stage/")
     print(f"  call {len(rel)}: carry [\".devcarry/rt\", \"{rel[-1]}\"]\n"
-          f"    python3 tests/gpu_prebuild.py unpack --to /root/gpu-tests /root/stage {rel[-1]} && ... "
+          f"    python3 tests/gpu_prebuild.py unpack --to ~/gpu-tests ~/stage {rel[-1]} && ... "
           "(see the module docstring of tests/test_gpu_parity.py)")
 
 

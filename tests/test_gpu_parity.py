@@ -19,9 +19,9 @@ arch. Run with -s for the per-model numbers (max |dlogit|, first divergences).
 On the runtime-only GPU machine, after tests/gpu_prebuild.py's carried parts are joined
 (it prints the calls), from the repository root:
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/rt/*.whl /root/gpu-tests/wheels/*.whl
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/rt/*.whl ~/gpu-tests/wheels/*.whl
     mkdir -p /tmp/pkgs && ln -sfn "$PWD" /tmp/pkgs/vtool
-    PYTHONPATH=/tmp/site:/tmp/pkgs VTOOL_TVM_LIBRARY_DIR=$PWD/.devcarry/rt VTOOL_GPU_ARTIFACTS=/root/gpu-tests \
+    PYTHONPATH=/tmp/site:/tmp/pkgs VTOOL_TVM_LIBRARY_DIR=$PWD/.devcarry/rt VTOOL_GPU_ARTIFACTS=~/gpu-tests \
         python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_parity.py
 """
 from __future__ import annotations
