@@ -45,14 +45,9 @@ def installed_versions() -> dict[str, str | None]:
 
 def host_cpu_flags() -> set[str]:
     """CPU feature flags as Linux reports them (the kernel hides what the OS does not enable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+    from vtool.targets.host import linux_cpu_flags
+
+    return set(linux_cpu_flags())
 
 
 def check_compatible(manifest: dict[str, Any], checkpoint: Checkpoint | None) -> None:

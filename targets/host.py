@@ -17,7 +17,7 @@ _X86_TIERS = ("x86-avx512", "x86-avx2", "x86-portable")
 
 @functools.lru_cache(maxsize=1)
 def host_cpu_features() -> frozenset[str]:
-    flags = _proc_cpuinfo_flags()
+    flags = linux_cpu_flags()
     if flags:
         return flags
     import llvmlite.binding as llvm
@@ -25,7 +25,9 @@ def host_cpu_features() -> frozenset[str]:
     return frozenset(name for name, on in llvm.get_host_cpu_features().items() if on)
 
 
-def _proc_cpuinfo_flags() -> frozenset[str]:
+def linux_cpu_flags() -> frozenset[str]:
+    """CPU feature flags as Linux reports them in /proc/cpuinfo (empty elsewhere). The
+    runtime's tier check reads them too (runtime/artifact.py)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -436,26 +436,15 @@ def test_smollm2_bfloat16_engine_batch_matches_transformers(smollm2):
           f"of {total / 2**30:.1f}")
     assert engine.kv.blocks.num_blocks >= min(cap, int(free_before * 0.5) // per_block)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params)
-    done: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    for _ in range(10 * STEPS):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            done[out.request_id].extend(out.new_token_ids)
-    assert not engine.has_unfinished(), "the engine stopped making progress"
+    done = _run_engine(engine, prompts, lambda _i: params)
     assert engine.kv.in_sync(), "block mirror and TVM disagree"
     for i, ref in enumerate(refs):
         check_greedy(f"smollm2 engine #{i}", done[f"r{i}"], ref["tokens"], ref["logits"],
                      near_tie=SMOLLM2_NEAR_TIE, decode=tokenizer.decode)
 
 
-def _engine_tokens(session, prompts, params_for, device_sampling: bool) -> tuple[dict, Any]:
-    from vtool.runtime.engine import Engine, EngineConfig
-
-    engine = Engine(session, EngineConfig(max_num_seqs=4, enable_prefix_caching=False,
-                                          gpu_memory_utilization=0.3, device_sampling=device_sampling))
+def _run_engine(engine: Any, prompts: list[list[int]], params_for: Any) -> dict[str, list[int]]:
+    """Request r{i} = prompts[i] with params_for(i); step until all finish; the tokens of each."""
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params_for(i))
     done: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
@@ -465,7 +454,15 @@ def _engine_tokens(session, prompts, params_for, device_sampling: bool) -> tuple
         for out in engine.step():
             done[out.request_id].extend(out.new_token_ids)
     assert not engine.has_unfinished(), "the engine stopped making progress"
-    return done, engine
+    return done
+
+
+def _engine_tokens(session, prompts, params_for, device_sampling: bool) -> tuple[dict, Any]:
+    from vtool.runtime.engine import Engine, EngineConfig
+
+    engine = Engine(session, EngineConfig(max_num_seqs=4, enable_prefix_caching=False,
+                                          gpu_memory_utilization=0.3, device_sampling=device_sampling))
+    return _run_engine(engine, prompts, params_for), engine
 
 
 def test_smollm2_engine_samples_on_the_gpu_like_the_host(smollm2):

@@ -229,11 +229,9 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     if gemm == "cublas":
         from vtool.toolchain.gemm_offload import compile_shim
 
-        shims.append(str(compile_shim(library_path.parent)))
+        shims.append(str(compile_shim()))
     # export_library appends its own objects to the list it is given: hand it a copy.
     executable.export_library(str(library_path), addons=list(shims) + (fi.addons() if fi else []))
-    for obj in shims:
-        Path(obj).unlink()
     t_link = time.perf_counter() - t0
     if fi:
         info = flashinfer_attention.check_library(library_path, target_spec.archs, target_spec.ptx, fi)

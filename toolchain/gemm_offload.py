@@ -101,18 +101,33 @@ def count_offloaded(mod: tvm.IRModule) -> int:
     return str(mod).count(f'"{EXTERN_SYMBOL}"')
 
 
-def compile_shim(workdir: Path) -> Path:
-    """native/cublas_gemm.cc -> an object file export_library links into the model library.
+def compile_shim() -> Path:
+    """native/cublas_gemm.cc -> an object file export_library links into the model library,
+    compiled once per source and tvm-ffi version into the user cache (every bf16/f16 CUDA
+    build links it).
 
     Only the tvm-ffi headers are needed (cuBLAS is opened with dlopen at run time), so this
     works on a build machine without CUDA libraries."""
+    import importlib.metadata
+    import os
+    import tempfile
+
     import tvm_ffi.libinfo
 
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    obj = workdir / f"cublas_gemm-{digest}.o"
-    cmd = ["g++", "-std=c++17", "-O2", "-fPIC", "-c", str(SOURCE), "-o", str(obj),
+    from vtool.runtime.paths import cache_root
+
+    key = hashlib.sha256(SOURCE.read_bytes() + importlib.metadata.version("apache-tvm-ffi").encode()).hexdigest()[:16]
+    obj = cache_root() / "cublas-shim" / f"cublas_gemm-{key}.o"
+    if obj.is_file():
+        return obj
+    obj.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=".cublas_gemm.", suffix=".o", dir=obj.parent)
+    os.close(fd)
+    cmd = ["g++", "-std=c++17", "-O2", "-fPIC", "-c", str(SOURCE), "-o", tmp_name,
            f"-I{tvm_ffi.libinfo.find_include_path()}", f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
+        Path(tmp_name).unlink(missing_ok=True)
         raise VtoolError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr.strip()}")
+    Path(tmp_name).replace(obj)  # whole or not at all, as parallel builds may race here
     return obj
