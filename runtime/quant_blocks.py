@@ -1,23 +1,40 @@
 """GGUF quantized blocks, repacked at load into the arrays vtool's quantized kernels read.
 
-A compiled quantized weight [rows, cols] is two or three parameters ("parts"). Rows are
+A compiled quantized weight [rows, cols] is two to five parameters ("parts"). Rows are
 grouped in tiles of TILE_ROWS = 4, block-major inside a tile ([tile, block, row in tile,
 ...]), so a kernel computing one tile of output rows reads each part sequentially:
 
-  format  part    dtype    shape                      holds, per (tile, block, row)
-  Q8_0    qweight int8     [rows/4, cols/32, 4, 32]   the block's 32 signed quants
-          scale   float16  [rows/4, cols/32, 4]       d;  w = d * q
-  Q4_0    qweight uint8    [rows/4, cols/32, 4, 16]   GGUF's 16 bytes as they are: byte j =
-                                                      element j (low nibble) | element j+16 (high)
-          scale   float16  [rows/4, cols/32, 4]       d;  w = d * (q - 8)
-  Q4_1    qweight uint8    [rows/4, cols/32, 4, 16]   as Q4_0
-          scale   float16  [rows/4, cols/32, 4]       d;  w = d * q + m
-          min     float16  [rows/4, cols/32, 4]       m
+  format  part      dtype    shape                      holds, per (tile, block, row)
+  Q8_0    qweight   int8     [rows/4, cols/32, 4, 32]   the block's 32 signed quants
+          scale     float16  [rows/4, cols/32, 4]       d;  w = d * q
+  Q4_0    qweight   uint8    [rows/4, cols/32, 4, 16]   GGUF's 16 bytes as they are: byte j =
+                                                        element j (low nibble) | element j+16 (high)
+          scale     float16  [rows/4, cols/32, 4]       d;  w = d * (q - 8)
+  Q4_1    qweight   uint8    [rows/4, cols/32, 4, 16]   as Q4_0
+          scale     float16  [rows/4, cols/32, 4]       d;  w = d * q + m
+          min       float16  [rows/4, cols/32, 4]       m
+  Q4_K    qweight   uint8    [rows/4, cols/32, 4, 16]   the 4-bit quants of each 32 weights, in
+                                                        Q4_0's order (GGUF pairs sub-blocks 2i and
+                                                        2i+1 in one byte's nibbles; regrouped here)
+          scale     float16  [rows/4, cols/256, 4]      d of the 256-weight super-block
+          min       float16  [rows/4, cols/256, 4]      dmin of the super-block
+          sub_scale uint8    [rows/4, cols/32, 4]       sc, the 6-bit scale of each 32 (unpacked)
+          sub_min   uint8    [rows/4, cols/32, 4]       m, the 6-bit min of each 32 (unpacked)
+                                                        w = (d * sc) * q - dmin * m
+  Q6_K    qweight   uint8    [rows/4, cols/32, 4, 16]   the low 4 bits of each quant, Q4_0's order
+          qhigh     uint8    [rows/4, cols/64, 4, 16]   the high 2 bits: byte j of 64 weights holds
+                                                        element 16k + j at bits 2k..2k+1 (k < 4)
+          sub_scale int8     [rows/4, cols/16, 4]       sc, the scale of each 16 weights
+          scale     float16  [rows/4, cols/256, 4]      d;  w = (d * sc) * (q - 32)
 
-GGUF's nibble order is kept, so one 16-byte load feeds two 16-lane vectors (low nibbles,
-then high nibbles). Scales stay GGUF's float16 (the kernels widen them, exactly, to float32
-once per block and row), so the bytes are exactly the file's: decode reads every weight
-byte once per token, and fewer bytes is faster. No float copy of a weight is ever made.
+So one 16-byte load of qweight feeds two 16-lane vectors (low nibbles, then high nibbles),
+one 16-byte load of qhigh four, and every quant of a chunk of 16 weights shares one scale.
+Scales stay GGUF's float16 (the kernels widen them, exactly, to float32), so Q8_0/Q4_*/Q6_K
+bind exactly the file's bytes and Q4_K 148 per 144 (its 6-bit scales and mins take a byte
+each): decode reads every weight byte once per token, and fewer bytes is faster. Every
+dequantization above is exact in float32 up to gguf-py's own one rounding (Q4_1's and
+Q4_K's subtraction or addition), so the kernels reproduce gguf.quants.dequantize bit for bit.
+No float copy of a weight is ever made.
 
 Nothing here imports TVM: the runtime binds weights with it, following the manifest.
 """
@@ -29,7 +46,7 @@ import numpy as np
 
 from vtool import VtoolError
 
-BLOCK = 32  # weights per block in every format here
+BLOCK = 32  # weights per qweight block in every format here
 TILE_ROWS = 4
 
 
@@ -39,18 +56,21 @@ class QuantFormatError(VtoolError):
 
 @dataclasses.dataclass(frozen=True)
 class BlockFormat:
-    name: str  # GGML type name: "Q8_0", "Q4_0", "Q4_1"
-    block_bytes: int  # bytes per 32-weight block in the GGUF file
+    name: str  # GGML type name: "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"
+    block_bytes: int  # bytes per GGUF block (of `block_weights` weights) in the file
     parts: tuple[str, ...]  # compiled parameters, in this order
     qweight_dtype: str  # "int8" | "uint8"
-    qweight_per_block: int  # qweight bytes per block (32 for int8, 16 for packed nibbles)
-    header: int  # bytes of float16 d (and m) before the quants
+    qweight_per_block: int  # qweight bytes per 32 weights (32 for int8, 16 for packed nibbles)
+    header: int  # bytes of float16 d (and m) before the quants (32-weight formats)
+    block_weights: int = BLOCK  # weights per GGUF block: 32, or 256 for the K-quants
 
 
 FORMATS: dict[str, BlockFormat] = {
     "Q8_0": BlockFormat("Q8_0", 34, ("qweight", "scale"), "int8", 32, 2),
     "Q4_0": BlockFormat("Q4_0", 18, ("qweight", "scale"), "uint8", 16, 2),
     "Q4_1": BlockFormat("Q4_1", 20, ("qweight", "scale", "min"), "uint8", 16, 4),
+    "Q4_K": BlockFormat("Q4_K", 144, ("qweight", "scale", "min", "sub_scale", "sub_min"), "uint8", 16, 0, 256),
+    "Q6_K": BlockFormat("Q6_K", 210, ("qweight", "qhigh", "scale", "sub_scale"), "uint8", 16, 0, 256),
 }
 
 
@@ -61,49 +81,125 @@ def block_format(name: str) -> BlockFormat:
         raise QuantFormatError(f"no quantized kernel for GGML type {name}; vtool keeps {', '.join(FORMATS)}") from None
 
 
-def _tiled_blocks(fmt: BlockFormat, raw: np.ndarray, cols: int) -> np.ndarray:
-    """raw bytes [rows, row_bytes] -> [rows/4, cols/32, 4, block_bytes], checking sizes."""
+def _blocks(fmt: BlockFormat, raw: np.ndarray, cols: int) -> np.ndarray:
+    """raw bytes [rows, row_bytes] -> [rows, cols/block_weights, block_bytes], checking sizes."""
     raw = np.asarray(raw)
     if raw.dtype != np.uint8 or raw.ndim != 2:
         raise QuantFormatError(f"{fmt.name} data must be uint8 [rows, bytes], got {raw.dtype} {list(raw.shape)}")
     rows = raw.shape[0]
-    if cols % BLOCK or rows % TILE_ROWS:
+    if cols % fmt.block_weights or rows % TILE_ROWS:
         raise QuantFormatError(f"{fmt.name} weight [{rows}, {cols}]: kept blocks need rows divisible by "
-                               f"{TILE_ROWS} and columns by {BLOCK}")
-    want = cols // BLOCK * fmt.block_bytes
+                               f"{TILE_ROWS} and columns by {fmt.block_weights}")
+    want = cols // fmt.block_weights * fmt.block_bytes
     if raw.shape[1] != want:
         raise QuantFormatError(f"{fmt.name} data of shape {list(raw.shape)}: expected [rows, {want}] bytes "
                                f"for {cols} weights per row")
-    blocks = raw.reshape(rows // TILE_ROWS, TILE_ROWS, cols // BLOCK, fmt.block_bytes)
-    return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3))
+    return raw.reshape(rows, cols // fmt.block_weights, fmt.block_bytes)
+
+
+def _tile(a: np.ndarray) -> np.ndarray:
+    """[rows, n, ...] -> [rows/4, n, 4, ...]: the tiled, block-major order (a fresh array)."""
+    a = a.reshape(a.shape[0] // TILE_ROWS, TILE_ROWS, *a.shape[1:])
+    return np.ascontiguousarray(np.swapaxes(a, 1, 2))
 
 
 def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
-    return np.ascontiguousarray(np.ascontiguousarray(blocks[..., offset:offset + 2]).view(np.float16)[..., 0])
+    return np.ascontiguousarray(blocks[..., offset:offset + 2]).view(np.float16)[..., 0]
+
+
+def _regroup_nibbles(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF K-quant nibbles [..., 2, 16] (bytes l and 16 + l of 32 whose low nibbles are 32
+    weights and high nibbles the next 32) -> the two 32-weight blocks in Q4_0's order."""
+    a, c = pairs[..., 0, :], pairs[..., 1, :]
+    return (a & 15) | (c << 4), (a >> 4) | (c & 0xF0)
+
+
+def q4k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 packed bytes of a Q4_K block [..., 12] -> 6-bit (sc, m) [..., 8] uint8
+    (ggml-quants get_scale_min_k4)."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _repack_q4k(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    rows, nsb, _ = blocks.shape
+    lo, hi = _regroup_nibbles(blocks[..., 16:144].reshape(rows, nsb, 4, 2, 16))
+    qweight = np.stack([lo, hi], axis=3).reshape(rows, nsb * 8, 16)  # [.., group, nibble, 16]
+    sc, mn = q4k_scale_min(blocks[..., 4:16])
+    return {"qweight": _tile(qweight), "scale": _tile(_f16(blocks, 0)), "min": _tile(_f16(blocks, 2)),
+            "sub_scale": _tile(sc.reshape(rows, nsb * 8)), "sub_min": _tile(mn.reshape(rows, nsb * 8))}
+
+
+def _repack_q6k(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    rows, nsb, _ = blocks.shape
+    # ql: per 128 weights, 64 bytes: low nibbles weights 0..63, high nibbles 64..127
+    lo, hi = _regroup_nibbles(blocks[..., :128].reshape(rows, nsb, 2, 2, 2, 16))
+    qweight = np.stack([lo, hi], axis=3).reshape(rows, nsb * 8, 16)  # [.., half, nibble, pair, 16]
+    # qh: per 128 weights, 32 bytes: byte l bits 2k..2k+1 = weight 32k + l. Byte j of 64-weight
+    # group e of that half needs weights 64e + 16k' + j: bits 2(2e + k'//2) of byte 16(k' % 2) + j
+    qh = blocks[..., 128:192].reshape(rows, nsb, 2, 2, 16)
+    groups = []
+    for e in (0, 4):  # shift that brings group e's two 2-bit fields to bits 0..3
+        a, c = qh[..., 0, :] >> e, qh[..., 1, :] >> e
+        groups.append((a & 3) | ((c & 3) << 2) | ((a & 12) << 2) | ((c & 12) << 4))
+    qhigh = np.stack(groups, axis=3).reshape(rows, nsb * 4, 16)  # [.., half, group, 16]
+    return {"qweight": _tile(qweight), "qhigh": _tile(qhigh), "scale": _tile(_f16(blocks, 208)),
+            "sub_scale": _tile(blocks[..., 192:208].view(np.int8).reshape(rows, nsb * 16))}
 
 
 def repack(format_name: str, raw: np.ndarray, cols: int) -> dict[str, np.ndarray]:
-    """GGUF blocks of a [rows, cols] tensor (raw bytes [rows, cols/32 * block_bytes])
+    """GGUF blocks of a [rows, cols] tensor (raw bytes [rows, cols/block_weights * block_bytes])
     -> the parts the kernels read (see the module docstring)."""
     fmt = block_format(format_name)
-    blocks = _tiled_blocks(fmt, raw, cols)
-    parts = {"scale": _f16(blocks, 0), "qweight": np.ascontiguousarray(blocks[..., fmt.header:])}
+    blocks = _blocks(fmt, raw, cols)
+    if fmt.name == "Q4_K":
+        return _repack_q4k(blocks)
+    if fmt.name == "Q6_K":
+        return _repack_q6k(blocks)
+    parts = {"scale": _tile(_f16(blocks, 0)), "qweight": _tile(blocks[..., fmt.header:])}
     if fmt.name == "Q8_0":
         parts["qweight"] = parts["qweight"].view(np.int8)
     if fmt.name == "Q4_1":
-        parts["min"] = _f16(blocks, 2)
+        parts["min"] = _tile(_f16(blocks, 2))
     return {p: parts[p] for p in fmt.parts}
+
+
+def _per(a: np.ndarray, weights: int) -> np.ndarray:
+    """A per-`weights` part [tiles, n, 4] as float32, repeated to one value per 16 weights."""
+    return np.repeat(a.astype(np.float32), weights // 16, axis=1)[..., None]
 
 
 def dequantize(format_name: str, parts: dict[str, np.ndarray]) -> np.ndarray:
     """float32 [rows, cols] from repacked parts: what the kernels compute, in numpy
     (tests hold it to gguf.quants.dequantize)."""
     fmt = block_format(format_name)
-    q, d = parts["qweight"], parts["scale"][..., None].astype(np.float32)
+    q = parts["qweight"]
+    tiles, nblocks, rows_in_tile, _ = q.shape
     if fmt.name == "Q8_0":
-        w = q.astype(np.float32) * d
+        w = q.astype(np.float32) * parts["scale"][..., None].astype(np.float32)
     else:
-        nib = np.concatenate([q & 15, q >> 4], axis=-1).astype(np.float32)
-        w = (nib - 8) * d if fmt.name == "Q4_0" else nib * d + parts["min"][..., None].astype(np.float32)
-    tiles, nblocks, rows_in_tile, _ = w.shape
+        # chunks of 16 weights: [tiles, cols/16, 4, 16]
+        nib = np.stack([q & 15, q >> 4], axis=2).reshape(tiles, nblocks * 2, rows_in_tile, 16)
+        w = _dequant_chunks(fmt.name, nib, parts)
     return w.transpose(0, 2, 1, 3).reshape(tiles * rows_in_tile, nblocks * BLOCK)
+
+
+def _dequant_chunks(name: str, nib: np.ndarray, parts: dict[str, np.ndarray]) -> np.ndarray:
+    """Dequantize 4-bit chunks [tiles, cols/16, 4, 16] uint8 (+ the other parts) as the kernels do."""
+    if name == "Q6_K":  # the high 2 bits of chunk c are bits 2(c % 4) of qhigh's 64-weight group c // 4
+        n = nib.shape[1]
+        qhigh = np.repeat(parts["qhigh"], 4, axis=1)
+        shift = (2 * (np.arange(n) % 4)).astype(np.uint8).reshape(1, n, 1, 1)
+        q = (nib | (((qhigh >> shift) & 3) << 4)).astype(np.float32) - 32
+        ds = _per(parts["scale"], 256) * _per(parts["sub_scale"], 16)  # exact: 11 x 8 bits
+        return ds * q
+    nib = nib.astype(np.float32)
+    if name in ("Q4_0", "Q4_1"):
+        d = _per(parts["scale"], 32)
+        return (nib - 8) * d if name == "Q4_0" else nib * d + _per(parts["min"], 32)
+    # Q4_K
+    ds = _per(parts["scale"], 256) * _per(parts["sub_scale"], 32)  # exact: 11 x 6 bits
+    dm = _per(parts["min"], 256) * _per(parts["sub_min"], 32)
+    return ds * nib - dm

@@ -1,6 +1,10 @@
-"""Tiny llama GGUF files with really quantized weights (gguf.quants.quantize), for the
-quantized-kernel tests. Written independently of vtool's reader: HF-layout random
-weights, llama.cpp's Q/K row permutation, then gguf-py's quantizer and writer."""
+"""Tiny llama GGUF files with really quantized weights, for the quantized-kernel tests.
+Written independently of vtool's reader: HF-layout random weights, llama.cpp's Q/K row
+permutation, then gguf-py's quantizer and writer. gguf-py cannot quantize the K-quants
+(its Q4_K/Q6_K quantize raise NotImplementedError), so Q4_K and Q6_K blocks come from the
+small numpy encoders below, written from ggml-quants' block layout; any valid encoding
+serves, as every oracle dequantizes the same bytes (tests hold them to gguf-py's
+dequantizer within the quantization error)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +15,71 @@ import numpy as np
 
 Q = gguf.GGMLQuantizationType
 SHAPE = dict(hidden=128, inter=256, layers=2, heads=4, kv=2, vocab=256)
+K_SHAPE = dict(hidden=256, inter=512, layers=2, heads=4, kv=2, vocab=256)  # columns multiples of 256
+QK_K = 256
+
+
+def _f16_up(x: np.ndarray) -> np.ndarray:
+    """float16 >= x (x >= 0): a scale rounded up still covers its range."""
+    h = x.astype(np.float16)
+    return np.where(h.astype(np.float32) < x, np.nextafter(h, np.float16(np.inf)), h)
+
+
+def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.divide(a, b, out=np.zeros(np.broadcast_shapes(a.shape, b.shape), np.float32), where=b != 0)
+
+
+def encode_q4_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols % 256 == 0) -> Q4_K bytes [rows, cols/256 * 144]. Per 32
+    weights: w = d*sc * q - dmin*m, q in 0..15, sc and m 6-bit; scales rounded up, so no
+    quant is clipped and each weight is within half a step (d*sc/2) of its value."""
+    rows, cols = w.shape
+    x = w.astype(np.float32).reshape(rows, cols // QK_K, 8, 32)
+    neg_min = np.maximum(-x.min(axis=-1), 0)  # [.., 8]; mins stored as positive offsets
+    dmin = _f16_up(neg_min.max(axis=-1) / 63)  # [..]
+    m = np.clip(np.ceil(_div(neg_min, dmin.astype(np.float32)[..., None])), 0, 63)
+    off = dmin.astype(np.float32)[..., None] * m  # >= -min
+    scale = (x.max(axis=-1) + off) / 15  # range of x + off is within [0, max + off]
+    d = _f16_up(scale.max(axis=-1) / 63)
+    sc = np.clip(np.ceil(_div(scale, d.astype(np.float32)[..., None])), 0, 63)
+    step = d.astype(np.float32)[..., None] * sc
+    q = np.clip(np.rint(_div(x + off[..., None], step[..., None])), 0, 15).astype(np.uint8)
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)
+    q = q.reshape(rows, cols // QK_K, 4, 2, 32)  # byte l of 32: sub-block 2g low, 2g+1 high
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(rows, cols // QK_K, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(rows, -1, 2), dmin.view(np.uint8).reshape(rows, -1, 2),
+                             packed, qs], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def encode_q6_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols % 256 == 0) -> Q6_K bytes [rows, cols/256 * 210]. Per 16
+    weights: w = d*sc * (q - 32), q in 1..63, sc int8; scales rounded up as in encode_q4_k."""
+    rows, cols = w.shape
+    x = w.astype(np.float32).reshape(rows, cols // QK_K, 16, 16)
+    scale = np.abs(x).max(axis=-1) / 31
+    d = _f16_up(scale.max(axis=-1) / 127)
+    sc = np.clip(np.ceil(_div(scale, d.astype(np.float32)[..., None])), 0, 127)
+    step = d.astype(np.float32)[..., None] * sc
+    q = (np.clip(np.rint(_div(x, step[..., None])), -31, 31) + 32).astype(np.uint8)
+    q = q.reshape(rows, cols // QK_K, 2, 128)  # two halves of 128 weights
+    ql = (q[..., :64] & 15) | ((q[..., 64:] & 15) << 4)  # byte l: weight l low, 64 + l high
+    hi = (q >> 4).reshape(rows, cols // QK_K, 2, 4, 32)  # weight 32k + l -> bits 2k of byte l
+    qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
+    blocks = np.concatenate([ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64),
+                             sc.astype(np.int8).view(np.uint8), d.view(np.uint8).reshape(rows, -1, 2)], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize(w: np.ndarray, qtype: "Q") -> np.ndarray:
+    """gguf-py's quantizer, or the numpy encoders above for the K-quants."""
+    if qtype == Q.Q4_K:
+        return encode_q4_k(w)
+    if qtype == Q.Q6_K:
+        return encode_q6_k(w)
+    return gguf.quants.quantize(w, qtype)
 
 _LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -35,8 +104,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_weights(rng: np.random.Generator, tie: bool) -> dict[str, np.ndarray]:
-    s = SHAPE
+def hf_weights(rng: np.random.Generator, tie: bool, shape: dict[str, int] = SHAPE) -> dict[str, np.ndarray]:
+    s = shape
     h, hd = s["hidden"], s["hidden"] // s["heads"]
     r = lambda *shape: (rng.standard_normal(shape) * 0.08).astype(np.float32)  # noqa: E731
     w = {"model.embed_tokens.weight": r(s["vocab"], h), "model.norm.weight": 1 + r(h)}
@@ -52,9 +121,11 @@ def hf_weights(rng: np.random.Generator, tie: bool) -> dict[str, np.ndarray]:
     return w
 
 
-def write_tiny_gguf(path: Path, qtype_of: Callable[[str], "Q"], tie: bool = True, seed: int = 0) -> Path:
-    """A tiny llama GGUF; `qtype_of(gguf_name)` picks each 2-D tensor's type (norms stay F32)."""
-    s = SHAPE
+def write_tiny_gguf(path: Path, qtype_of: Callable[[str], "Q"], tie: bool = True, seed: int = 0,
+                    shape: dict[str, int] = SHAPE) -> Path:
+    """A tiny llama GGUF; `qtype_of(gguf_name)` picks each 2-D tensor's type (norms stay F32).
+    K-quants need `shape=K_SHAPE` (every weight's columns a multiple of 256)."""
+    s = shape
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(s["layers"])
     w.add_context_length(512)
@@ -68,7 +139,7 @@ def write_tiny_gguf(path: Path, qtype_of: Callable[[str], "Q"], tie: bool = True
     w.add_vocab_size(s["vocab"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for hf, arr in hf_weights(np.random.default_rng(seed), tie).items():
+    for hf, arr in hf_weights(np.random.default_rng(seed), tie, s).items():
         name = gguf_name(hf)
         if ".attn_q." in name or ".attn_k." in name:
             arr = _permute(arr, s["heads"] if ".attn_q." in name else s["kv"])
@@ -76,7 +147,7 @@ def write_tiny_gguf(path: Path, qtype_of: Callable[[str], "Q"], tie: bool = True
         if qtype == Q.F32:
             w.add_tensor(name, arr)
         else:
-            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+            w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -3,6 +3,8 @@ weights stay quantized (vtool.models.weights.kept_formats). No compiler involved
 
 The repacked parts must dequantize to exactly what gguf.quants.dequantize (the code
 transformers' GGUF loader uses) gives: every format's dequantization is exact in float32.
+Q4_K/Q6_K blocks come from tests/quant_gguf.py's numpy encoders (gguf-py cannot quantize
+K-quants), themselves held to gguf-py's dequantizer within the quantization error.
 """
 from __future__ import annotations
 
@@ -12,23 +14,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quant_gguf import QK_K, encode_q4_k, encode_q6_k, quantize
 from vtool.models import quant_formats
 from vtool.models.config import parse_hf_config
-from vtool.models.weights import kept_formats, plan_parameters, weight_modules
+from vtool.models.weights import expected_source_shapes, kept_formats, plan_parameters, weight_modules
 from vtool.runtime import quant_blocks
 from vtool.runtime.quant_blocks import QuantFormatError, dequantize, repack
 
 Q = gguf.GGMLQuantizationType
-FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+F16_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}  # d (and m/dmin)
 
 
-@settings(max_examples=40, deadline=None)
-@given(fmt=st.sampled_from(FORMATS), tiles=st.integers(1, 6), blocks=st.integers(1, 5),
+@settings(max_examples=60, deadline=None)
+@given(fmt=st.sampled_from(FORMATS), tiles=st.integers(1, 6), blocks=st.integers(1, 3),
        scale=st.sampled_from([1e-3, 0.1, 3.0, 200.0]), seed=st.integers(0, 2**31 - 1))
 def test_repack_dequantizes_like_gguf(fmt, tiles, blocks, scale, seed):
-    rows, cols = tiles * quant_formats.TILE_ROWS, blocks * 32
+    rows, cols = tiles * quant_formats.TILE_ROWS, blocks * quant_formats.block_cols(fmt)
     w = (np.random.default_rng(seed).standard_normal((rows, cols)) * scale).astype(np.float32)
-    raw = gguf.quants.quantize(w, Q[fmt])
+    raw = quantize(w, Q[fmt])
     parts = repack(fmt, raw, cols)
     assert tuple(parts) == quant_formats.parts(fmt)
     for name, arr in parts.items():
@@ -46,7 +50,7 @@ def test_repack_of_random_bytes_matches_gguf(fmt, seed):
     rng = np.random.default_rng(seed)
     block, size = gguf.GGML_QUANT_SIZES[Q[fmt]]
     raw = rng.integers(0, 256, size=(8, 2, size), dtype=np.uint8)
-    for off in (0, 2) if fmt == "Q4_1" else (0,):  # finite float16 scales
+    for off in F16_OFFSETS[fmt]:  # finite float16 scales
         raw[..., off:off + 2] = rng.uniform(-2, 2, size=(8, 2, 1)).astype("<f2").view(np.uint8)
     raw = raw.reshape(8, -1)
     want = gguf.quants.dequantize(raw, Q[fmt]).reshape(8, 2 * block)
@@ -57,9 +61,50 @@ def test_runtime_and_model_tables_agree():
     """The compiled parameters the model declares are the arrays the runtime makes."""
     assert set(quant_blocks.FORMATS) == set(quant_formats.KERNEL_FORMATS)
     assert quant_blocks.TILE_ROWS == quant_formats.TILE_ROWS and quant_blocks.BLOCK == quant_formats.BLOCK
+    assert set(quant_formats.QUANT_PARTS) == {p for f in FORMATS for p in quant_formats.parts(f)}
     for name, fmt in quant_blocks.FORMATS.items():
         parts, dtype, per_block = quant_formats.KERNEL_FORMATS[name]
         assert fmt.parts == parts and fmt.qweight_dtype == dtype and fmt.qweight_per_block == per_block
+        assert (fmt.block_weights, fmt.block_bytes) == gguf.GGML_QUANT_SIZES[Q[name]]
+        assert fmt.block_weights == quant_formats.block_cols(name)
+
+
+@pytest.mark.parametrize("fmt, most", [("Q8_0", 1.0), ("Q4_0", 1.0), ("Q4_1", 1.0), ("Q4_K", 148 / 144),
+                                       ("Q6_K", 1.0)])
+def test_repacked_bytes_are_about_the_files(fmt, most):
+    """Kept weights cost the file's bytes (Q4_K: its 6-bit scales and mins take a byte each)."""
+    rows, cols = 8, 2 * QK_K
+    raw = quantize(np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32), Q[fmt])
+    assert sum(a.nbytes for a in repack(fmt, raw, cols).values()) == pytest.approx(most * raw.nbytes)
+
+
+# The K-quant encoders in tests/quant_gguf.py: valid blocks, within the quantization error.
+@settings(max_examples=20, deadline=None)
+@given(scale=st.sampled_from([1e-3, 0.1, 3.0, 200.0]), seed=st.integers(0, 2**31 - 1))
+def test_k_quant_encoders_round_trip_through_gguf(scale, seed):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((4, 2 * QK_K)) * scale).astype(np.float32)
+    w[1, :QK_K] = 0  # an all-zero super-block
+    w[2, :32] = np.abs(w[2, :32]) + scale  # a sub-block with no negative weight
+    for enc, qtype, bits, rms in ((encode_q4_k, Q.Q4_K, 4, 0.09), (encode_q6_k, Q.Q6_K, 6, 0.025)):
+        raw = enc(w)
+        assert raw.shape == (4, 2 * gguf.GGML_QUANT_SIZES[qtype][1])
+        got = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
+        # every weight within half a quantization step of the sub-block's (Q4_K: 32 weights,
+        # range max - min over 15 steps; Q6_K: 16 weights, |max| over 31), with the
+        # rounded-up 6/8-bit scales' slack: 1/63 or 1/127 of the super-block's largest step
+        sub = 32 if bits == 4 else 16
+        x = w.reshape(4, -1, sub)
+        if bits == 4:
+            lo = np.minimum(x.min(-1), 0)
+            step = (x.max(-1) - lo) / 15
+        else:
+            step = np.abs(x).max(-1) / 31
+        slack = step.reshape(4, -1, QK_K // sub).max(-1, keepdims=True) / (63 if bits == 4 else 127)
+        bound = 0.5 * (step.reshape(4, -1, QK_K // sub) + 3 * slack).reshape(4, -1, 1) * (1 + 1e-3)
+        assert (np.abs(got - w).reshape(4, -1, sub) <= bound).all(), qtype.name
+        assert np.sqrt(np.mean((got - w) ** 2)) <= rms * np.sqrt(np.mean(w ** 2)), qtype.name
+        assert np.all(got[1, :QK_K] == 0)
 
 
 @pytest.mark.parametrize("raw_shape, cols, match", [
@@ -73,8 +118,17 @@ def test_repack_refuses_bad_sizes(raw_shape, cols, match):
 
 
 def test_repack_refuses_unknown_format():
-    with pytest.raises(QuantFormatError, match="no quantized kernel for GGML type Q6_K"):
-        repack("Q6_K", np.zeros((4, 210), np.uint8), 256)
+    with pytest.raises(QuantFormatError, match="no quantized kernel for GGML type Q5_K"):
+        repack("Q5_K", np.zeros((4, 176), np.uint8), 256)
+
+
+@pytest.mark.parametrize("fmt, raw_shape, cols, match", [
+    ("Q4_K", (4, 144), 128, "columns by 256"),
+    ("Q6_K", (4, 209), 256, r"expected \[rows, 210\] bytes"),
+])
+def test_repack_refuses_bad_k_quant_sizes(fmt, raw_shape, cols, match):
+    with pytest.raises(QuantFormatError, match=match):
+        repack(fmt, np.zeros(raw_shape, np.uint8), cols)
 
 
 # --- which weights stay in blocks --------------------------------------------------------
@@ -106,6 +160,19 @@ def test_kept_formats_mixed_fused_group_is_dequantized():
     assert "model.layers.0.self_attn.qkv_proj" not in kept
     assert dense == {"model.layers.0.self_attn.qkv_proj": "Q4_0+Q8_0", "lm_head": "Q6_K"}
     assert "model.embed_tokens" not in kept and "model.embed_tokens" not in dense  # a float table: plain dense
+
+
+def test_kept_formats_k_quants_need_256_columns():
+    """Q4_K/Q6_K stay in blocks only where every source's columns are a multiple of 256: with
+    hidden 64 and intermediate 256, down_proj ([64, 256], Q6_K) stays; the rest (64 columns)
+    is dequantized, named."""
+    cfg = parse_hf_config(CONFIG | {"intermediate_size": 256})
+    types = {n: ("Q6_K" if "down_proj" in n else "Q4_K") if len(s) == 2 else "F32"
+             for n, s in expected_source_shapes(cfg).items()}
+    stored = {n: (types[n], s) for n, s in expected_source_shapes(cfg).items()}
+    kept, dense = kept_formats(cfg, stored)
+    assert kept == {"model.layers.0.mlp.down_proj": "Q6_K"}
+    assert dense == {m: "Q4_K" for m in weight_modules(cfg) if m != "model.layers.0.mlp.down_proj"}
 
 
 def test_plan_names_the_block_sources():
