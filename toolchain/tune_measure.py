@@ -1,0 +1,161 @@
+"""Building and timing MetaSchedule candidates in the tuning process itself.
+
+MetaSchedule's LocalBuilder starts a fresh pool of worker processes for every batch of
+candidates (a workaround for a worker memory leak), and each worker imports TVM, which
+imports torch when it is installed: seconds per worker before the first build, and on a
+busy 2-core machine each candidate took ~20 s, past LocalBuilder's 30 s timeout. Compiling
+one TIR kernel takes well under a second, so here the builder compiles in this process
+and the runner times in this process too (no worker start-up, no tar export/upload), which
+is what makes tuning on a small machine practical. A candidate that fails to build or run
+is reported as failed, as in MetaSchedule's own builder and runner.
+
+`time_kernel` is the one timer for rule and tuned kernels, so the records compare them
+under the same conditions.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.builder import BuilderResult, PyBuilder
+from tvm.s_tir.meta_schedule.runner import EvaluatorConfig, PyRunner
+from tvm.s_tir.meta_schedule.runner.local_runner import LocalRunnerFuture
+from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common, run_evaluator_common
+from tvm.ir.utils import derived_object
+
+EVALUATOR = EvaluatorConfig(number=3, repeat=1, min_repeat_ms=40, enable_cpu_cache_flush=False)
+
+
+def _compile(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Module:
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
+    return tvm.tirx.build(mod, target=target)
+
+
+@derived_object
+class InProcessBuilder(PyBuilder):
+    """Compiles each candidate here and exports it as a shared library in a scratch folder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scratch = tempfile.mkdtemp(prefix="vtool-tune-")
+
+    def build(self, build_inputs: list) -> list:
+        results = []
+        for i, build_input in enumerate(build_inputs):
+            try:
+                rt_mod = _compile(build_input.mod, build_input.target)
+                path = os.path.join(tempfile.mkdtemp(dir=self.scratch), f"cand{i}.so")
+                rt_mod.export_library(path)
+                results.append(BuilderResult(path, None))
+            except Exception as err:  # noqa: BLE001 - a failed candidate is a result, not an abort
+                results.append(BuilderResult(None, f"InProcessBuilder: {type(err).__name__}: {err}"))
+        return results
+
+    def close(self) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+@derived_object
+class InProcessRunner(PyRunner):
+    """Loads each built candidate here and times it with TVM's time_evaluator."""
+
+    def __init__(self, evaluator: EvaluatorConfig = EVALUATOR) -> None:
+        super().__init__()
+        self.evaluator = evaluator
+        self.f_random_fill = tvm.get_global_func("tvm.contrib.random.random_fill_for_measure", allow_missing=True)
+
+    def run(self, runner_inputs: list) -> list:
+        futures = []
+        for runner_input in runner_inputs:
+            try:
+                rt_mod = tvm.runtime.load_module(runner_input.artifact_path)
+                dev = tvm.runtime.device(runner_input.device_type, 0)
+                args_info = [a.as_json() for a in runner_input.args_info]
+                args = alloc_argument_common(self.f_random_fill, dev, args_info, 1)
+                costs = run_evaluator_common(rt_mod, dev, self.evaluator, args)
+                futures.append(LocalRunnerFuture(res=costs))
+            except Exception as err:  # noqa: BLE001
+                futures.append(LocalRunnerFuture(error_message=f"InProcessRunner: {type(err).__name__}: {err}"))
+        # (MetaSchedule's RemoveBuildArtifact callback deletes the built files afterwards)
+        return futures
+
+
+def _random_args(func: Any, bindings: dict[str, int], dev: Any) -> list[Any]:
+    """Random inputs for `func`'s buffer parameters, symbolic extents set by `bindings`."""
+    from tvm import tirx
+
+    rng = np.random.default_rng(0)
+    args = []
+    for param in func.params:
+        ty = param.ty
+        if not isinstance(ty, tirx.BufferType):
+            raise ValueError(f"scalar parameter {param.name}: not timed")
+        shape = []
+        for d in ty.shape:
+            if isinstance(d, tirx.IntImm):
+                shape.append(int(d))
+            elif isinstance(d, tirx.Var) and d.name in bindings:
+                shape.append(int(bindings[d.name]))
+            else:
+                raise ValueError(f"extent {d} of {param.name} is not bound")
+        dtype = str(ty.dtype)
+        if dtype.startswith(("int", "uint")):
+            data = rng.integers(0, 16, size=shape).astype(dtype)
+        else:
+            data = (rng.standard_normal(size=shape) * 0.1).astype(dtype)
+        args.append(tvm.runtime.tensor(data, dev))
+    return args
+
+
+def kernel_timer(func: Any, target: tvm.target.Target, bindings: dict[str, int] | None = None,
+                 min_ms: int = 100):  # noqa: ANN201 - () -> float
+    """Compiles `func` (a scheduled PrimFunc; symbolic extents take their values from
+    `bindings`) once; the returned function gives the median microseconds of one call."""
+    rt_mod = _compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target)
+    dev = tvm.runtime.cpu(0) if target.kind.name == "llvm" else tvm.runtime.device(target.kind.name, 0)
+    args = _random_args(func, bindings or {}, dev)
+    timer = rt_mod.time_evaluator("main", dev, number=3, repeat=5, min_repeat_ms=int(min_ms))
+    return lambda: float(np.median(timer(*args).results)) * 1e6
+
+
+def time_kernel(func: Any, target: tvm.target.Target, bindings: dict[str, int] | None = None,
+                min_ms: int = 100) -> float:
+    """Median time in microseconds of one call of `func`."""
+    return kernel_timer(func, target, bindings, min_ms)()
+
+
+def compare(rule: Any, tuned: Any, target: tvm.target.Target, bindings: dict[str, int] | None = None,
+            rounds: int = 3) -> tuple[float, float]:
+    """(rule us, tuned us): each the best of `rounds` timings taken alternately, so a load
+    spike on this shared machine hits both alike and a one-off measurement cannot decide."""
+    t_rule, t_tuned = kernel_timer(rule, target, bindings), kernel_timer(tuned, target, bindings)
+    pairs = [(t_rule(), t_tuned()) for _ in range(rounds)]
+    return min(p[0] for p in pairs), min(p[1] for p in pairs)
+
+
+def builder_runner() -> tuple[InProcessBuilder, InProcessRunner]:
+    return InProcessBuilder(), InProcessRunner()
+
+
+def skip_tensor_intrinsics(target: tvm.target.Target) -> None:
+    """MetaSchedule's TuneContext imports tvm.s_tir.tensor_intrin, which parses hundreds of
+    TVMScript intrinsics (GPU MMA/WMMA, ARM, Hexagon, ...): 40 s to minutes of CPU on a
+    loaded 2-core machine, paid again by every LocalBuilder worker (its default_build
+    imports them too). The CPU schedule rules used here never tensorize, so for an llvm
+    target an empty module stands in for it, unless it was imported already."""
+    import sys
+    import types
+
+    name = "tvm.s_tir.tensor_intrin"
+    if target.kind.name == "llvm" and name not in sys.modules:
+        sys.modules[name] = types.ModuleType(name, "not loaded: vtool tune's CPU rules do not tensorize")
+
+
+__all__ = ["InProcessBuilder", "InProcessRunner", "builder_runner", "compare", "kernel_timer", "time_kernel", "ms"]
