@@ -2,9 +2,10 @@
 done entirely by transformers, independent of vtool's own readers."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -39,3 +40,30 @@ def greedy(model: Any, prompt: list[int], steps: int) -> tuple[np.ndarray, list[
             out = model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
             past = out.past_key_values
             step_logits.append(out.logits[0, -1].float().numpy())
+
+
+@contextlib.contextmanager
+def q8_0_activations(model: Any, only: Callable[[str], bool] = lambda name: True, rows: str = "all"):
+    """Within the block, the nn.Linear modules of `model` whose names pass `only` see their
+    input rows as GGML Q8_0 blocks (gguf-py's reference quantizer, then its dequantizer), as
+    vtool's Q8_0-activation matmuls (models/int8_gemv.py) and llama.cpp take them: in every
+    call (rows="all", `--activations q8_0`) or only in single-position calls, the decode
+    steps (rows="decode", `--activations decode`; the prompt must be longer than one token)."""
+    import gguf
+
+    def quantize(module: torch.nn.Module, args: tuple) -> tuple | None:
+        (x,) = args
+        if rows == "decode" and x.shape[-2] != 1:
+            return None
+        flat = x.detach().float().numpy().reshape(-1, x.shape[-1])
+        blocks = gguf.quants.quantize(flat, gguf.GGMLQuantizationType.Q8_0)
+        deq = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).reshape(x.shape)
+        return (torch.from_numpy(np.ascontiguousarray(deq)).to(x.dtype),)
+
+    hooks = [m.register_forward_pre_hook(quantize) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and only(name)]
+    try:
+        yield model
+    finally:
+        for h in hooks:
+            h.remove()

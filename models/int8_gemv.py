@@ -1,0 +1,309 @@
+"""Decode GEMVs over GGUF blocks with 8-bit activations and integer dot products (x86).
+
+The float path (vtool_qmatmul, scheduled by vtool.schedules.cpu.quantized) widens every
+quant to float32 before its multiply-add, so a batch-1 GEMV is bound by that conversion,
+not by memory. Like llama.cpp, these kernels instead quantize the activation row once per
+call to a GGML Q8_0 block row (d_x = max|x| / 127 kept as float16, q_x = round(x / d_x)),
+and multiply
+quants by quants in integer lanes, 4 byte products per 32-bit lane per instruction:
+
+  avx512vnni  vpdpbusd zmm (u8 x s8, 64 bytes)   Ice Lake / Cascade Lake / Zen 4 and later
+  avx2        vpmaddubsw + vpmaddwd (32 bytes)     any AVX2 CPU
+
+One block's integer sum is scaled once by d_w * d_x into float32 accumulators. The
+offset terms of Q4_0 (q - 8) and Q4_1 (+ m), and the +128 bias that makes Q8_0's
+signed activations usable as vpdpbusd's unsigned operand, are folded through per-block
+sums of the quantized activation, computed with the quantization, so the inner loop
+only touches the weights. Output rows go in tiles of TILE_ROWS (the weight layout of
+vtool.models.quant_formats: [tile, block, row in tile, bytes], one tile's block is one
+contiguous run), tiles run in parallel.
+
+The result differs from the float path by the activation rounding (as llama.cpp's
+does); the parity tests bound it against transformers.
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.target import Target
+from tvm.script import tirx as T
+
+from vtool.models.quant_formats import BLOCK, INT8_FORMATS, TILE_ROWS, int8_isa
+
+FORMATS = INT8_FORMATS
+isa_for = int8_isa  # re-exported: the kernels' callers and tests name it here
+
+ISAS = ("avx512vnni", "avx2")
+
+_VNNI = "llvm.x86.avx512.vpdpbusd.512"
+_MADDUBS = "llvm.x86.avx2.pmadd.ub.sw"
+_MADDWD = "llvm.x86.avx2.pmadd.wd"
+_PSIGN = "llvm.x86.avx2.psign.b"
+
+
+def isa_for_target(target: Target) -> str | None:
+    """isa_for a TVM llvm target; None for other kinds and non-x86 triples."""
+    if target.kind.name != "llvm" or not str(target.attrs.get("mtriple", "x86_64")).startswith("x86_64"):
+        return None
+    return isa_for(str(target.attrs.get("mcpu", "")), [str(a) for a in target.attrs.get("mattr", [])])
+
+
+def gemv_func(fmt: str, isa: str, n: int, k: int, lead: int) -> tirx.PrimFunc:
+    """x float32 [1]*lead + [k] times a quantized [n, k] weight -> float32 [1]*lead + [n].
+    Parameters in the order of the quantized parts (qweight, scale[, min]) between x and y."""
+    _check(fmt, isa, n, k)
+    return _build(fmt, isa, n, k, lead)
+
+
+def gemm_func(fmt: str, isa: str, n: int, k: int, lead: tuple, rows_per_chunk: int = 4) -> tirx.PrimFunc:
+    """As gemv_func for x of shape `lead` + [k] with symbolic dims (TIR vars) in `lead`:
+    every row of x is quantized once, and each weight tile's blocks are loaded once per
+    `rows_per_chunk` rows of x (prefill, batched decode)."""
+    _check(fmt, isa, n, k)
+    return _build(fmt, isa, n, k, tuple(lead), rows_per_chunk)
+
+
+def _check(fmt: str, isa: str, n: int, k: int) -> None:
+    if fmt not in FORMATS or isa not in ISAS:
+        raise ValueError(f"no int8 GEMV for {fmt} on {isa}")
+    if n % TILE_ROWS or k % BLOCK:
+        raise ValueError(f"int8 GEMV needs n % {TILE_ROWS} == 0 and k % {BLOCK} == 0, got [{n}, {k}]")
+
+
+# Prepared activation per 32-weight block, laid out so that each weight vector meets its
+# activations with one plain load (Q4: a vector holds every row's 16 bytes of the block,
+# low nibbles = weights 0..15, high = 16..31).
+_XR_WIDTH = {("Q4", "avx512vnni"): 128,  # [x0..15 x4 | x16..31 x4]
+             ("Q4", "avx2"): 64,  # [x0..15 x2 | x16..31 x2]
+             ("Q8_0", "avx512vnni"): 128,  # as Q4's, x + 128 as unsigned bytes
+             ("Q8_0", "avx2"): 32}  # x as it is
+
+
+def _scales(sc: tirx.Buffer, t: tirx.PrimExpr, b: tirx.PrimExpr, first: tirx.PrimExpr, rows: int,
+            repeat: int) -> tirx.PrimExpr:
+    """d_w of `rows` rows of a tile from `first`, in block b, each repeated `repeat` times
+    (float32 x rows*repeat, matching the integer dot's lanes). It does not depend on the
+    row of x, so LLVM computes it once for all rows of a chunk."""
+    s = T.Cast(f"float32x{rows}", sc.vload([t, b, first], f"float16x{rows}"))
+    if repeat == 1:
+        return s
+    return T.Shuffle([s] * repeat, [i // repeat for i in range(rows * repeat)])
+
+
+def _scaled(dot: tirx.PrimExpr, dx: tirx.PrimExpr, dw: tirx.PrimExpr) -> tirx.PrimExpr:
+    """An integer block dot as float, times d_x (a broadcast from memory) and d_w."""
+    lanes = 16 if "x16" in str(dot.ty) else 8
+    return T.Cast(f"float32x{lanes}", dot) * T.Broadcast(dx, lanes) * dw
+
+
+def _round_half_away(v: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Round to nearest, ties away from zero, exactly as GGML's reference quantizer (roundf)
+    and gguf-py's np_roundf: |v| = f + r with f = floor(|v|), r exact, and floor(2r) adds the
+    half. (TIR's round would tie to even.)"""
+    a = T.fabs(v)
+    f = T.floor(a)
+    return T.if_then_else(v < T.float32(0), -(f + T.floor((a - f) * T.float32(2))), f + T.floor((a - f) * T.float32(2)))
+
+
+def _vnni(acc: tirx.PrimExpr, a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    """acc[i] + the sum over 4 bytes of u8 a times s8 b (int32x16)."""
+    return T.call_llvm_pure_intrin("int32x16", _VNNI, acc, a, b)
+
+
+def _maddubs(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Pairs of u8 a times s8 b, summed into int16x16 (saturating; operands here stay far below)."""
+    return T.call_llvm_pure_intrin("int16x16", _MADDUBS, a, b)
+
+
+def _pairs_to_i32(p: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.call_llvm_pure_intrin("int32x8", _MADDWD, p, T.Broadcast(T.int16(1), 16))
+
+
+def _low(v: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
+    return v & T.Broadcast(T.uint8(15), lanes)
+
+
+def _high(v: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
+    return v >> T.Broadcast(T.uint8(4), lanes)
+
+
+def _q4_dot_vnni(v: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A tile's block of nibbles (4 rows x 16 bytes) against the block's activations:
+    int32x16, lanes 4r..4r+3 summing to row r."""
+    return _vnni(_vnni(T.Broadcast(T.int32(0), 16), _low(v, 64), xlo), _high(v, 64), xhi)
+
+
+def _q4_dot_avx2(v: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Two rows' nibbles (2 x 16 bytes): int32x8, lanes 4r..4r+3 summing to row r.
+    Nibbles <= 15 times |x| <= 127: the int16 sums stay below 2^13."""
+    return _pairs_to_i32(_maddubs(_low(v, 32), xlo) + _maddubs(_high(v, 32), xhi))
+
+
+def _q8_dot_vnni(w01: tirx.PrimExpr, w23: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A tile's Q8_0 block (rows 0-1 and 2-3, 2 x 32 signed bytes each) against x + 128
+    (unsigned, in the Q4 layout): int32x16, lanes 4r..4r+3 summing to row r. Two 128-bit
+    lane shuffles regroup the rows' first and second 16 bytes (as Q4's low and high
+    nibbles), so one dot chain serves 4 rows; the +128 comes out with the same chain over
+    128s, which does not depend on x (LLVM computes it once for a chunk's rows)."""
+    first = [i for r in range(4) for i in range(32 * r, 32 * r + 16)]  # byte i of w01 | w23
+    second = [i + 16 for i in first]
+    a, b = T.Shuffle([w01, w23], first), T.Shuffle([w01, w23], second)
+    zero, bias = T.Broadcast(T.int32(0), 16), T.Broadcast(T.uint8(128), 64)
+    return _vnni(_vnni(zero, T.reinterpret("uint8x64", xlo), a), T.reinterpret("uint8x64", xhi), b) - _vnni(
+        _vnni(zero, bias, a), bias, b)
+
+
+def _q8_dot_avx2(w: tirx.PrimExpr, x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """One row of a Q8_0 block against x: |w| (unsigned) times x * sign(w), llama.cpp's way
+    of feeding vpmaddubsw two signed operands. int32x8 summing to the row."""
+    return _pairs_to_i32(_maddubs(T.call_llvm_pure_intrin("int8x32", _PSIGN, w, w),
+                                  T.call_llvm_pure_intrin("int8x32", _PSIGN, x, w)))
+
+
+def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk: int = 1) -> tirx.PrimFunc:
+    """The kernel for x of shape `lead` + [k] (`lead` an int: that many unit dims, a GEMV;
+    a tuple: its dims, symbolic ones as TIR vars, a GEMM over their product M), handling
+    `rows_per_chunk` rows of x per pass over a weight tile (the rest one at a time)."""
+    nb, nt = k // BLOCK, n // TILE_ROWS
+    q4 = fmt != "Q8_0"
+    width = _XR_WIDTH[("Q4" if q4 else "Q8_0", isa)]
+    vnni = isa == "avx512vnni"
+    qbytes, qdtype = (16, "uint8") if q4 else (32, "int8")
+    has_min = fmt == "Q4_1"
+    offset = -8.0 if fmt == "Q4_0" else 0.0
+    dims = (1,) * lead if isinstance(lead, int) else tuple(lead)
+    xshape, yshape = dims + (k,), dims + (n,)
+    m = 1
+    for d in dims:
+        m = m * d
+    static = isinstance(m, int)
+    chunk = rows_per_chunk
+    flip = T.int8(-128) if (vnni and not q4) else T.int8(0)
+    attrs = {"tirx.noalias": True, "vtool.int8_gemv": f"{fmt}/{isa}"}
+
+    @T.macro
+    def quantize_row(x1, xq, xr, xd, xs, row):  # noqa: ANN001 - TVMScript macro
+        # Per 32-block: d_x = max|x| / 127, q = round(x / d_x), sum(q) * d_x (the offsets' factor).
+        for b in range(nb):
+            amax = T.alloc_buffer((1,), "float32")
+            qsum = T.alloc_buffer((1,), "int32")
+            amax[0] = T.float32(0)
+            qsum[0] = 0
+            for j in range(BLOCK):
+                amax[0] = T.max(amax[0], T.fabs(x1[row * k + b * BLOCK + j]))
+            for j in range(BLOCK):
+                xq[row * k + b * BLOCK + j] = T.Cast("int8", _round_half_away(T.if_then_else(
+                    amax[0] > T.float32(0), x1[row * k + b * BLOCK + j] * (T.float32(1) / (amax[0] / T.float32(127))),
+                    T.float32(0))))
+                qsum[0] = qsum[0] + T.Cast("int32", xq[row * k + b * BLOCK + j])
+            # d_x rounded to float16 as GGML's Q8_0 stores it: the activation is exactly a
+            # Q8_0 block (what llama.cpp's dot products use, and gguf-py's quantizer gives)
+            xd[row, b] = T.Cast("float32", T.Cast("float16", amax[0] / T.float32(127)))
+            xs[row, b] = T.Cast("float32", qsum[0]) * xd[row, b]
+            if q4 or vnni:
+                for r in range(width // 32):
+                    for j in range(16):
+                        # Q8_0 on VNNI: x + 128 (the sign bit flipped), vpdpbusd's unsigned side
+                        xr[row, b, r * 16 + j] = xq[row * k + b * BLOCK + j] ^ flip
+                        xr[row, b, width // 2 + r * 16 + j] = xq[row * k + b * BLOCK + 16 + j] ^ flip
+            else:
+                for j in range(BLOCK):
+                    xr[row, b, j] = xq[row * k + b * BLOCK + j]
+
+    @T.macro
+    def accumulate(acc, corr, qw, sc, mn, xr, xd, xs, t, b, row, i):  # noqa: ANN001 - TVMScript macro
+        # One row of x against block b of tile t, into that row's accumulators (slot i).
+        # Expressions, not named temporaries: TVMScript makes a named vector value a
+        # workspace allocation; LLVM shares the weight loads between the rows of a chunk.
+        if q4 and vnni:
+            acc[i, T.Ramp(0, 1, 16)] = acc[i, T.Ramp(0, 1, 16)] + _scaled(_q4_dot_vnni(
+                qw.vload([t, b, 0, 0], "uint8x64"), xr.vload([row, b, 0], "int8x64"),
+                xr.vload([row, b, 64], "int8x64")), xd[row, b], _scales(sc, t, b, 0, 4, 4))
+        elif q4:
+            for h in range(2):
+                acc[i, T.Ramp(h * 8, 1, 8)] = acc[i, T.Ramp(h * 8, 1, 8)] + _scaled(_q4_dot_avx2(
+                    qw.vload([t, b, 2 * h, 0], "uint8x32"), xr.vload([row, b, 0], "int8x32"),
+                    xr.vload([row, b, 32], "int8x32")), xd[row, b], _scales(sc, t, b, 2 * h, 2, 4))
+        elif vnni:
+            acc[i, T.Ramp(0, 1, 16)] = acc[i, T.Ramp(0, 1, 16)] + _scaled(_q8_dot_vnni(
+                qw.vload([t, b, 0, 0], "int8x64"), qw.vload([t, b, 2, 0], "int8x64"),
+                xr.vload([row, b, 0], "int8x64"), xr.vload([row, b, 64], "int8x64")),
+                xd[row, b], _scales(sc, t, b, 0, 4, 4))
+        else:
+            for r in range(4):
+                acc[i, T.Ramp(r * 8, 1, 8)] = acc[i, T.Ramp(r * 8, 1, 8)] + _scaled(_q8_dot_avx2(
+                    qw.vload([t, b, r, 0], "int8x32"), xr.vload([row, b, 0], "int8x32")),
+                    xd[row, b], T.Broadcast(T.Cast("float32", sc[t, b, r]), 8))
+        if has_min:  # + m * sum(x) per row
+            corr[i, T.Ramp(0, 1, 4)] = corr[i, T.Ramp(0, 1, 4)] + T.Cast(
+                "float32x4", mn.vload([t, b, 0], "float16x4")) * T.Broadcast(xs[row, b], 4)
+        elif q4:  # (q - 8) * d: - 8 * d * sum(x) per row
+            corr[i, T.Ramp(0, 1, 4)] = corr[i, T.Ramp(0, 1, 4)] + T.Cast(
+                "float32x4", sc.vload([t, b, 0], "float16x4")) * T.Broadcast(xs[row, b] * T.float32(offset), 4)
+
+    @T.macro
+    def store(acc, corr, y1, t, row, i):  # noqa: ANN001 - TVMScript macro
+        for r in range(4):
+            if q4 or vnni:  # 4 lanes per row
+                y1[row * n + t * 4 + r] = (acc[i, r * 4] + acc[i, r * 4 + 1] + acc[i, r * 4 + 2]
+                                           + acc[i, r * 4 + 3] + corr[i, r])
+            else:
+                y1[row * n + t * 4 + r] = (acc[i, r * 8] + acc[i, r * 8 + 1] + acc[i, r * 8 + 2] + acc[i, r * 8 + 3]
+                                           + acc[i, r * 8 + 4] + acc[i, r * 8 + 5] + acc[i, r * 8 + 6]
+                                           + acc[i, r * 8 + 7])
+
+    @T.macro
+    def rows_pass(acc, corr, qw, sc, mn, y1, xr, xd, xs, t, first, count):  # noqa: ANN001 - TVMScript macro
+        # `count` (static) rows of x from `first` against tile t: every block's weights are
+        # loaded once and used by each row.
+        for i in T.unroll(count):
+            acc[i, T.Ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            acc[i, T.Ramp(16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            corr[i, T.Ramp(0, 1, 4)] = T.Broadcast(T.float32(0), 4)
+        for b in range(nb):
+            for i in T.unroll(count):
+                accumulate(acc, corr, qw, sc, mn, xr, xd, xs, t, b, first + i, i)
+        for i in T.unroll(count):
+            store(acc, corr, y1, t, first + i, i)
+
+    @T.macro
+    def kernel(x, qw, sc, mn, y):  # noqa: ANN001 - TVMScript macro
+        x1 = T.decl_buffer((m * k,), "float32", data=x.data)
+        y1 = T.decl_buffer((m * n,), "float32", data=y.data)
+        xq = T.alloc_buffer((m * k,), "int8")
+        xr = T.alloc_buffer((m, nb, width), "int8")
+        xd = T.alloc_buffer((m, nb), "float32")
+        xs = T.alloc_buffer((m, nb), "float32")
+        if static:
+            for row in range(m):
+                quantize_row(x1, xq, xr, xd, xs, row)
+        else:
+            for row in T.parallel(m):
+                quantize_row(x1, xq, xr, xd, xs, row)
+        for t in T.parallel(nt):
+            # Global scope on purpose: small global allocations become stack slots (LLVM keeps
+            # them in registers); "local" ones became a workspace call per tile.
+            acc = T.alloc_buffer((chunk, 32), "float32")
+            corr = T.alloc_buffer((chunk, 4), "float32")
+            for c in range(m // chunk):
+                rows_pass(acc, corr, qw, sc, mn, y1, xr, xd, xs, t, c * chunk, chunk)
+            if chunk > 1:
+                for rest in range(m % chunk):
+                    rows_pass(acc, corr, qw, sc, mn, y1, xr, xd, xs, t, m // chunk * chunk + rest, 1)
+
+    if has_min:
+        @T.prim_func(private=True)
+        def gemv_min(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, qbytes), qdtype),
+                     sc: T.Buffer((nt, nb, TILE_ROWS), "float16"), mn: T.Buffer((nt, nb, TILE_ROWS), "float16"),
+                     y: T.Buffer(yshape, "float32")):
+            T.func_attr(attrs)
+            kernel(x, qw, sc, mn, y)
+
+        return gemv_min
+
+    @T.prim_func(private=True)
+    def gemv(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, qbytes), qdtype),
+             sc: T.Buffer((nt, nb, TILE_ROWS), "float16"), y: T.Buffer(yshape, "float32")):
+        T.func_attr(attrs)
+        kernel(x, qw, sc, None, y)
+
+    return gemv
