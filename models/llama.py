@@ -26,7 +26,8 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from vtool.models.config import ModelConfig
-from vtool.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from vtool.models.int8_gemv import isa_for_target as int8_isa_for
+from vtool.models.quantized_linear import QuantizedEmbedding, QuantizedLinear, use_int8_gemv
 
 # compiled module path ("model.layers.0.mlp.down_proj") -> GGML block format kept in memory
 Formats = Mapping[str, str]
@@ -121,21 +122,26 @@ class DecoderForCausalLM(nn.Module):
     """`formats` names the weights kept in GGUF blocks (QuantizedLinear / QuantizedEmbedding);
     every other weight is a dense parameter of `dtype`."""
 
-    def __init__(self, c: ModelConfig, dtype: str, target: Target, formats: Formats | None = None):
+    def __init__(self, c: ModelConfig, dtype: str, target: Target, formats: Formats | None = None,
+                 int8_activations: str = "decode"):
         formats = formats or {}
         self.config, self.dtype, self.target = c, dtype, target
         self.model = Backbone(c, dtype, formats)
         if not c.tie_word_embeddings:
             self.lm_head = make_linear("lm_head", c.hidden_size, c.vocab_size, False, dtype, formats)
+        if formats and int8_activations != "none":  # Q8_0 activation rows (models/int8_gemv.py)
+            use_int8_gemv(self, int8_isa_for(target), "all" if int8_activations == "q8_0" else "decode")
 
-    def _logits(self, h: Tensor) -> Tensor:
+    def _logits(self, h: Tensor, prompt: bool = False) -> Tensor:
+        """`prompt`: the logits of a prompt's last position (a quantized lm_head then keeps
+        float activations unless the build quantizes every row)."""
         h = self.model.norm(h)
         if self.config.tie_word_embeddings:
             if isinstance(self.model.embed_tokens, QuantizedEmbedding):
-                return self.model.embed_tokens.lm_head(h)
+                return self.model.embed_tokens.lm_head(h, prompt)
             w = self.model.embed_tokens.weight
             return op.matmul(h, op.permute_dims(w), out_dtype="float32")
-        logits = self.lm_head(h)
+        logits = self.lm_head(h, prompt) if isinstance(self.lm_head, QuantizedLinear) else self.lm_head(h)
         return logits if logits.dtype == "float32" else logits.astype("float32")
 
     def _layers(self, h: Tensor, kv: PagedKVCache) -> Tensor:
@@ -154,7 +160,7 @@ class DecoderForCausalLM(nn.Module):
             return te.compute((b, 1, d), lambda i, _, k: x[i, n - 1, k], name="last_position")
 
         last = op.tensor_expr_op(last_position, name_hint="last_position", args=[h])
-        return self._logits(last), kv
+        return self._logits(last, prompt=True), kv
 
     def decode(self, input_embed: Tensor, kv: PagedKVCache):
         return self._logits(self._layers(input_embed, kv)), kv

@@ -1,4 +1,5 @@
-"""Linear layers and embeddings whose weights stay in GGUF block form (Q8_0, Q4_0, Q4_1).
+"""Linear layers and embeddings whose weights stay in GGUF block form (Q8_0, Q4_0, Q4_1,
+Q4_K, Q6_K).
 
 The weight is never materialized as floats: each kernel reads the quants and the block
 scales and dequantizes in registers, inside the GEMV/GEMM, accumulating in float32
@@ -9,7 +10,8 @@ dequantized weights only in summation order.
 Kernel shape, for the CPU schedules (vtool.schedules.cpu.quantized), which find these
 kernels by their block names:
   vtool_dequant[n, c, j]  weight[n, 16c + j] as float32: a view in chunks of 16, so
-                          one Q4 block (16 bytes) is two chunks: low nibbles, high nibbles
+                          one Q4 block (16 bytes) is two chunks: low nibbles, high nibbles;
+                          the K-quants' scales are constant over a chunk (Q6_K's is per chunk)
   vtool_qmatmul[..., n]   sum over (c, j) of x[..., 16c + j] * vtool_dequant[n, c, j]
   vtool_qtake[i, k]       row ids[i] of the table, dequantized (the embedding)
 The schedule inlines vtool_dequant into the GEMV (decode) or dequantizes one tile of
@@ -23,7 +25,10 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from vtool.models.quant_formats import BLOCK, KERNEL_FORMATS, TILE_ROWS, keepable, part_dtype, part_shape, parts
+from vtool.models.int8_gemv import FORMATS as INT8_FORMATS
+from vtool.models.int8_gemv import gemm_func, gemv_func
+from vtool.models.quant_formats import (BLOCK, KERNEL_FORMATS, SUPER_BLOCK, TILE_ROWS, block_cols, keepable, part_dtype,
+                                         part_shape, parts)
 
 CHUNK = 16  # weights per vtool_dequant chunk: half a block
 DEQUANT_BLOCK = "vtool_dequant"
@@ -31,19 +36,40 @@ MATMUL_BLOCK = "vtool_qmatmul"
 TAKE_BLOCK = "vtool_qtake"
 
 
+def _nibble(qweight: te.Tensor, t, b, r, c, j) -> tirx.PrimExpr:
+    """Chunk c's 4-bit quant j: the low (even c) or high (odd c) nibbles of block b's 16 bytes."""
+    return tirx.bitwise_and(tirx.shift_right(qweight[t, b, r, j], ((c % 2) * 4).astype("uint8")),
+                            tirx.const(15, "uint8"))
+
+
+def _f32(v: tirx.PrimExpr) -> tirx.PrimExpr:
+    return v.astype("float32")  # float16 scales, small integers: widened exactly
+
+
 def _weight(fmt: str, w: list[te.Tensor], n, c, j) -> tirx.PrimExpr:
-    """weight[n, CHUNK*c + j] as float32, from the tiled parts `w` (qweight, scale[, min])."""
-    qweight, scale = w[0], w[1]
+    """weight[n, CHUNK*c + j] as float32, from the tiled parts `w` (in quant_formats.parts order).
+    Every product below is exact in float32 (at most 24 significant bits), so the one rounding
+    is Q4_1's and Q4_K's add, as in gguf-py: the result is gguf.quants.dequantize's, bit for bit."""
+    qweight = w[0]
     t, r, b = n // TILE_ROWS, n % TILE_ROWS, c // 2
-    d = scale[t, b, r].astype("float32")  # float16 in memory, as GGUF stores it
     if fmt == "Q8_0":
-        return qweight[t, b, r, (c % 2) * CHUNK + j].astype("float32") * d
-    # Q4: chunk c is the low (even c) or high (odd c) nibbles of the block's 16 bytes
-    q = tirx.bitwise_and(tirx.shift_right(qweight[t, b, r, j], ((c % 2) * 4).astype("uint8")),
-                         tirx.const(15, "uint8"))
+        return _f32(qweight[t, b, r, (c % 2) * CHUNK + j]) * _f32(w[1][t, b, r])
+    q = _nibble(qweight, t, b, r, c, j)
     if fmt == "Q4_0":
-        return (q.astype("float32") - tirx.const(8.0, "float32")) * d
-    return q.astype("float32") * d + w[2][t, b, r].astype("float32")
+        return (_f32(q) - tirx.const(8.0, "float32")) * _f32(w[1][t, b, r])
+    if fmt == "Q4_1":
+        return _f32(q) * _f32(w[1][t, b, r]) + _f32(w[2][t, b, r])
+    s = c // (SUPER_BLOCK // CHUNK)  # the 256-weight super-block
+    if fmt == "Q4_K":  # parts: qweight, scale (d), min (dmin), sub_scale, sub_min
+        d = _f32(w[1][t, s, r]) * _f32(w[3][t, b, r])
+        m = _f32(w[2][t, s, r]) * _f32(w[4][t, b, r])
+        return d * _f32(q) - m
+    # Q6_K, parts: qweight (low 4 bits), qhigh (2 bits at 2(c % 4) of its 64-weight group), scale, sub_scale
+    high = tirx.bitwise_and(tirx.shift_right(w[1][t, c // 4, r, j], ((c % 4) * 2).astype("uint8")),
+                            tirx.const(3, "uint8"))
+    q6 = tirx.bitwise_or(q, tirx.shift_left(high, tirx.const(4, "uint8")))
+    d = _f32(w[2][t, s, r]) * _f32(w[3][t, c, r])
+    return d * (_f32(q6) - tirx.const(32.0, "float32"))
 
 
 def matmul_te(fmt: str, x: te.Tensor, *w: te.Tensor) -> te.Tensor:
@@ -77,7 +103,7 @@ class _QuantizedWeight(nn.Module):
     def __init__(self, fmt: str, rows: int, cols: int):
         if not keepable(fmt, rows, cols):
             raise ValueError(f"a [{rows}, {cols}] weight cannot stay in {fmt} blocks (formats with kernels: "
-                             f"{', '.join(KERNEL_FORMATS)}; rows % {TILE_ROWS} == 0, cols % {BLOCK} == 0)")
+                             f"{', '.join(KERNEL_FORMATS)}; rows % {TILE_ROWS} == 0, cols % {block_cols(fmt)} == 0)")
         self.fmt, self.rows, self.cols = fmt, rows, cols
         for part in parts(fmt):
             setattr(self, part, nn.Parameter(part_shape(fmt, part, rows, cols), part_dtype(fmt, part)))
@@ -85,10 +111,52 @@ class _QuantizedWeight(nn.Module):
     def _parts(self) -> list[Tensor]:
         return [getattr(self, part) for part in parts(self.fmt)]
 
-    def _matmul(self, x: Tensor) -> Tensor:
-        """x [..., cols] -> [..., rows] float32."""
+    # The integer-dot ISA of the Q8_0-activation matmuls (models/int8_gemv.py) and where they
+    # run ("decode": one new position per sequence; "all"), set for the whole model by
+    # use_int8_gemv; None keeps every matmul on the float path.
+    int8_isa: str | None = None
+    int8_rows: str = "decode"
+
+    def _matmul(self, x: Tensor, prompt: bool = False) -> Tensor:
+        """x [..., cols] -> [..., rows] float32. `prompt`: x comes from a prompt (prefill),
+        even when it is one row (the logits of its last position)."""
+        lead = x.shape[:-1]
+        decode_rows = not prompt and isinstance(lead[-1], int) and lead[-1] == 1  # [1, 1] or [batch, 1]
+        if self.int8_isa and self.fmt in INT8_FORMATS and x.dtype == "float32" and (
+                self.int8_rows == "all" or decode_rows):
+            # Activation rows quantized to Q8_0 blocks, quants multiplied by quants (llama.cpp's
+            # scheme): one row a GEMV, symbolic rows (batches, prompts) a GEMM.
+            if all(isinstance(d, int) and d == 1 for d in lead):
+                func = gemv_func(self.fmt, self.int8_isa, self.rows, self.cols, len(lead))
+            else:
+                dims = tuple(d if isinstance(d, int) else tirx.Var(f"m{i}", "int64") for i, d in enumerate(lead))
+                func = gemm_func(self.fmt, self.int8_isa, self.rows, self.cols, dims)
+            return op.tensor_ir_op(func, f"{self.fmt.lower()}_int8_matmul", [x, *self._parts()],
+                                   Tensor.placeholder([*lead, self.rows], "float32"))
         return op.tensor_expr_op(functools.partial(matmul_te, self.fmt), f"{self.fmt.lower()}_matmul",
                                  [x, *self._parts()])
+
+
+def use_int8_gemv(model: nn.Module, isa: str | None, rows: str = "decode") -> int:
+    """Route the quantized layers' matmuls in `model` to the integer-dot kernels of `isa`
+    (None: the float path): those over decode rows (one new position per sequence) or, with
+    rows="all", every one. Returns how many layers can take them."""
+    count = 0
+    for module in _modules(model):
+        if isinstance(module, _QuantizedWeight):
+            module.int8_isa, module.int8_rows = isa, rows
+            count += module.fmt in INT8_FORMATS
+    return count
+
+
+def _modules(module: nn.Module):  # noqa: ANN202 - a generator of modules
+    yield module
+    for child in vars(module).values():
+        if isinstance(child, nn.ModuleList):  # a Module whose children sit in a list
+            for item in child:
+                yield from _modules(item)
+        elif isinstance(child, nn.Module):
+            yield from _modules(child)
 
 
 class QuantizedLinear(_QuantizedWeight):
@@ -101,8 +169,8 @@ class QuantizedLinear(_QuantizedWeight):
         self.bias = nn.Parameter((out_features,), dtype) if bias else None
         self.compute_dtype = dtype
 
-    def forward(self, x: Tensor) -> Tensor:
-        y = self._matmul(x)
+    def forward(self, x: Tensor, prompt: bool = False) -> Tensor:
+        y = self._matmul(x, prompt)
         if self.compute_dtype != "float32":
             y = y.astype(self.compute_dtype)
         if self.bias is not None:
@@ -122,6 +190,6 @@ class QuantizedEmbedding(_QuantizedWeight):
         return op.tensor_expr_op(functools.partial(take_te, self.fmt, self.dtype), f"{self.fmt.lower()}_take",
                                  [ids, *self._parts()])
 
-    def lm_head(self, h: Tensor) -> Tensor:
+    def lm_head(self, h: Tensor, prompt: bool = False) -> Tensor:
         """h [..., dim] -> logits [..., num] float32."""
-        return self._matmul(h)
+        return self._matmul(h, prompt)

@@ -1,11 +1,12 @@
 """Load a compiled artifact (model.so + manifest.json) and bind a checkpoint's weights.
 
 Every check that can refuse runs before the library is loaded: the manifest format,
-the versions it was built with, the CPU features its code needs (x86) or the GPU's
+the versions it was built with, the instruction set of its code (runtime/library_arch.py:
+an aarch64 library is never dlopen'ed on x86-64), the CPU features it needs (x86, arm) or the GPU's
 compute capability against the archs it holds code for (CUDA), the checkpoint's config
 against the one it was built for, and each source tensor's shape.
 
-The target family picks the device: an x86 artifact runs on the CPU, a CUDA one on
+The target family picks the device: an x86 or arm artifact runs on the CPU, a CUDA one on
 cuda:0 (weights live there; logits come back to the host through `to_numpy`).
 """
 from __future__ import annotations
@@ -20,16 +21,18 @@ import numpy as np
 
 import vtool
 from vtool.runtime.checkpoint import Checkpoint
+from vtool.runtime.library_arch import check_library_runs_here, check_target_runs_here
 from vtool.runtime.manifest import LIBRARY_NAME, ManifestError, read_manifest, source_config_mismatches
 from vtool.runtime.quant_blocks import repack
 from vtool.runtime.transforms import apply_transform
 from vtool.runtime.tvm_runtime import cuda_runtime, ffi, global_func, load_cublas
+from vtool.runtime.weights_file import WeightsFile, check_source
 
 _DL_CPU = 1
 _DL_CUDA = 2
 _POOLED_ALLOCATOR = 2
 # Target family -> (tvm_ffi device type, DLPack device type).
-DEVICES = {"x86": ("cpu", _DL_CPU), "cuda": ("cuda", _DL_CUDA)}
+DEVICES = {"x86": ("cpu", _DL_CPU), "arm": ("cpu", _DL_CPU), "cuda": ("cuda", _DL_CUDA)}
 CUDA_DEVICE_INDEX = 0  # the first visible GPU (CUDA_VISIBLE_DEVICES picks which)
 
 
@@ -59,7 +62,8 @@ def check_compatible(manifest: dict[str, Any], checkpoint: Checkpoint | None) ->
     if have.get("tvm") is not None and built.get("tvm") != have["tvm"]:
         raise ManifestError(f"artifact built with TVM {built.get('tvm')}, this runtime has TVM {have['tvm']}; rebuild it")
     target = manifest["target"]
-    if target.get("family") == "x86":
+    check_target_runs_here(target)  # another ISA's code: refused by name before any flag check
+    if target.get("family") in ("x86", "arm"):
         missing = sorted(set(target.get("requires_cpu", [])) - host_cpu_flags())
         if missing:
             raise ManifestError(
@@ -75,6 +79,8 @@ def check_compatible(manifest: dict[str, Any], checkpoint: Checkpoint | None) ->
         diffs = source_config_mismatches(manifest["source_config"], checkpoint.config())
         if diffs:
             raise ManifestError(f"artifact was built for another config ({checkpoint.path}): " + "; ".join(diffs))
+        if "weights_file" in manifest:  # weights quantized at build: from this checkpoint only
+            check_source(manifest["weights_file"], checkpoint)
 
 
 def check_gpu(target: dict[str, Any]) -> Any:
@@ -101,6 +107,7 @@ class CompiledModel:
         self._staging: dict[tuple[str, str], tuple[Any, int]] = {}
         if self.manifest.get("gemm") == "cublas":
             load_cublas()  # refuse here, by name, rather than at the first prefill
+        check_library_runs_here(self.folder / LIBRARY_NAME)  # never dlopen another machine's code
         library = self.ffi.load_module(str(self.folder / LIBRARY_NAME))
         self.vm = library["vm_load_executable"]()
         if self.device_type == "cpu":
@@ -167,8 +174,12 @@ class CompiledModel:
 
     def _bind(self, checkpoint: Checkpoint, progress: Callable[[int, int], None] | None) -> list[Any]:
         plan = self.manifest["params"]
-        check_sources(plan, checkpoint)
-        blocks = _BlockCache(checkpoint)
+        # Blocks come from the checkpoint (a GGUF file's own) or from the artifact's weights
+        # file (quantized at build time from a float checkpoint).
+        record = self.manifest.get("weights_file")
+        source = WeightsFile(self.folder, record) if record else checkpoint
+        check_sources(plan, checkpoint, source)
+        blocks = _BlockCache(source)
         bound = []
         for i, entry in enumerate(plan):
             if "quant" in entry:
@@ -187,18 +198,21 @@ class CompiledModel:
         return bound
 
 
-def check_sources(plan: list[dict[str, Any]], checkpoint: Checkpoint) -> None:
+def check_sources(plan: list[dict[str, Any]], checkpoint: Checkpoint, blocks: Any = None) -> None:
     """Refuse, before anything is read, a missing source tensor or one stored in another
-    block format than the library's kernels were compiled for."""
-    available = checkpoint.tensors()
+    block format than the library's kernels were compiled for. `blocks` (default: the
+    checkpoint) holds the quantized parts' sources."""
+    blocks = blocks if blocks is not None else checkpoint
     for entry in plan:
+        want = entry.get("quant", {}).get("format")
+        holder = checkpoint if want is None else blocks
+        available = holder.tensors()
         for src in entry["sources"]:
             if src not in available:
-                raise ManifestError(f"{checkpoint.path}: missing tensor {src!r} needed by {entry['name']!r}")
-            want = entry.get("quant", {}).get("format")
+                raise ManifestError(f"{holder.path}: missing tensor {src!r} needed by {entry['name']!r}")
             if want is not None and available[src].dtype != want:
                 raise ManifestError(
-                    f"{checkpoint.path}: tensor {src!r} is stored as {available[src].dtype}, but this artifact "
+                    f"{holder.path}: tensor {src!r} is stored as {available[src].dtype}, but this artifact "
                     f"was built to keep it as {want} blocks; rebuild for this file, or with --quantization none")
 
 
@@ -206,7 +220,7 @@ class _BlockCache:
     """Repacked parts of the sources of the weight being bound: its 2-3 parts are
     consecutive parameters, so each source is repacked once and then dropped."""
 
-    def __init__(self, checkpoint: Checkpoint):
+    def __init__(self, checkpoint: Any):  # a Checkpoint or a WeightsFile
         self.checkpoint = checkpoint
         self.repacked: dict[str, dict[str, np.ndarray]] = {}
 

@@ -50,6 +50,11 @@ def _x86(name: str, mcpu: str, features: tuple[str, ...], requires: tuple[str, .
     return TargetSpec(name, "x86", tvm, features, requires)
 
 
+def _arm(name: str, mattr: list[str], features: tuple[str, ...], requires: tuple[str, ...]) -> TargetSpec:
+    tvm = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": mattr}
+    return TargetSpec(name, "arm", tvm, features, requires)
+
+
 def sm_number(arch: str) -> int:
     """90 for "sm_90", "sm_90a", "compute_90"; the a/f suffix names an arch-specific or
     family-specific variant of the same compute capability."""
@@ -86,6 +91,12 @@ ROWS: tuple[TargetSpec, ...] = (
     _x86("x86-avx512", "skylake-avx512",
          ("sse2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
          ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq")),
+    # AVX-512 with VNNI (vpdpbusd): Cascade Lake, Ice Lake and later Xeons, Zen 4/5. The
+    # decode GEMVs over GGUF blocks multiply 8-bit quants with it (models/int8_gemv.py).
+    _x86("x86-avx512-vnni", "cascadelake",
+         ("sse2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+          "avx512vnni"),
+         ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
     _cuda("sm_80", _AMPERE),
     _cuda("sm_86", _AMPERE),
     _cuda("sm_87", _AMPERE),
@@ -103,10 +114,10 @@ ROWS: tuple[TargetSpec, ...] = (
                "the apache-tvm wheel has no SPIR-V codegen (USE_VULKAN=OFF)"),
     TargetSpec("metal", "metal", {"kind": "metal"}, ("simdgroup-matrix", "fp16", "bf16"), (), False,
                "the apache-tvm wheel has no Metal runtime and this machine cannot link for macOS"),
-    TargetSpec("aarch64-neon", "arm",
-               {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon"]},
-               ("neon", "fp16"), ("asimd",), False,
-               "cross-linking for aarch64 arrives with the CPU-speed issue"),
+    # aarch64 Linux: built here with LLVM and linked by zig cc (toolchain/cross_link.py,
+    # the `cross` extra); the CPU schedules are the x86 ones at 4 float32 lanes (128-bit NEON).
+    # requires_cpu in Linux's /proc/cpuinfo "Features" spelling (asimd = Advanced SIMD).
+    _arm("aarch64-neon", ["+neon"], ("neon", "fp16"), ("asimd",)),
 )
 
 _BY_NAME = {row.name: row for row in ROWS}

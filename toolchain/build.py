@@ -28,17 +28,23 @@ from vtool.runtime.checkpoint import Checkpoint, open_checkpoint
 from vtool.runtime.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, ManifestError, read_manifest, write_manifest
 from vtool.runtime.paths import artifact_cache
 from vtool.targets import TargetSpec, buildable
+from vtool.toolchain.quantize import SCHEMES, plan_formats, quantized_sources, source_key, write_weights
 
 DTYPES = ("float32", "float16", "bfloat16")
 # --quantization: auto = gguf for a GGUF file on a CPU target, else none;
-# none = every weight dequantized to the dtype at load; gguf = keep the file's Q8_0/Q4_0/Q4_1 blocks.
-QUANTIZATIONS = ("auto", "none", "gguf")
-QUANT_TARGET_FAMILIES = ("x86",)  # families with quantized kernels
+# none = every weight dequantized to the dtype at load; gguf = keep the file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks.
+# q4_0/q4_1/q8_0 = quantize a float checkpoint's weights at build time (toolchain/quantize.py).
+QUANTIZATIONS = ("auto", "none", "gguf", *SCHEMES)
+QUANT_TARGET_FAMILIES = ("x86", "arm")
+# --activations: how the matmuls over kept Q8_0/Q4_0/Q4_1 weights take their input
+# (models/int8_gemv.py): rows quantized to Q8_0 and integer dot products in decode ("decode",
+# what auto picks on integer-dot CPUs) or everywhere ("q8_0", llama.cpp's numerics), or float32.
+ACTIVATIONS = ("auto", "decode", "q8_0", "none")  # families with quantized kernels (the CPU ones)
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 # Sources whose change changes the compiled library (part of the cache key).
 _COMPILER_SOURCES = ("models", "schedules", "targets", "toolchain/pipeline.py", "toolchain/build.py",
                      "toolchain/cuda.py", "toolchain/gemm_offload.py", "toolchain/native/cublas_gemm.cc",
-                     "toolchain/flashinfer_attention.py",
+                     "toolchain/flashinfer_attention.py", "toolchain/quantize.py",
                      "runtime/quant_blocks.py")  # the block layout the kernels are compiled for
 
 Progress = Callable[[str], None]
@@ -61,16 +67,20 @@ def _toolchain_versions(target: TargetSpec) -> dict[str, str]:
         from vtool.toolchain.cuda import nvcc_version
 
         return {"nvcc": nvcc_version()}
-    return {}
+    from vtool.toolchain.cross_link import record
+
+    return record(target)  # the cross linker, for a CPU target of another instruction set
 
 
 def cache_key(raw_config: dict[str, Any], target: TargetSpec, dtype: str, quantization: str,
-              gemm: str = "tir", attention: str = "tir") -> str:
+              gemm: str = "tir", attention: str = "tir", tuning: str = "") -> str:
     payload = {"config": source_config(raw_config), "target": target.describe(), "dtype": dtype,
                "quantization": quantization, "gemm": gemm, "versions": installed_versions(),
                "compiler": compiler_source_digest()}
     if attention != "tir":  # e.g. "flashinfer-0.6.15.post1"; tir builds keep their keys
         payload["attention"] = attention
+    if tuning:  # the digest of the tuning records that apply; builds without records keep their keys
+        payload["tuning"] = tuning
     toolchain = _toolchain_versions(target)
     if toolchain:
         payload["toolchain"] = toolchain
@@ -91,6 +101,8 @@ def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
         raise VtoolError(f"unknown quantization {requested!r}; supported: {', '.join(QUANTIZATIONS)}")
     if requested == "none":
         return "none", {}, {}
+    if requested in SCHEMES:
+        return requested, _scheme_formats(requested, ckpt, cfg, target_spec), {}
     if requested == "auto" and (ckpt.format != "gguf" or target_spec.family not in QUANT_TARGET_FAMILIES):
         return "none", {}, {}
     if ckpt.format != "gguf":
@@ -103,9 +115,49 @@ def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
     if not kept:
         if requested == "auto":
             return "none", {}, {}
-        raise VtoolError(f"--quantization gguf: {ckpt.path} has no weight stored as Q8_0, Q4_0 or Q4_1 "
+        raise VtoolError(f"--quantization gguf: {ckpt.path} has no weight stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K "
                          f"(the formats with kernels); use --quantization none")
     return "gguf", kept, dense
+
+
+def _scheme_formats(scheme: str, ckpt: Checkpoint, cfg: ModelConfig, target_spec: TargetSpec) -> dict[str, str]:
+    """module -> GGML type for a build-time scheme (q4_0, q4_1, q8_0), refusing what cannot work."""
+    if ckpt.format == "gguf":
+        raise VtoolError(f"--quantization {scheme} quantizes a float (safetensors) checkpoint at build time, but "
+                         f"{ckpt.path} is a GGUF file, whose blocks are kept as they are: use --quantization gguf "
+                         "(or auto); re-quantizing already quantized weights would only add error")
+    if target_spec.family not in QUANT_TARGET_FAMILIES:
+        raise VtoolError(f"--quantization {scheme} has kernels for CPU targets only "
+                         f"({', '.join(QUANT_TARGET_FAMILIES)}), not {target_spec.name} ({target_spec.family}): "
+                         "there are no quantized CUDA kernels yet; use --quantization none")
+    kept, _ = plan_formats(cfg, {n: t.shape for n, t in ckpt.tensors().items()}, scheme)
+    if not kept:
+        raise VtoolError(f"--quantization {scheme}: no weight of {ckpt.path} fits the quantized kernels' tiles "
+                         "(rows a multiple of 4, columns a multiple of 32); use --quantization none")
+    return kept
+
+
+def resolve_activations(requested: str, target_spec: TargetSpec, kept: dict[str, str]) -> str:
+    """"decode", "q8_0" or "none" for --activations `requested`; a quantized mode asked of a
+    build that cannot run it is refused by name."""
+    if requested not in ACTIVATIONS:
+        raise VtoolError(f"unknown --activations {requested!r}; supported: {', '.join(ACTIVATIONS)}")
+    from vtool.models.quant_formats import INT8_FORMATS, int8_isa
+
+    isa = int8_isa(str(target_spec.tvm.get("mcpu", "")), list(target_spec.tvm.get("mattr", []))) \
+        if target_spec.family == "x86" else None
+    usable = isa is not None and bool(set(kept.values()) & set(INT8_FORMATS))
+    if requested == "none" or (requested == "auto" and not usable):
+        return "none"
+    if requested == "auto":
+        return "decode"
+    if isa is None:
+        raise VtoolError(f"--activations {requested} needs an x86 target with integer dot products (AVX2 or "
+                         f"AVX-512 VNNI); {target_spec.name} has none: use --activations none")
+    if not usable:
+        raise VtoolError(f"--activations {requested} applies to weights kept as Q8_0, Q4_0 or Q4_1 blocks and this "
+                         "build keeps none: use --activations none (or --quantization gguf / q4_1 / q8_0)")
+    return requested
 
 
 def _quantization_key(scheme: str, kept: dict[str, str]) -> str:
@@ -116,24 +168,29 @@ def _quantization_key(scheme: str, kept: dict[str, str]) -> str:
     return scheme + ":" + hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _count_formats(kept: dict[str, str], dense: dict[str, str]) -> dict[str, Any]:
-    """The manifest's summary: how many weights keep each block format, and which were
-    dequantized at load for want of a kernel (module -> stored types)."""
+def _count_formats(kept: dict[str, str], dense: dict[str, str], left_float: list[str] | None = None
+                   ) -> dict[str, Any]:
+    """The manifest's summary: how many weights keep each block format, which were
+    dequantized at load for want of a kernel (module -> stored types), and (build-time
+    schemes) which stay float because their shape does not fit the kernels' tiles."""
     counts: dict[str, int] = {}
     for fmt in kept.values():
         counts[fmt] = counts.get(fmt, 0) + 1
-    return {"kept": counts, "dequantized": dict(sorted(dense.items()))}
+    summary: dict[str, Any] = {"kept": counts, "dequantized": dict(sorted(dense.items()))}
+    if left_float is not None:
+        summary["float"] = sorted(left_float)
+    return summary
 
 
 def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Progress,
-            formats: dict[str, str] | None = None, attention: str = "tir"):
+            formats: dict[str, str] | None = None, attention: str = "tir", activations: str = "decode"):
     import tvm
 
     from vtool.models.llama import DecoderForCausalLM
 
     target = tvm.target.Target(target_spec.tvm)
     progress("exporting the Relax module")
-    model = DecoderForCausalLM(cfg, dtype, target, formats)
+    model = DecoderForCausalLM(cfg, dtype, target, formats, int8_activations=activations)
     if attention != "tir":
         from vtool.toolchain.flashinfer_attention import use_attention
 
@@ -145,7 +202,7 @@ def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Pro
 
 def _compile(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
              progress: Progress, gemm: str = "tir", formats: dict[str, str] | None = None,
-             attention: str = "tir") -> dict[str, Any]:
+             attention: str = "tir", activations: str = "decode") -> dict[str, Any]:
     """Compile and link model.so; returns the manifest's params, entry_points and, for
     CUDA, the cuda build record. `formats`: the weights kept in blocks (CPU only)."""
     if target_spec.family == "cuda":
@@ -155,15 +212,41 @@ def _compile(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path
         return _compile_cuda(cfg, target_spec, dtype, library_path, progress, gemm, attention)
     import tvm
 
+    from vtool.toolchain.cross_link import fcompile_for
     from vtool.toolchain.pipeline import build_pipeline, describe
 
-    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress, formats)
+    fcompile = fcompile_for(target_spec)  # before compiling: a missing cross linker is refused at once
+    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress, formats, activations=activations)
+    records = _tuning_records(target_spec, progress)
     progress(f"compiling for {target_spec.name}")
     with target:
-        executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, target_spec.family))
-    progress("linking the shared library")
-    executable.export_library(str(library_path))
-    return {"params": params, "entry_points": entry_points, "pipeline": describe(target_spec.family)}
+        executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, target_spec.family,
+                                                                                  records=records))
+    _report_tuning(records, progress)
+    progress("linking the shared library" + (f" for {target_spec.tvm['mtriple']} (zig cc)" if fcompile else ""))
+    executable.export_library(str(library_path), fcompile=fcompile)
+    pipeline = describe(target_spec.family)
+    if fcompile is not None:  # the manifest says which linker made another ISA's library
+        from vtool.toolchain.cross_link import record
+
+        pipeline["link"] = record(target_spec)
+    return {"params": params, "entry_points": entry_points, "pipeline": pipeline, "tuning": records.summary()}
+
+
+def _tuning_records(target_spec: TargetSpec, progress: Progress):  # noqa: ANN202 - a records.RecordSet
+    """The tuning records for this target (toolchain/records.py); each one ignored for
+    another target or TVM version is reported."""
+    from vtool.toolchain.records import RecordSet
+
+    records = RecordSet.load(target_spec.name, dict(target_spec.tvm))
+    for notice in records.notices:
+        progress(notice)
+    return records
+
+
+def _report_tuning(records, progress: Progress) -> None:  # noqa: ANN001 - a records.RecordSet
+    t = records.summary()
+    progress(f"tuning: {t['from_records']} kernels from records, {t['from_rules']} from rules")
 
 
 def _compile_cuda(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
@@ -209,6 +292,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
 
     mod.update(sampler_module(cfg.vocab_size))
     t_export = time.perf_counter() - t0
+    records = _tuning_records(target_spec, progress)
     record: dict[str, Any] = {"archs": list(target_spec.archs), "ptx": target_spec.ptx}
     progress(f"compiling for {target_spec.name} (nvcc fatbin: SASS {', '.join(target_spec.archs)} "
              f"+ PTX {target_spec.ptx})")
@@ -216,7 +300,8 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     try:
         with cuda.fatbin_callback(target_spec.archs, target_spec.ptx, record), target, \
                 tvm.transform.PassContext(opt_level=3, config=pass_config("cuda")):
-            executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, "cuda", gemm))
+            executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, "cuda", gemm,
+                                                                                      records=records))
     except Exception:
         nvcc_error = record.pop("_error", None)
         if nvcc_error is not None:
@@ -247,16 +332,20 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     from vtool.runtime.gpu_sampler import FUNCTIONS as SAMPLER_FUNCTIONS
 
     return {"params": params, "entry_points": entry_points, "pipeline": describe("cuda", gemm), "cuda": record,
-            "sampler": list(SAMPLER_FUNCTIONS)}
+            "sampler": list(SAMPLER_FUNCTIONS), "tuning": records.summary()}
 
 
 def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str = "float32",
                    output: str | Path | None = None, progress: Progress | None = None,
                    checkpoint: Checkpoint | None = None, force: bool = False, gemm: str = "auto",
-                   quantization: str = "auto", attention: str = "auto") -> Path:
+                   quantization: str = "auto", attention: str = "auto", activations: str = "auto") -> Path:
     """Build (or find in the cache) the artifact for one checkpoint, target and dtype.
 
-    quantization: QUANTIZATIONS; "auto" keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks on a
+    activations: ACTIVATIONS; "auto" ("decode" where the target has integer dot products)
+    quantizes the activation rows of the decode matmuls over kept Q8_0/Q4_0/Q4_1 weights to
+    Q8_0 blocks; "q8_0" those of every matmul (prompts too), "none" none.
+
+    quantization: QUANTIZATIONS; "auto" keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks on a
     CPU target and dequantizes everything elsewhere.
 
     gemm: "auto" | "tir" | "cublas" (toolchain/gemm_offload.py): which kernels run the
@@ -273,13 +362,24 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
 
         check_attention_shape(cfg)
     quantization, kept, dense = resolve_quantization(quantization, ckpt, cfg, target_spec)
+    quantize_now = quantization in SCHEMES  # blocks made here and written into the artifact
+    qsources = quantized_sources(cfg, kept) if quantize_now else {}
+    left_float = plan_formats(cfg, {n: t.shape for n, t in ckpt.tensors().items()}, quantization)[1] \
+        if quantize_now else None
     from vtool.toolchain.gemm_offload import resolve_gemm
 
     gemm = resolve_gemm(gemm, target_spec.family, dtype)
     from vtool.toolchain.flashinfer_attention import attention_key, resolve_attention
 
     attention = resolve_attention(attention, target_spec.family, dtype, cfg, notice=progress)
-    key = cache_key(raw, target_spec, dtype, _quantization_key(quantization, kept), gemm, attention_key(attention))
+    activations = resolve_activations(activations, target_spec, kept)
+    qkey = _quantization_key(quantization, kept) + (f":{activations}-activations" if activations != "none" else "")
+    if quantize_now:  # the artifact holds weights: another checkpoint of this config needs its own
+        qkey += ":" + source_key(ckpt, qsources)
+    from vtool.toolchain.records import RecordSet
+
+    key = cache_key(raw, target_spec, dtype, qkey, gemm, attention_key(attention),
+                    RecordSet.load(target_spec.name, dict(target_spec.tvm)).digest)  # records change the library
     folder = Path(output) if output else artifact_cache() / key
     if not force and _is_complete(folder, key):
         progress(f"using cached build {folder}")
@@ -292,7 +392,9 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
         if dense:
             progress(f"no kernels for {', '.join(sorted(set(dense.values())))}: "
                      f"{len(dense)} weights dequantized to {dtype} at load")
-        compiled = _compile(cfg, target_spec, dtype, staging / LIBRARY_NAME, progress, gemm, kept, attention)
+        weights_record = write_weights(ckpt, qsources, quantization, staging, progress) if quantize_now else None
+        compiled = _compile(cfg, target_spec, dtype, staging / LIBRARY_NAME, progress, gemm, kept, attention,
+                            activations)
         build_info: dict[str, Any] = {"seconds": round(time.perf_counter() - t0, 2), "host": platform.machine(),
                                       "compiler_digest": compiler_source_digest(),
                                       "pipeline": compiled["pipeline"]}
@@ -300,8 +402,11 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
             build_info["cuda"] = compiled["cuda"]
         if "sampler" in compiled:
             build_info["sampler"] = compiled["sampler"]
+        if "tuning" in compiled:  # kernels from tuning records / from rules (toolchain/records.py)
+            build_info["tuning"] = compiled["tuning"]
 
-        write_manifest(staging, {
+        extra: dict[str, Any] = {"weights_file": weights_record} if weights_record else {}
+        write_manifest(staging, {**extra,
             "format_version": FORMAT_VERSION,
             "cache_key": key,
             "arch": cfg.architecture,
@@ -313,7 +418,8 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
             "target": target_spec.describe(),
             "dtype": dtype,
             "quantization": quantization,
-            "quantized_weights": _count_formats(kept, dense),
+            "quantized_weights": _count_formats(kept, dense, left_float),
+            "activations": activations,
             "gemm": gemm,
             "attention": attention,
             "versions": installed_versions(),

@@ -48,17 +48,17 @@ def resolve_model(model: str | None) -> Path:
 
 def build_with_progress(model_path: Path, target: str, dtype: str, output: str | None = None,
                         force: bool = False, gemm: str = "auto", quantization: str = "auto",
-                        attention: str = "auto") -> Path:
+                        attention: str = "auto", activations: str = "auto") -> Path:
     from vtool.toolchain.build import build_artifact
 
     with console.status("building") as status:
         def report(msg: str) -> None:
             status.update(msg)
-            if msg.startswith(("built", "using cached")):
+            if msg.startswith(("built", "using cached", "tuning")):  # "tuning ...": records used / ignored
                 console.print(f"[dim]{msg}[/]", highlight=False)
 
         return build_artifact(model_path, target, dtype, output=output, progress=report, force=force, gemm=gemm,
-                              quantization=quantization, attention=attention)
+                              quantization=quantization, attention=attention, activations=activations)
 
 
 def _artifact_option(fn: Callable) -> Callable:
@@ -68,19 +68,35 @@ def _artifact_option(fn: Callable) -> Callable:
 
 
 def artifact_for(model_path: Path, artifact: str | None, target: str, dtype: str,
-                 quantization: str = "auto") -> Path:
+                 quantization: str = "auto", activations: str = "auto") -> Path:
     """The prebuilt artifact when given (nothing is compiled, so no compiler is needed),
     else the cached or fresh build."""
     return Path(artifact) if artifact else build_with_progress(model_path, target, dtype,
-                                                               quantization=quantization)
+                                                               quantization=quantization, activations=activations)
+
+
+# toolchain/build.py QUANTIZATIONS (not imported here: it would load the compiler for `vtool --help`)
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q4_0", "q4_1", "q8_0")
 
 
 def _quantization_option(fn: Callable) -> Callable:
     return click.option(
-        "--quantization", default="auto", show_default=True, type=click.Choice(["auto", "none", "gguf"]),
-        help="gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized in memory (CPU kernels dequantize "
-             "inside the matmul; other types are dequantized at load); none: dequantize every weight to "
+        "--quantization", default="auto", show_default=True, type=click.Choice(QUANTIZATION_CHOICES),
+        help="gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights quantized in memory (CPU kernels dequantize "
+             "inside the matmul; other types are dequantized at load); q4_1 (recommended), q4_0, q8_0: "
+             "quantize a safetensors checkpoint's weights at build time into the artifact (GGML's 32-weight "
+             "groups; q4_1 is int4 with a per-group scale and min); none: dequantize every weight to "
              "--dtype at load; auto: gguf for a GGUF file on a CPU target, else none")(fn)
+
+
+def _activations_option(fn: Callable) -> Callable:
+    return click.option(
+        "--activations", default="auto", show_default=True, type=click.Choice(["auto", "decode", "q8_0", "none"]),
+        help="CPU, weights kept as Q8_0/Q4_0/Q4_1: decode quantizes the activation rows of the decode matmuls "
+             "to Q8_0 blocks and multiplies integers (AVX2 / AVX-512 VNNI), prompts stay float32; q8_0 does "
+             "so in every matmul, as llama.cpp does (faster prompts; greedy text can leave float's at "
+             "near-ties); none keeps float32 everywhere (exact); auto: decode where the target has integer "
+             "dot products")(fn)
 
 
 # --- CPU threads and the runtime-only process setup (run / serve / bench) ------------------------
@@ -127,10 +143,12 @@ def _model_options(fn: Callable) -> Callable:
                    "ahead of time, needs flashinfer-python at build time, see toolchain/flashinfer_attention.py; "
                    "auto: flashinfer when a fitting one is importable and the model's shape suits it, else tir)")
 @_quantization_option
+@_activations_option
 def build(model: str | None, target: str, dtype: str, output: str | None, force: bool, gemm: str,
-          attention: str, quantization: str) -> None:
+          attention: str, quantization: str, activations: str) -> None:
     """Compile a model into an artifact folder (model.so + manifest.json)."""
-    folder = build_with_progress(resolve_model(model), target, dtype, output, force, gemm, quantization, attention)
+    folder = build_with_progress(resolve_model(model), target, dtype, output, force, gemm, quantization, attention,
+                                 activations)
     out.print(str(folder), highlight=False)
 
 
@@ -165,11 +183,13 @@ def targets() -> None:
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
 @click.option("--max-model-len", default=None, type=int, help="context length (default: model's, capped at 4096)")
 @_quantization_option
+@_activations_option
 @_artifact_option
 @_threads_option
 def run(model: str | None, target: str, dtype: str, prompt: str, tokenizer_config: str | None, max_tokens: int,
         temperature: float, top_p: float, top_k: int, seed: int | None, stream: bool, repeat: int, chat: bool,
-        max_model_len: int | None, artifact: str | None, quantization: str, threads: int | None) -> None:
+        max_model_len: int | None, artifact: str | None, quantization: str, activations: str,
+        threads: int | None) -> None:
     """Generate text from a prompt (builds the model on first use)."""
     _runtime_process(threads)
     from vtool.runtime.checkpoint import open_checkpoint
@@ -177,7 +197,7 @@ def run(model: str | None, target: str, dtype: str, prompt: str, tokenizer_confi
 
     model_path = resolve_model(model)
     checkpoint = open_checkpoint(model_path)
-    artifact_dir = artifact_for(model_path, artifact, target, dtype, quantization)
+    artifact_dir = artifact_for(model_path, artifact, target, dtype, quantization, activations)
     options = RunOptions(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                          seed=seed, stream=stream, repeat=repeat, chat=chat, tokenizer_config=tokenizer_config,
                          max_model_len=max_model_len)
@@ -213,6 +233,8 @@ def run(model: str | None, target: str, dtype: str, prompt: str, tokenizer_confi
 @click.option("--api-key", default=None, envvar="VLLM_API_KEY", help="require this Bearer key on /v1 routes")
 @click.option("--trust-remote-code", is_flag=True, help="accepted for vLLM recipes; no effect")
 @click.option("--enable-auto-tool-choice", is_flag=True, help="accepted for vLLM recipes; no effect")
+@_quantization_option
+@_activations_option
 @_artifact_option
 @_threads_option
 def serve(model: str | None, target: str, dtype: str, host: str, port: int, served_model_name: tuple[str, ...],
@@ -221,7 +243,8 @@ def serve(model: str | None, target: str, dtype: str, host: str, port: int, serv
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
           scheduling_policy: str, enable_log_requests: bool, enable_log_outputs: bool, max_log_len: int,
           disable_metrics: bool, enable_force_include_usage: bool, api_key: str | None, trust_remote_code: bool,
-          enable_auto_tool_choice: bool, artifact: str | None, threads: int | None) -> None:
+          enable_auto_tool_choice: bool, quantization: str, activations: str, artifact: str | None,
+          threads: int | None) -> None:
     """Serve an OpenAI-compatible API (builds the model on first use)."""
     _runtime_process(threads)
     from vtool.runtime.checkpoint import open_checkpoint
@@ -245,7 +268,9 @@ def serve(model: str | None, target: str, dtype: str, host: str, port: int, serv
                         max_log_len=max_log_len, enable_force_include_usage=enable_force_include_usage)
     model_path = resolve_model(model)
     checkpoint = open_checkpoint(model_path)
-    run_server(artifact_for(model_path, artifact, target, dtype), checkpoint, engine_config, opts, console)
+    run_server(artifact_for(model_path, artifact, target, dtype, quantization, activations), checkpoint,
+               engine_config, opts,
+               console)
 
 
 @main.command()
@@ -297,6 +322,45 @@ def bench(model: str | None, url: str | None, endpoint: str, dataset_path: str |
     with local_server(model_path, target, dtype, max_num_seqs=seqs, max_num_batched_tokens=max_num_batched_tokens,
                       num_blocks=num_blocks, console=console) as (server_url, tokenizer):
         bench_main(dataclasses.replace(opts, url=server_url), tokenizer, out)
+
+
+def _bucket_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected a comma list of sizes, got {value!r}") from None
+    if any(x < 1 for x in sizes):
+        raise click.BadParameter(f"sizes must be >= 1, got {value!r}")
+    return sizes
+
+
+@main.command()
+@_model_options
+@click.option("--trials", default=64, show_default=True, type=click.IntRange(min=1),
+              help="MetaSchedule candidates measured per task (kernel x bucket)")
+@click.option("--budget-minutes", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="stop starting new tasks after this long (the slowest kernels are tuned first)")
+@click.option("--kernels", "pattern", default=None, help="only kernels whose name matches this glob (e.g. 'q4_1_matmul*')")
+@click.option("--prefill-buckets", default="32,128", show_default=True, callback=_bucket_list,
+              help="token counts a symbolic-length kernel is tuned at")
+@click.option("--decode-buckets", default="4,8", show_default=True, callback=_bucket_list,
+              help="batch sizes a batched-decode kernel is tuned at")
+@click.option("--output", default=None, type=click.Path(file_okay=False),
+              help="records root (default: the package's tuning_logs/, or $VTOOL_TUNING_LOGS); records go in <root>/<target>/")
+@click.option("--force", is_flag=True, help="tune again tasks that already have a record with enough trials")
+@click.option("--list", "list_only", is_flag=True, help="list the tasks and the skipped kernels, tune nothing")
+@click.option("--recheck", is_flag=True, help="tune nothing: time the existing records' kernels again against the "
+                                              "rules (alternately) and rewrite which ones a build uses")
+@_quantization_option
+def tune(model: str | None, target: str, dtype: str, trials: int, budget_minutes: float | None, pattern: str | None,
+         prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...], output: str | None, force: bool,
+         list_only: bool, recheck: bool, quantization: str) -> None:
+    """Tune the model's kernels with MetaSchedule and write tuning records (interrupt with
+    Ctrl-C; a rerun resumes). `vtool build` applies the records for its target."""
+    from vtool.toolchain.tune_cli import run_tune
+
+    sys.exit(run_tune(resolve_model(model), target, dtype, quantization, trials, budget_minutes, pattern,
+                      prefill_buckets, decode_buckets, output, force, list_only, console, out, recheck))
 
 
 @main.command()

@@ -55,7 +55,7 @@ def describe(family: str, gemm: str = "tir") -> dict[str, Any]:
 
 
 def _backend(family: str):  # noqa: ANN202 - a TVM backend pipeline module
-    if family == "x86":
+    if family in ("x86", "arm"):  # cpu_generic's passes hold nothing x86-specific
         from tvm.relax.backend.cpu_generic import pipeline as backend
     elif family == "cuda":
         from tvm.relax.backend.cuda import pipeline as backend
@@ -64,12 +64,22 @@ def _backend(family: str):  # noqa: ANN202 - a TVM backend pipeline module
     return backend
 
 
-def build_pipeline(target: tvm.target.Target, family: str, gemm: str = "tir") -> tvm.transform.Pass:
+def kernel_passes() -> list[tvm.transform.Pass]:
+    """Legalize + fuse: after these the module holds the fused TIR kernels the schedule
+    pass sees (`vtool tune` extracts them with the same passes, so hashes match)."""
+    return [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+            relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
+
+
+def build_pipeline(target: tvm.target.Target, family: str, gemm: str = "tir",
+                   records: Any = None, until_schedules: bool = False) -> tvm.transform.Pass:
     """(With gemm="cublas", the prefill/batched matmuls to cuBLAS,) FuseTransposeMatmul,
-    the backend's library dispatch, legalize + fuse, vtool's schedules for the family,
-    the backend's dataflow lowering and finalize passes."""
+    the backend's library dispatch, legalize + fuse, vtool's schedules for the family
+    (tuning records first when `records`, a vtool.toolchain.records.RecordSet, is given),
+    the backend's dataflow lowering and finalize passes. until_schedules: stop before the
+    schedule pass (`vtool tune` extracts the kernels there)."""
     backend = _backend(family)
-    schedule_pass = rules_for(family)
+    schedule_pass = rules_for(family, records)
     offload: list[tvm.transform.Pass] = []
     if family == "cuda" and SPLIT_KV_DECODE:
         from vtool.models.decode_attention import decode_attention_pass
@@ -90,12 +100,10 @@ def build_pipeline(target: tvm.target.Target, family: str, gemm: str = "tir") ->
                 + backend.library_dispatch_passes(target)
                 # The CPU backend's legalize_passes, and the CUDA one's without its trailing
                 # DLight pass: vtool's schedules take that place on both.
-                + [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
-                   relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
-                   schedule_pass]
-                + backend.dataflow_lower_passes(target)
-                + backend.finalize_passes(target)
+                + kernel_passes()
             )
+            if not until_schedules:
+                passes += [schedule_pass] + backend.dataflow_lower_passes(target) + backend.finalize_passes(target)
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

@@ -1,16 +1,17 @@
-"""CPU schedule rules (x86 now; NEON with the CPU-speed work).
+"""CPU schedule rules (x86, and aarch64 NEON at 4 lanes).
 
 Each rule returns a scheduled PrimFunc or None; a kernel no rule takes stays as
 legalized (slow, never wrong). Kernels already scheduled elsewhere (the KV cache's
 attention kernels ship their own) are left alone, except the KV cache's serial CPU prefill
-attention, which schedules/cpu/attention.py replaces by a parallel, vectorized kernel.
+and decode attention, which schedules/cpu/attention.py replaces by parallel, vectorized
+kernels.
 """
 from __future__ import annotations
 
 import tvm
 from tvm import tirx
 
-from vtool.schedules.cpu.attention import rewrite_prefill_ragged
+from vtool.schedules.cpu.attention import rewrite_decode_paged, rewrite_prefill_ragged
 from vtool.schedules.cpu.matmul import schedule_nt_matmul
 from vtool.schedules.cpu.quantized import schedule_quantized_matmul
 
@@ -18,7 +19,7 @@ from vtool.schedules.cpu.quantized import schedule_quantized_matmul
 def vector_lanes(target: tvm.target.Target) -> int:
     """float32 lanes of the widest vector unit the target may use."""
     mcpu = str(target.attrs.get("mcpu", ""))
-    if mcpu in ("skylake-avx512", "icelake-server", "sapphirerapids", "znver4", "znver5"):
+    if mcpu in ("skylake-avx512", "cascadelake", "icelake-server", "sapphirerapids", "znver4", "znver5"):
         return 16
     if mcpu in ("haswell", "broadwell", "skylake", "znver2", "znver3"):
         return 8
@@ -34,7 +35,8 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc) or func.attrs is None:
                 continue
-            rewritten = rewrite_prefill_ragged(gv.name_hint, func)  # TVM's serial CPU prefill attention
+            # TVM's serial CPU prefill and decode attention
+            rewritten = rewrite_prefill_ragged(gv.name_hint, func) or rewrite_decode_paged(gv.name_hint, func)
             if rewritten is not None:
                 updates[gv] = rewritten
                 continue

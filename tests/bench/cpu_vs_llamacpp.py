@@ -139,11 +139,12 @@ def run_worker(artifact: Path, model: str, threads: int, reps: int, nice: int, q
 
 # ----------------------------------------------------------------------------- the comparison
 
-def build_vtool(model: str, target: str) -> Path:
+def build_vtool(model: str, target: str, activations: str = "auto") -> Path:
     from vtool.toolchain.build import build_artifact
 
     t = time.perf_counter()
-    folder = build_artifact(model, target, "float32", quantization="gguf", progress=lambda m: log(f"  {m}"))
+    folder = build_artifact(model, target, "float32", quantization="gguf", activations=activations,
+                            progress=lambda m: log(f"  {m}"))
     log(f"vtool artifact {folder} ({time.perf_counter() - t:.0f} s)")
     return folder
 
@@ -176,6 +177,9 @@ def main() -> None:
     ap.add_argument("--quiet-cores", type=float, default=0.3)
     ap.add_argument("--max-wait", type=float, default=120.0)
     ap.add_argument("--target", default="host")
+    ap.add_argument("--activations", nargs="+", default=["auto"], choices=["auto", "decode", "q8_0", "none"],
+                    help="vtool builds to measure per file: the first is the table's, the others are printed "
+                         "below it (same rounds)")
     ap.add_argument("--no-engine", action="store_true", help="skip the tg128_engine figure")
     ap.add_argument("--vtool-only", action="store_true", help="skip llama-bench")
     ap.add_argument("--bandwidth-gbs", type=float, help="read bandwidth for the roofline (default: membw JSON "
@@ -207,12 +211,20 @@ def main() -> None:
         "vtool_figures": "pp512: `prefill` entry; tg128: `decode` entry + host argmax; tg128_engine: Engine.step "
                          "(greedy host sampler, detokenizer)", "models": {}}
     for name, m in models.items():
-        artifact = build_vtool(m["path"], a.target)
+        artifact = build_vtool(m["path"], a.target, a.activations[0])
+        others = {mode: build_vtool(m["path"], a.target, mode) for mode in a.activations[1:]}
         entry: dict[str, Any] = {**m, "vtool_artifact": str(artifact), "vtool_runs": [],
-                                 "llama_runs": {"pp512": [], "tg128": []}}
+                                 "activations": a.activations[0], "llama_runs": {"pp512": [], "tg128": []},
+                                 "other_activations": {mode: [] for mode in others}}
         for r in range(a.rounds):
             run = run_worker(artifact, m["path"], a.threads, a.reps, a.nice, quiet, not a.no_engine)
             entry["vtool_runs"].append(run)
+            for mode, other in others.items():  # the same file with other --activations, same round
+                extra = run_worker(other, m["path"], a.threads, a.reps, a.nice, quiet, False)
+                entry["other_activations"][mode].append(extra)
+                res = extra["result"] or {}
+                log(f"{name} round {r + 1}: vtool --activations {mode}: "
+                    + ", ".join(f"{k} {mean(res[k]):.1f}" for k in ("pp512", "tg128") if k in res))
             res = run["result"] or {}
             log(f"{name} round {r + 1}: vtool " + (", ".join(f"{k} {mean(res[k]):.1f}" for k in
                                                              ("pp512", "tg128", "tg128_engine") if k in res)
@@ -233,6 +245,11 @@ def main() -> None:
                 v, run = max(vals, key=lambda x: x[0])
                 best[f"vtool_{key}"] = {"t_s": round(v, 2), "samples": run["result"][key],
                                         "other_load_cores_during": run["other_load_cores_during"]}
+        for mode, runs in entry["other_activations"].items():
+            for key in ("pp512", "tg128"):
+                vals = [mean(run["result"][key]) for run in runs if run["result"] and key in run["result"]]
+                if vals:
+                    best[f"vtool@{mode}_{key}"] = {"t_s": round(max(vals), 2)}
         for key in ("pp512", "tg128"):
             vals = [(lr["rows"][0]["avg_ts"], lr) for lr in entry["llama_runs"][key] if lr["rows"]]
             if vals:
@@ -243,6 +260,9 @@ def main() -> None:
             lk = "llama_" + ("tg128" if key == "tg128_engine" else key)
             if f"vtool_{key}" in best and lk in best:
                 best[f"ratio_{key}"] = round(best[f"vtool_{key}"]["t_s"] / best[lk]["t_s"], 3)
+            for mode in entry["other_activations"]:
+                if f"vtool@{mode}_{key}" in best and lk in best:
+                    best[f"ratio@{mode}_{key}"] = round(best[f"vtool@{mode}_{key}"]["t_s"] / best[lk]["t_s"], 3)
         if bandwidth:
             best["tg_roofline_t_s"] = round(bandwidth * 1e9 / m["decode_weight_bytes_per_token"], 1)
         entry["best"] = best
@@ -264,6 +284,13 @@ def main() -> None:
               f"{g('vtool_tg128'):>8.1f} {g('vtool_tg128_engine'):>6.1f} {g('llama_tg128'):>6.1f} "
               f"{b.get('ratio_tg128', float('nan')):>5.2f} {b.get('ratio_tg128_engine', float('nan')):>5.2f} "
               f"{100 * g('vtool_tg128') / roof:>5.0f}")
+    for name, e in report["models"].items():
+        for mode in e.get("other_activations", {}):
+            b = e["best"]
+            print(f"{name:<18} --activations {mode}: pp512 {b.get(f'vtool@{mode}_pp512', {}).get('t_s', float('nan')):.1f}"
+                  f" ({b.get(f'ratio@{mode}_pp512', float('nan')):.2f}x), tg128 "
+                  f"{b.get(f'vtool@{mode}_tg128', {}).get('t_s', float('nan')):.1f}"
+                  f" ({b.get(f'ratio@{mode}_tg128', float('nan')):.2f}x)")
     print("ratio = vtool / llama.cpp (t/s); roof = decode roofline t/s (bandwidth / weight bytes per token); "
           "%roof = vtool tg128 / roofline")
 
