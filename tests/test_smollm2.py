@@ -1,5 +1,8 @@
 """The embedded default model, SmolLM2-135M-Instruct (Q4_1 GGUF): vtool's float32 build
-against transformers running the same dequantized weights through its own GGUF loader."""
+against transformers running the same dequantized weights through its own GGUF loader.
+The blocks stay quantized (the default) with float activations (`--activations none`), the
+exact path; the default Q8_0 decode activations are held to their own oracle in
+test_quant_smollm2.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,7 +33,7 @@ def gguf_path():
 @pytest.fixture(scope="module")
 def session(gguf_path):
     checkpoint = open_checkpoint(gguf_path)
-    artifact = build_artifact(gguf_path, "host", "float32", checkpoint=checkpoint)
+    artifact = build_artifact(gguf_path, "host", "float32", checkpoint=checkpoint, activations="none")
     return open_session(artifact, checkpoint, max_model_len=2048)
 
 
@@ -72,7 +75,7 @@ def test_artifact_refuses_another_config(gguf_path, tmp_path):
     from vtool.runtime.manifest import ManifestError
 
     checkpoint = open_checkpoint(gguf_path)
-    artifact = build_artifact(gguf_path, "host", "float32", checkpoint=checkpoint)
+    artifact = build_artifact(gguf_path, "host", "float32", checkpoint=checkpoint, activations="none")
     other = open_checkpoint(make_tiny_model("llama-gqa", tmp_path / "tiny"))
     with pytest.raises(ManifestError, match="built for another config.*hidden_size"):
         CompiledModel(artifact, other)
