@@ -38,6 +38,7 @@ from vtool.models.config import ModelConfig
 from vtool.models.quant_formats import keepable
 from vtool.models.weights import weight_modules
 from vtool.runtime.checkpoint import Checkpoint
+from vtool.runtime.default_model import sha256_of
 from vtool.runtime.weights_file import STORED_DTYPES, WEIGHTS_NAME, source_fingerprint
 
 # --quantization value -> the GGML type of its linear weights
@@ -117,17 +118,9 @@ def write_weights(ckpt: Checkpoint, sources: dict[str, str], scheme: str, folder
     counts: dict[str, int] = {}
     for fmt in sources.values():
         counts[fmt] = counts.get(fmt, 0) + 1
-    return {"file": WEIGHTS_NAME, "scheme": scheme, "bytes": path.stat().st_size, "sha256": _sha256(path),
+    return {"file": WEIGHTS_NAME, "scheme": scheme, "bytes": path.stat().st_size, "sha256": sha256_of(path),
             "tensors": counts, "source_format": ckpt.format, "sources": sorted(sources),
             "source_fingerprint": source_fingerprint(ckpt, sources), "quantizer": f"gguf-py {_gguf_version()}"}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _gguf_version() -> str:
