@@ -210,3 +210,66 @@ def test_cli_lists_tasks_and_refuses_bad_buckets(tiny):
     assert "skipped batch_decode_paged_kv_cpu" in listed.output
     bad = CliRunner().invoke(main, ["tune", "--model", str(tiny), "--target", TARGET, "--prefill-buckets", "32,x"])
     assert bad.exit_code == 2 and "comma list of sizes" in bad.output
+
+
+def test_reshape_kernels_are_not_tuned_and_no_record_touches_them(kernels, tmp_path):
+    """A reshape kernel becomes a view after the schedules (no kernel runs); a record that
+    scheduled or bucket-dispatched it would make it a real copy kernel (on an H200 this
+    cost +52 us per batch-32 decode step before the guard)."""
+    import tvm
+
+    from vtool.schedules import rules_for
+    from vtool.toolchain.records import Bucket, Record, becomes_view, kernel_hash, tvm_version
+
+    _, target, mod = kernels
+    plan = plan_tasks(mod, prefill_buckets=(32,), decode_buckets=(8,))
+    reshapes = [s.kernel for s in plan.skipped if "reshape" in s.why]
+    assert reshapes and not any(t.kernel in reshapes for t in plan.tasks)
+    name = reshapes[0]
+    func = _kernel(mod, name)
+    assert becomes_view(func)
+    assert not becomes_view(_kernel(mod, "rms_norm2"))
+    # an identity trace marked "use": without the guard the build would dispatch on it
+    rec = Record(name, kernel_hash(func), TARGET, _tvm_target(), tvm_version())
+    for var in sorted(rec_mod.shape_vars(func)) or [None]:
+        rec.put(Bucket({var: 32} if var else {}, [[], []], 1.0, 2.0, 1, True, 1))
+    write_record(tmp_path, rec)
+    records = RecordSet.load(TARGET, _tvm_target(), root=tmp_path)
+    assert records.by_hash
+    with target:
+        rules_for("x86", records)(tvm.IRModule(dict(mod.functions_items())))
+    assert records.summary()["from_records"] == 0
+
+
+def test_kernels_pattern_takes_comma_separated_globs(kernels):
+    from vtool.toolchain.tune import matches
+
+    assert matches("rms_norm2", "fused_NT_matmul*, rms_norm*")
+    assert not matches("add1", "fused_NT_matmul*,rms_norm*")
+    _, _, mod = kernels
+    plan = plan_tasks(mod, "rms_norm*,fused_split*", prefill_buckets=(32,), decode_buckets=(8,))
+    names = {t.kernel for t in plan.tasks}
+    assert names and all(n.startswith(("rms_norm", "fused_split")) for n in names)
+    assert any(n.startswith("rms_norm") for n in names) and any(n.startswith("fused_split") for n in names)
+
+
+def test_cold_cache_timer_flushes_before_its_samples(kernels, monkeypatch):
+    """The GPU timer's path (one call per sample, an L2-sized device copy before each) run
+    on the CPU: the copy happens (the destination takes the source's bytes) and every
+    sample is one call."""
+    import tvm
+
+    from vtool.toolchain import tune_measure
+
+    _, target, mod = kernels
+    monkeypatch.setattr(tune_measure, "_is_gpu", lambda dev: True)
+    monkeypatch.setattr(tune_measure, "L2_FLUSH_BYTES", 1 << 20)
+    monkeypatch.setattr(tune_measure, "_flush_buffers", {})
+    rule = rule_schedule(_kernel(mod, "rms_norm2"), target, "x86", "rms_norm2")
+    name = tune_measure._ensure_l2_flush(tvm.runtime.cpu(0))
+    ((src, dst),) = tune_measure._flush_buffers.values()
+    src.copyfrom(np.arange(1 << 20, dtype=np.uint32).astype(np.uint8))
+    assert name == tune_measure._FLUSH_FUNC
+    us = tune_measure.time_kernel(rule, target)
+    assert us > 0
+    np.testing.assert_array_equal(dst.numpy(), src.numpy())

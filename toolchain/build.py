@@ -200,6 +200,20 @@ def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Pro
     return target, mod, plan_parameters(named_params, formats), list(spec)
 
 
+def model_module(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Progress,
+                 formats: dict[str, str] | None = None, attention: str = "tir", activations: str = "decode"):
+    """(tvm target, Relax module, params, entry points): everything a build compiles, before
+    the pipeline. One place for it, so that `vtool tune` extracts the very kernels a build
+    schedules (their structural hashes key the tuning records)."""
+    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress, formats, attention, activations)
+    if target_spec.family == "cuda":
+        # Sampling on the GPU (models/sampler.py): the engine samples there, so logits stay put.
+        from vtool.models.sampler import sampler_module
+
+        mod.update(sampler_module(cfg.vocab_size))
+    return target, mod, params, entry_points
+
+
 def _compile(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
              progress: Progress, gemm: str = "tir", formats: dict[str, str] | None = None,
              attention: str = "tir", activations: str = "decode") -> dict[str, Any]:
@@ -216,7 +230,8 @@ def _compile(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path
     from vtool.toolchain.pipeline import build_pipeline, describe
 
     fcompile = fcompile_for(target_spec)  # before compiling: a missing cross linker is refused at once
-    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress, formats, activations=activations)
+    target, mod, params, entry_points = model_module(cfg, target_spec, dtype, progress, formats,
+                                                     activations=activations)
     records = _tuning_records(target_spec, progress)
     progress(f"compiling for {target_spec.name}")
     with target:
@@ -273,7 +288,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     import tvm
 
     from vtool.toolchain import cuda
-    from vtool.toolchain.pipeline import build_pipeline, describe, pass_config
+    from vtool.toolchain.pipeline import build_pipeline, describe, pass_context
 
     if not cuda.cuda_runtime_loaded():
         raise cuda.CudaBuildError(
@@ -286,11 +301,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
 
         fi = flashinfer_attention.build_objects(dtype, cfg.head_dim, target_spec.archs, progress)
     t0 = time.perf_counter()
-    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress, attention=attention)
-    # Sampling on the GPU (models/sampler.py): the engine samples there, so logits stay put.
-    from vtool.models.sampler import sampler_module
-
-    mod.update(sampler_module(cfg.vocab_size))
+    target, mod, params, entry_points = model_module(cfg, target_spec, dtype, progress, attention=attention)
     t_export = time.perf_counter() - t0
     records = _tuning_records(target_spec, progress)
     record: dict[str, Any] = {"archs": list(target_spec.archs), "ptx": target_spec.ptx}
@@ -299,7 +310,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     t0 = time.perf_counter()
     try:
         with cuda.fatbin_callback(target_spec.archs, target_spec.ptx, record), target, \
-                tvm.transform.PassContext(opt_level=3, config=pass_config("cuda")):
+                pass_context("cuda"):
             executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, "cuda", gemm,
                                                                                       records=records))
     except Exception:

@@ -121,6 +121,21 @@ def _runtime_process(threads: int | None) -> None:
     block_torch_import()
 
 
+def _gemm_option(fn: Callable) -> Callable:
+    return click.option(
+        "--gemm", default="auto", show_default=True, type=click.Choice(["auto", "tir", "cublas"]),
+        help="CUDA: kernels for the prefill and batched-decode matmuls (auto = cuBLAS for bf16/f16, "
+             "vtool's TIR kernels for float32); batch-1 decode always uses vtool's GEMV kernels")(fn)
+
+
+def _attention_option(fn: Callable) -> Callable:
+    return click.option(
+        "--attention", default="auto", show_default=True, type=click.Choice(["auto", "tir", "flashinfer"]),
+        help="CUDA: kernels for paged prefill/decode attention (flashinfer: FlashInfer's, compiled "
+             "ahead of time, needs flashinfer-python at build time, see toolchain/flashinfer_attention.py; "
+             "auto: flashinfer when a fitting one is importable and the model's shape suits it, else tir)")(fn)
+
+
 def _model_options(fn: Callable) -> Callable:
     fn = click.option("--dtype", default="float32", show_default=True,
                       type=click.Choice(["float32", "float16", "bfloat16"]), help="compute dtype")(fn)
@@ -135,13 +150,8 @@ def _model_options(fn: Callable) -> Callable:
 @_model_options
 @click.option("--output", default=None, help="artifact folder (default: the user build cache)")
 @click.option("--force", is_flag=True, help="rebuild even when the cache has this build")
-@click.option("--gemm", default="auto", show_default=True, type=click.Choice(["auto", "tir", "cublas"]),
-              help="CUDA: kernels for the prefill and batched-decode matmuls (auto = cuBLAS for bf16/f16, "
-                   "vtool's TIR kernels for float32); batch-1 decode always uses vtool's GEMV kernels")
-@click.option("--attention", default="auto", show_default=True, type=click.Choice(["auto", "tir", "flashinfer"]),
-              help="CUDA: kernels for paged prefill/decode attention (flashinfer: FlashInfer's, compiled "
-                   "ahead of time, needs flashinfer-python at build time, see toolchain/flashinfer_attention.py; "
-                   "auto: flashinfer when a fitting one is importable and the model's shape suits it, else tir)")
+@_gemm_option
+@_attention_option
 @_quantization_option
 @_activations_option
 def build(model: str | None, target: str, dtype: str, output: str | None, force: bool, gemm: str,
@@ -351,16 +361,25 @@ def _bucket_list(ctx: click.Context, param: click.Parameter, value: str) -> tupl
 @click.option("--list", "list_only", is_flag=True, help="list the tasks and the skipped kernels, tune nothing")
 @click.option("--recheck", is_flag=True, help="tune nothing: time the existing records' kernels again against the "
                                               "rules (alternately) and rewrite which ones a build uses")
+@_gemm_option
+@_attention_option
 @_quantization_option
+@_activations_option
 def tune(model: str | None, target: str, dtype: str, trials: int, budget_minutes: float | None, pattern: str | None,
          prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...], output: str | None, force: bool,
-         list_only: bool, recheck: bool, quantization: str) -> None:
+         list_only: bool, recheck: bool, gemm: str, attention: str, quantization: str, activations: str) -> None:
     """Tune the model's kernels with MetaSchedule and write tuning records (interrupt with
-    Ctrl-C; a rerun resumes). `vtool build` applies the records for its target."""
+    Ctrl-C; a rerun resumes). `vtool build` applies the records for its target. Give the
+    build's own --dtype/--gemm/--attention/--quantization/--activations: they decide which
+    kernels exist, and a record applies only to the kernel it was tuned on."""
+    from vtool.toolchain.tune import TuneOptions
     from vtool.toolchain.tune_cli import run_tune
 
-    sys.exit(run_tune(resolve_model(model), target, dtype, quantization, trials, budget_minutes, pattern,
-                      prefill_buckets, decode_buckets, output, force, list_only, console, out, recheck))
+    opts = TuneOptions(trials=trials, budget_minutes=budget_minutes, pattern=pattern, prefill_buckets=prefill_buckets,
+                       decode_buckets=decode_buckets, output=Path(output) if output else None, force=force,
+                       dtype=dtype, quantization=quantization, gemm=gemm, attention=attention,
+                       activations=activations)
+    sys.exit(run_tune(resolve_model(model), target, opts, list_only, console, out, recheck))
 
 
 @main.command()

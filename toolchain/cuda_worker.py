@@ -52,7 +52,8 @@ def _light_inspect_stack() -> Iterator[None]:
         inspect.stack = original  # type: ignore[assignment]
 
 
-def _preload_tensor_intrinsics() -> None:
+def preload_tensor_intrinsics() -> None:
+    """Import tvm.s_tir.tensor_intrin with the light inspect.stack (see above)."""
     with _light_inspect_stack():
         import tvm.s_tir.tensor_intrin  # noqa: F401
 
@@ -75,7 +76,7 @@ def main(argv: list[str]) -> int:
         request = json.loads(Path(request_path).read_text())
         # vtool.schedules.cuda imports the tensor-core intrinsics for every dtype (the bf16
         # rule registers its own beside DLight's fp16 ones): parse them the light way.
-        _preload_tensor_intrinsics()
+        preload_tensor_intrinsics()
         result = compile_cuda_here(ModelConfig.from_dict(request["config"]), lookup(request["target"]),
                                    request["dtype"], Path(request["library"]), progress, in_subprocess=True,
                                    gemm=request.get("gemm", "tir"), attention=request.get("attention", "tir"))

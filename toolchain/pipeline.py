@@ -16,6 +16,7 @@ so they stay uncaptured and unchanged.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import tvm
@@ -36,6 +37,15 @@ def pass_config(family: str) -> dict[str, Any]:
         # cache's llama3-rope kernels for CUDA ("cse_v18 has been used before definition").
         return {"relax.backend.use_cuda_graph": CUDA_GRAPHS, "tirx.disable_cse_tir": True}
     return {}
+
+
+def pass_context(family: str) -> Any:
+    """The PassContext a build of this family compiles under (CPU builds: the ambient one).
+    `vtool tune` extracts kernels under it too: passes and configs that differ would give
+    kernels whose hashes no build looks up."""
+    if family == "cuda":
+        return tvm.transform.PassContext(opt_level=3, config=pass_config(family))
+    return contextlib.nullcontext()
 
 
 def describe(family: str, gemm: str = "tir") -> dict[str, Any]:

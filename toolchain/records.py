@@ -277,7 +277,7 @@ class RecordSet:
             for gv, func in mod.functions_items():
                 if isinstance(func, tirx.PrimFunc):
                     self.kernels += 1
-                    rec = self.by_hash.get(kernel_hash(func))
+                    rec = None if becomes_view(func) else self.by_hash.get(kernel_hash(func))
                     if rec is not None:
                         matched[gv] = (func, rec)
             scheduled = rules(mod)
@@ -301,6 +301,18 @@ class RecordSet:
         return {"records": len(self.by_hash), "digest": self.digest, "from_records": len(self.applied),
                 "from_rules": self.kernels - len(self.applied), "applied": dict(sorted(self.applied.items())),
                 "ignored": list(self.notices)}
+
+
+def becomes_view(func: Any) -> bool:
+    """A kernel that only reshapes: the lowering after the schedules turns its call into a
+    view of the same memory (RewriteDataflowReshape), so it never runs. A record must not
+    touch it: a scheduled or bucket-dispatched reshape is no longer recognised as one and
+    becomes a real copy kernel (measured on an H200: +52 us per batch-32 decode step)."""
+    from tvm.relax.analysis import has_reshape_pattern
+    from tvm.s_tir import SBlockRealize
+
+    # (the analysis asserts a root block: hand-written kernels without one are no reshape)
+    return isinstance(func.body, SBlockRealize) and bool(has_reshape_pattern(func))
 
 
 def _mismatch(rec: Record, target_name: str, tvm_target: dict[str, Any], version: str) -> str:

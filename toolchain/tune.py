@@ -11,10 +11,10 @@
 3. Time each task's rule schedule first (the symbolic rule kernel called at the bucket's
    sizes: what the build would run otherwise) and tune the slowest first, so a budget goes
    where the time is.
-4. Tune each task (MetaSchedule, in-process builder/runner of tune_measure.py), time the
-   best candidate with the same timer, and write the record at once: an interrupted run
-   keeps every finished task, and a rerun skips tasks whose record already holds at least
-   the requested trials.
+4. Tune each task (MetaSchedule; tune_measure.py's pool of build processes and in-process
+   runner), time the best candidate with the same timer, and write the record at once: an
+   interrupted run keeps every finished task, and a rerun skips tasks whose record already
+   holds at least the requested trials.
 """
 from __future__ import annotations
 
@@ -30,18 +30,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vtool import VtoolError
-from vtool.toolchain.records import (Bucket, Record, RecordError, kernel_hash, read_record, record_path,
-                                     records_root, shape_vars, specialize, tvm_version, write_record)
+from vtool.toolchain.records import (Bucket, Record, RecordError, becomes_view, kernel_hash, read_record,
+                                     record_path, records_root, shape_vars, specialize, tvm_version, write_record)
 
-# Symbolic extents by name: batched decode's batch size, else a token count (prefill).
-DECODE_VARS = ("batch_size",)
+# Symbolic extents by name: batched decode's batch size (and the GPU sampler's batch of
+# sequences), else a token count (prefill).
+DECODE_VARS = ("batch_size", "sample_batch")
 DEFAULT_PREFILL_BUCKETS = (32, 128)
 DEFAULT_DECODE_BUCKETS = (4, 8)
 # Kernels whose scheduling comes with them (TVM's KV cache) or is not ours to tune here.
 _SKIP_NAMES = re.compile(r"(paged_kv|ragged_kv|tree_attn|kv_cache|copy_single_page|compact_kv|merge_state)")
 # Hand-written kernels (TIR with LLVM intrinsics, nothing to search over).
 _HAND_WRITTEN = re.compile(r"int8_(gemv|matmul)")
-MIN_RULE_US = 5.0  # a task whose rule schedule takes less is not worth a tuning run
+# A task whose rule schedule takes less is not worth a tuning run. On a GPU a decode step is
+# hundreds of kernels of a few microseconds each, run from a CUDA graph (no launch gaps).
+MIN_RULE_US = {"cpu": 5.0, "gpu": 2.0}
 
 
 class TuneError(VtoolError):
@@ -75,26 +78,47 @@ class Plan:
 
 
 def extract_kernels(model_path: str | Path, target_name: str, dtype: str = "float32",
-                    quantization: str = "auto", progress: Callable[[str], None] | None = None):
-    """(target spec, tvm target, IRModule of the model after legalize + fuse)."""
+                    quantization: str = "auto", progress: Callable[[str], None] | None = None,
+                    gemm: str = "auto", attention: str = "auto", activations: str = "auto"):
+    """(target spec, tvm target, IRModule of the model after legalize + fuse), made as
+    `vtool build` with the same choices makes it: the choices resolved by the build's own
+    resolvers, the same module (toolchain/build.model_module), the same pipeline up to the
+    schedule pass, under the same PassContext. Any difference would change the kernels'
+    structural hashes, and a build would find no record for them."""
     from vtool.models.config import parse_hf_config
     from vtool.models.weights import check_checkpoint_shapes
     from vtool.runtime.checkpoint import open_checkpoint
     from vtool.targets import buildable
-    from vtool.toolchain.build import _export, resolve_quantization
-    from vtool.toolchain.pipeline import build_pipeline
+    from vtool.toolchain.build import model_module, resolve_activations, resolve_quantization
+    from vtool.toolchain.flashinfer_attention import resolve_attention
+    from vtool.toolchain.gemm_offload import resolve_gemm
+    from vtool.toolchain.pipeline import build_pipeline, pass_context
 
     progress = progress or (lambda _m: None)
     spec = buildable(target_name)
+    if spec.family == "cuda":  # the CUDA rules import TVM's tensor intrinsics: parse them the light way
+        from vtool.toolchain.cuda_worker import preload_tensor_intrinsics
+
+        preload_tensor_intrinsics()
     ckpt = open_checkpoint(model_path)
     cfg = parse_hf_config(ckpt.config())
     check_checkpoint_shapes(cfg, {n: t.shape for n, t in ckpt.tensors().items()}, str(ckpt.path))
     _scheme, kept, _dense = resolve_quantization(quantization, ckpt, cfg, spec)
-    target, mod, _params, _eps = _export(cfg, spec, dtype, progress, kept)
-    progress("extracting the kernels")
-    with target:
-        mod = build_pipeline(target, spec.family, until_schedules=True)(mod)
+    if spec.family == "cuda" and kept:  # as the build refuses it
+        raise TuneError(f"quantized weights have no CUDA kernels yet ({spec.name}); use --quantization none")
+    gemm = resolve_gemm(gemm, spec.family, dtype)
+    attention = resolve_attention(attention, spec.family, dtype, cfg, notice=progress)
+    activations = resolve_activations(activations, spec, kept)
+    target, mod, _params, _eps = model_module(cfg, spec, dtype, progress, kept, attention, activations)
+    progress(f"extracting the kernels (gemm {gemm}, attention {attention}, activations {activations})")
+    with target, pass_context(spec.family):
+        mod = build_pipeline(target, spec.family, gemm, until_schedules=True)(mod)
     return spec, target, mod
+
+
+def matches(name: str, pattern: str) -> bool:
+    """`pattern`: globs separated by commas; a name matching any of them is selected."""
+    return any(fnmatch.fnmatch(name, p.strip()) for p in pattern.split(",") if p.strip())
 
 
 def _is_batch1_qgemv(func: Any) -> bool:
@@ -111,13 +135,16 @@ def plan_tasks(mod: Any, pattern: str | None = None, prefill_buckets: tuple[int,
         if not isinstance(func, tirx.PrimFunc):
             continue
         name = gv.name_hint
-        if pattern and not fnmatch.fnmatch(name, pattern):
+        if pattern and not matches(name, pattern):
             continue
         if _SKIP_NAMES.search(name):
             plan.skipped.append(Skipped(name, "KV-cache kernel (TVM schedules it)"))
             continue
         if any(not isinstance(p.ty, tirx.BufferType) for p in func.params):
             plan.skipped.append(Skipped(name, "scalar parameter (loops bound by a runtime value)"))
+            continue
+        if becomes_view(func):
+            plan.skipped.append(Skipped(name, "a reshape (the build makes it a view: no kernel runs)"))
             continue
         if _HAND_WRITTEN.search(name) or _is_batch1_qgemv(func):
             plan.skipped.append(Skipped(name, "quantized int8 kernel or batch-1 GEMV (hand-written kernels)"))
@@ -177,6 +204,9 @@ class TuneOptions:
     force: bool = False
     dtype: str = "float32"
     quantization: str = "auto"
+    gemm: str = "auto"
+    attention: str = "auto"
+    activations: str = "auto"
     seed: int = 0
 
 
@@ -211,13 +241,33 @@ def tune_model(model_path: str | Path, target_name: str, opts: TuneOptions,
     if importlib.util.find_spec("xgboost") is None:  # MetaSchedule's cost model
         raise TuneError("vtool tune needs XGBoost for MetaSchedule's cost model: pip install 'vtool[tune]'")
     root = opts.output or records_root()
-    spec, target, mod = extract_kernels(model_path, target_name, opts.dtype, opts.quantization, events.message)
+    spec, target, mod = extract_kernels(model_path, target_name, opts.dtype, opts.quantization, events.message,
+                                        opts.gemm, opts.attention, opts.activations)
     plan = plan_tasks(mod, opts.pattern, opts.prefill_buckets, opts.decode_buckets)
     if not plan.tasks:
         raise TuneError(f"no tunable kernel matches {opts.pattern!r}" if opts.pattern else "no tunable kernel")
-    events.message(f"timing the rule schedules of {len(plan.tasks)} tasks")
+    from vtool.toolchain.tune_measure import make_builder, skip_tensor_intrinsics
+
+    skip_tensor_intrinsics(target)
+    # forked before anything is timed (no GPU context yet), and once for the whole run
+    builder = make_builder(build_workers())
+    try:
+        return _tune_plan(plan, spec, target, root, opts, events, builder)
+    finally:
+        builder.close()
+
+
+def build_workers() -> int:
+    """Processes that compile candidates: the cores this process may run on. A record does
+    not depend on how many compiled it (candidates are timed one at a time)."""
+    return len(os.sched_getaffinity(0))
+
+
+def _tune_plan(plan: Plan, spec: Any, target: Any, root: Path, opts: TuneOptions, events: TuneEvents,
+               builder: Any) -> dict[str, Any]:
     from vtool.toolchain.tune_measure import time_kernel
 
+    events.message(f"timing the rule schedules of {len(plan.tasks)} tasks")
     rules: dict[str, Any] = {}
     for task in plan.tasks:
         done = _finished(root, spec.name, task, opts)
@@ -227,9 +277,10 @@ def tune_model(model_path: str | Path, target_name: str, opts: TuneOptions,
         if task.hash not in rules:
             rules[task.hash] = rule_schedule(task.func, target, spec.family, task.kernel)
         task.rule_us = time_kernel(rules[task.hash], target, task.bindings)
-    small = [t for t in plan.tasks if t.rule_us < MIN_RULE_US]
-    plan.skipped += [Skipped(t.label, f"rule schedule takes {t.rule_us:.1f} us (< {MIN_RULE_US:g})") for t in small]
-    plan.tasks = sorted((t for t in plan.tasks if t.rule_us >= MIN_RULE_US), key=lambda t: -t.rule_us)
+    floor = MIN_RULE_US["cpu" if target.kind.name == "llvm" else "gpu"]
+    small = [t for t in plan.tasks if t.rule_us < floor]
+    plan.skipped += [Skipped(t.label, f"rule schedule takes {t.rule_us:.1f} us (< {floor:g})") for t in small]
+    plan.tasks = sorted((t for t in plan.tasks if t.rule_us >= floor), key=lambda t: -t.rule_us)
     # (the slowest first: a budget goes where the time is)
     events.on_plan(plan)
 
@@ -247,7 +298,7 @@ def tune_model(model_path: str | Path, target_name: str, opts: TuneOptions,
         events.on_task(i, task, opts.trials)
         if task.hash not in rules:
             rules[task.hash] = rule_schedule(task.func, target, spec.family, task.kernel)
-        bucket, n = _tune_task(task, rules[task.hash], target, opts, events)
+        bucket, n = _tune_task(task, rules[task.hash], target, opts, events, builder)
         candidates += n
         if rec is None:
             rec = Record(task.kernel, task.hash, spec.name, dict(spec.tvm), tvm_version())
@@ -281,34 +332,31 @@ def _existing(root: Path, target: str, task: Task, target_name: str) -> Record |
     return rec
 
 
-def _tune_task(task: Task, rule: Any, target: Any, opts: TuneOptions, events: TuneEvents) -> tuple[Bucket, int]:
+def _tune_task(task: Task, rule: Any, target: Any, opts: TuneOptions, events: TuneEvents,
+               builder: Any) -> tuple[Bucket, int]:
     import tvm
     from tvm.s_tir import meta_schedule as ms
 
-    from vtool.toolchain.tune_measure import builder_runner, skip_tensor_intrinsics
+    from vtool.toolchain.tune_measure import make_runner
 
-    skip_tensor_intrinsics(target)
     static = specialize(task.func, task.bindings).with_attr("global_symbol", "main")
     mod = tvm.IRModule({"main": static})
     ms_target = _mcpu_target(target)
-    builder, runner = builder_runner()
     progress = _progress_callback(events)
-    per_iter = max(1, min(16, opts.trials))
+    # a batch per iteration that keeps every build worker busy
+    per_iter = max(1, min(max(16, 2 * build_workers()), opts.trials))
     strategy = ms.search_strategy.EvolutionarySearch(population_size=max(64, 2 * per_iter), init_min_unmeasured=16,
                                                      genetic_num_iters=2)
     # MetaSchedule's console handler takes the level its logger has before the run: keep its
     # per-iteration reports in the work folder's log files, off the progress display.
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
-    try:
-        with tempfile.TemporaryDirectory(prefix="vtool-ms-") as work_dir:
-            db = ms.tune_tir(mod, ms_target, work_dir, max_trials_global=opts.trials, num_trials_per_iter=per_iter,
-                             builder=builder, runner=runner, database="memory", strategy=strategy,
-                             space=_space(ms_target),
-                             measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [progress],
-                             seed=opts.seed, num_tuning_cores=len(os.sched_getaffinity(0)))
-            sch = ms.tir_integration.compile_tir(db, mod, ms_target)
-    finally:
-        builder.close()
+    with tempfile.TemporaryDirectory(prefix="vtool-ms-") as work_dir:
+        db = ms.tune_tir(mod, ms_target, work_dir, max_trials_global=opts.trials, num_trials_per_iter=per_iter,
+                         builder=builder, runner=make_runner(), database="memory", strategy=strategy,
+                         space=_space(ms_target),
+                         measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [progress],
+                         seed=opts.seed, num_tuning_cores=len(os.sched_getaffinity(0)))
+        sch = ms.tir_integration.compile_tir(db, mod, ms_target)
     n = progress.count
     if sch is None:  # no candidate built and ran
         return Bucket(task.bindings, None, float("inf"), task.rule_us, n, False, opts.trials), n
@@ -338,7 +386,8 @@ def recheck(model_path: str | Path, target_name: str, opts: TuneOptions,
     rewrite `rule_us`, `tuned_us` and `use`: [(task label, old bucket, new bucket)]."""
     same_threads_as_runtime()
     root = opts.output or records_root()
-    spec, target, mod = extract_kernels(model_path, target_name, opts.dtype, opts.quantization, message)
+    spec, target, mod = extract_kernels(model_path, target_name, opts.dtype, opts.quantization, message,
+                                        opts.gemm, opts.attention, opts.activations)
     plan = plan_tasks(mod, opts.pattern, (), ())
     changed = []
     by_hash = {t.hash: t for t in plan.tasks}
@@ -349,7 +398,7 @@ def recheck(model_path: str | Path, target_name: str, opts: TuneOptions,
             continue
         khash = kernel_hash(func)
         rec = _existing(root, spec.name, Task(gv.name_hint, khash, func, {}), spec.name)
-        if rec is None or (opts.pattern and khash not in by_hash and not fnmatch.fnmatch(gv.name_hint, opts.pattern)):
+        if rec is None or (opts.pattern and khash not in by_hash and not matches(gv.name_hint, opts.pattern)):
             continue
         rule = rule_schedule(func, target, spec.family, gv.name_hint)
         for old in list(rec.buckets):

@@ -18,13 +18,10 @@ def _us(x: float) -> str:
     return "-" if x == float("inf") else f"{x:,.1f} us"
 
 
-def run_tune(model_path: Path, target: str, dtype: str, quantization: str, trials: int, budget_minutes: float | None,
-             pattern: str | None, prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...],
-             output: str | None, force: bool, list_only: bool, console: Console, out: Console,
+def run_tune(model_path: Path, target: str, opts: TuneOptions, list_only: bool, console: Console, out: Console,
              recheck: bool = False) -> int:
+    trials = opts.trials
     if recheck:
-        opts = TuneOptions(pattern=pattern, output=Path(output) if output else None, dtype=dtype,
-                           quantization=quantization)
         with console.status("timing the records again") as status:
             changed = recheck_records(model_path, target, opts, lambda m: status.update(escape(m)))
         table = Table("task", "rule", "tuned", "speedup", "used")
@@ -35,17 +32,15 @@ def run_tune(model_path: Path, target: str, dtype: str, quantization: str, trial
         return 0
     if list_only:
         with console.status("extracting the kernels"):
-            _spec, _target, mod = extract_kernels(model_path, target, dtype, quantization)
-        plan = plan_tasks(mod, pattern, prefill_buckets, decode_buckets)
+            _spec, _target, mod = extract_kernels(model_path, target, opts.dtype, opts.quantization, None, opts.gemm,
+                                                  opts.attention, opts.activations)
+        plan = plan_tasks(mod, opts.pattern, opts.prefill_buckets, opts.decode_buckets)
         for task in plan.tasks:  # plain lines: labels are long, and scripts read them
             out.print(f"{task.label}  {task.hash}", highlight=False, soft_wrap=True, markup=False)
         for s in plan.skipped:
             out.print(f"[dim]skipped {s.kernel}: {s.why}[/]", highlight=False, soft_wrap=True)
         return 0
 
-    opts = TuneOptions(trials=trials, budget_minutes=budget_minutes, pattern=pattern, prefill_buckets=prefill_buckets,
-                       decode_buckets=decode_buckets, output=Path(output) if output else None, force=force,
-                       dtype=dtype, quantization=quantization)
     results = Table("task", "rule", "tuned", "speedup", "trials", "applied")
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), console=console)

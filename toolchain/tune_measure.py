@@ -9,11 +9,21 @@ and the runner times in this process too (no worker start-up, no tar export/uplo
 is what makes tuning on a small machine practical. A candidate that fails to build or run
 is reported as failed, as in MetaSchedule's own builder and runner.
 
+With more than one core, candidates are compiled by a pool of worker processes forked
+once at the start of a run (`PoolBuilder`): they share the already imported compiler, and
+a GPU target's nvcc runs then overlap (16 at a time on the GPU machine).
+
 `time_kernel` is the one timer for rule and tuned kernels, so the records compare them
-under the same conditions.
+under the same conditions. On a GPU each timed call starts with a cold L2 (a device copy
+larger than the L2 runs before it, untimed): an H200's 60 MB L2 holds a whole decode
+GEMV's weight, and a kernel timed over and over on it reads the weight from cache, which
+the model's decode step never does.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import json
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -29,13 +39,46 @@ from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common, run_eval
 from tvm.ir.utils import derived_object
 
 EVALUATOR = EvaluatorConfig(number=3, repeat=1, min_repeat_ms=40, enable_cpu_cache_flush=False)
+GPU_REPEATS = 40  # cold-L2 calls timed one by one (CUDA events); their median is the time
+L2_FLUSH_BYTES = 256 << 20  # over 4x an H200's L2
+_FLUSH_FUNC = "vtool.tune.flush_gpu_l2"
+_flush_buffers: dict[str, tuple[Any, Any]] = {}
+
+
+def _is_gpu(dev: Any) -> bool:
+    return dev.dlpack_device_type() != tvm.runtime.cpu(0).dlpack_device_type()
+
+
+def _flush_l2(*_args: Any) -> None:
+    for src, dst in _flush_buffers.values():
+        src.copyto(dst)
+
+
+def _ensure_l2_flush(dev: Any) -> str:
+    """The registered name of a function that evicts `dev`'s L2 (time_evaluator's f_preproc)."""
+    key = str(dev)
+    if key not in _flush_buffers:
+        _flush_buffers.clear()  # one device per run
+        _flush_buffers[key] = (tvm.runtime.empty((L2_FLUSH_BYTES,), "uint8", dev),
+                               tvm.runtime.empty((L2_FLUSH_BYTES,), "uint8", dev))
+        tvm.register_global_func(_FLUSH_FUNC, _flush_l2, override=True)
+    return _FLUSH_FUNC
+
+
+def _evaluator(rt_mod: Any, name: str, dev: Any, min_ms: int):  # noqa: ANN202 - time_evaluator's callable
+    """CPU: `number` calls per sample over at least min_ms; GPU: one cold-L2 call per sample."""
+    if _is_gpu(dev):
+        return rt_mod.time_evaluator(name, dev, number=1, repeat=GPU_REPEATS, min_repeat_ms=0,
+                                     f_preproc=_ensure_l2_flush(dev))
+    return rt_mod.time_evaluator(name, dev, number=3, repeat=5, min_repeat_ms=int(min_ms))
 
 
 def _compile(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Module:
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
-    return tvm.tirx.build(mod, target=target)
+    with target:  # TVM's nvcc callback reads the arch from the current target
+        return tvm.tirx.build(mod, target=target)
 
 
 @derived_object
@@ -62,6 +105,57 @@ class InProcessBuilder(PyBuilder):
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
+def _build_in_worker(mod_json: str, target_json: str, path: str) -> str | None:
+    """A pool worker's build: None when `path` was written, else the error."""
+    try:
+        mod = tvm.ir.load_json(mod_json)
+        _compile(mod, tvm.target.Target(json.loads(target_json))).export_library(path)
+        return None
+    except Exception as err:  # noqa: BLE001 - a failed candidate is a result, not an abort
+        return f"PoolBuilder: {type(err).__name__}: {err}"
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+@derived_object
+class PoolBuilder(PyBuilder):
+    """Compiles candidates in `workers` forked processes. They are forked at once, before
+    this process times anything (a GPU context must not be inherited; the workers never
+    touch the device: the target names its arch, and a CUDA module loads lazily)."""
+
+    TIMEOUT_S = 300.0
+
+    def __init__(self, workers: int) -> None:
+        super().__init__()
+        self.scratch = tempfile.mkdtemp(prefix="vtool-tune-")
+        self.pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+        # with fork, the first submit starts every worker
+        self.pool.submit(_ready).result()
+
+    def build(self, build_inputs: list) -> list:
+        futures = []
+        for i, build_input in enumerate(build_inputs):
+            path = os.path.join(tempfile.mkdtemp(dir=self.scratch), f"cand{i}.so")
+            futures.append((path, self.pool.submit(_build_in_worker, tvm.ir.save_json(build_input.mod),
+                                                   str(build_input.target), path)))
+        results = []
+        for path, future in futures:
+            try:
+                err = future.result(timeout=self.TIMEOUT_S)
+            except concurrent.futures.TimeoutError:
+                err = f"PoolBuilder: no result in {self.TIMEOUT_S:g} s"
+            except Exception as exc:  # noqa: BLE001 - a worker that died
+                err = f"PoolBuilder: {type(exc).__name__}: {exc}"
+            results.append(BuilderResult(None, err) if err else BuilderResult(path, None))
+        return results
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
 @derived_object
 class InProcessRunner(PyRunner):
     """Loads each built candidate here and times it with TVM's time_evaluator."""
@@ -79,7 +173,10 @@ class InProcessRunner(PyRunner):
                 dev = tvm.runtime.device(runner_input.device_type, 0)
                 args_info = [a.as_json() for a in runner_input.args_info]
                 args = alloc_argument_common(self.f_random_fill, dev, args_info, 1)
-                costs = run_evaluator_common(rt_mod, dev, self.evaluator, args)
+                if _is_gpu(dev):
+                    costs = list(_evaluator(rt_mod, rt_mod.entry_name, dev, 0)(*args[0]).results)
+                else:
+                    costs = run_evaluator_common(rt_mod, dev, self.evaluator, args)
                 futures.append(LocalRunnerFuture(res=costs))
             except Exception as err:  # noqa: BLE001
                 futures.append(LocalRunnerFuture(error_message=f"InProcessRunner: {type(err).__name__}: {err}"))
@@ -121,7 +218,7 @@ def kernel_timer(func: Any, target: tvm.target.Target, bindings: dict[str, int] 
     rt_mod = _compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target)
     dev = tvm.runtime.cpu(0) if target.kind.name == "llvm" else tvm.runtime.device(target.kind.name, 0)
     args = _random_args(func, bindings or {}, dev)
-    timer = rt_mod.time_evaluator("main", dev, number=3, repeat=5, min_repeat_ms=int(min_ms))
+    timer = _evaluator(rt_mod, "main", dev, min_ms)
     return lambda: float(np.median(timer(*args).results)) * 1e6
 
 
@@ -140,8 +237,13 @@ def compare(rule: Any, tuned: Any, target: tvm.target.Target, bindings: dict[str
     return min(p[0] for p in pairs), min(p[1] for p in pairs)
 
 
-def builder_runner() -> tuple[InProcessBuilder, InProcessRunner]:
-    return InProcessBuilder(), InProcessRunner()
+def make_builder(workers: int) -> InProcessBuilder | PoolBuilder:
+    """A pool of `workers` build processes, or this process alone when workers == 1."""
+    return PoolBuilder(workers) if workers > 1 else InProcessBuilder()
+
+
+def make_runner() -> InProcessRunner:
+    return InProcessRunner()
 
 
 def skip_tensor_intrinsics(target: tvm.target.Target) -> None:
@@ -149,13 +251,21 @@ def skip_tensor_intrinsics(target: tvm.target.Target) -> None:
     TVMScript intrinsics (GPU MMA/WMMA, ARM, Hexagon, ...): 40 s to minutes of CPU on a
     loaded 2-core machine, paid again by every LocalBuilder worker (its default_build
     imports them too). The CPU schedule rules used here never tensorize, so for an llvm
-    target an empty module stands in for it, unless it was imported already."""
+    target an empty module stands in for it, unless it was imported already; for a GPU
+    they are parsed once, before the build workers fork."""
     import sys
     import types
 
     name = "tvm.s_tir.tensor_intrin"
-    if target.kind.name == "llvm" and name not in sys.modules:
+    if name in sys.modules:
+        return
+    if target.kind.name == "llvm":
         sys.modules[name] = types.ModuleType(name, "not loaded: vtool tune's CPU rules do not tensorize")
+    else:  # GPU rules may tensorize: load them, the light way the CUDA build does
+        from vtool.toolchain.cuda_worker import preload_tensor_intrinsics
+
+        preload_tensor_intrinsics()
 
 
-__all__ = ["InProcessBuilder", "InProcessRunner", "builder_runner", "compare", "kernel_timer", "time_kernel", "ms"]
+__all__ = ["InProcessBuilder", "InProcessRunner", "PoolBuilder", "make_builder", "make_runner", "compare", "kernel_timer",
+           "time_kernel", "ms"]
