@@ -77,11 +77,10 @@ def weight_bytes_per_step() -> int:
     return 2 * (L * per_layer + h + c["vocab_size"] * h)  # bf16; the embedding table is read one row at a time
 
 
-def profile_kernels(name: str, run, weight_bytes: int, steps: int = 16) -> None:
-    """Per-kernel GPU time of `run` (`steps` decode steps) from torch.profiler, whose CUPTI
-    tracing sees every kernel of the process, TVM's included: where a step's time goes,
-    how much of it is kernels at all (the rest is gaps between launches), and the
-    bandwidth the GEMV kernels reach on their own."""
+def kernel_times(run, steps: int) -> tuple[dict[str, float], dict[str, int]]:  # noqa: ANN001
+    """GPU microseconds per step and launches per step of each kernel name while `run()`
+    does `steps` steps, from torch.profiler: its CUPTI tracing sees every kernel of the
+    process, TVM's included."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -92,38 +91,37 @@ def profile_kernels(name: str, run, weight_bytes: int, steps: int = 16) -> None:
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        key = event.name
-        groups.setdefault(key, []).append(event.device_time_total if hasattr(event, "device_time_total")
-                                          else event.cuda_time_total)
-    per_step = {k: sum(v) / steps for k, v in groups.items()}  # microseconds
+        groups.setdefault(event.name, []).append(event.device_time_total if hasattr(event, "device_time_total")
+                                                 else event.cuda_time_total)
+    return ({k: sum(v) / steps for k, v in groups.items()}, {k: len(v) // steps for k, v in groups.items()})
+
+
+def profile_kernels(name: str, run, weight_bytes: int, steps: int = 16) -> None:  # noqa: ANN001
+    """Where a step's time goes: per-kernel GPU time of `run` (`steps` decode steps), how
+    much of it is kernels at all (the rest is gaps between launches), and the bandwidth
+    the GEMV kernels reach on their own."""
+    per_step, launches = kernel_times(run, steps)
     total = sum(per_step.values())
     top = sorted(per_step.items(), key=lambda kv: -kv[1])[:12]
     gemv = sum(v for k, v in per_step.items() if "matmul" in k.lower())
     record(step=f"{name}_profile", kernel_us_per_step=round(total, 1), gemv_us_per_step=round(gemv, 1),
            gemv_gb_s=round(weight_bytes / (gemv * 1e-6) / 1e9, 1) if gemv else None,
-           launches_per_step=round(sum(len(v) for v in groups.values()) / steps, 1),
-           top=[(k[:80], round(v, 1), len(groups[k]) // steps) for k, v in top])
+           launches_per_step=sum(launches.values()),
+           top=[(k[:80], round(v, 1), launches[k]) for k, v in top])
 
 
-def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool = False) -> None:
-    from vtool.runtime.checkpoint import open_checkpoint
-    from vtool.runtime.generate import Generator
-    from vtool.runtime.sampling_params import SamplingParams
+def decode_timer(model, gen, prompt: int = 128):  # noqa: ANN001, ANN201 - () -> seconds per step
+    """Seconds per batch-1 `decode` step after a `prompt`-token prefill: the model step
+    alone, the host synchronised once per loop (the timer's argument: steps)."""
     from vtool.runtime.tvm_runtime import global_func
-    from vtool.runtime.artifact import CompiledModel
 
-    t = time.perf_counter()
-    model = CompiledModel(artifact, open_checkpoint(checkpoint_dir))
-    record(step="vtool_load", seconds=round(time.perf_counter() - t, 1))
     sync = global_func("runtime.Device_StreamSync")
-    gen = Generator(model, max_model_len=4096)
     S = model.ffi.Shape
 
     def timed_decode(n: int) -> float:
-        gen._fresh_sequence(128 + n + 16)
-        gen.prefill_logits(list(range(1000, 1128)))
+        gen._fresh_sequence(prompt + n + 16)
+        gen.prefill_logits(list(range(1000, 1000 + prompt)))
         embeds = gen._embed([1234])
-        gen._end  # noqa: B018 - keep the bound builtins warm
         sync(model.device, 0)
         t0 = time.perf_counter()
         for _ in range(n):
@@ -133,6 +131,55 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
         sync(model.device, 0)
         return (time.perf_counter() - t0) / n
 
+    return timed_decode
+
+
+def batch_decode_timer(model, batch: int, tokens: int = 384):  # noqa: ANN001, ANN201 - (steps) -> s/step
+    """Seconds per `batch_decode` step of `batch` one-token sequences (a fresh paged cache
+    with room for `tokens` steps, warm-up steps included, per sequence)."""
+    from vtool.runtime.kv_cache import PagedKVCache
+    from vtool.runtime.tvm_runtime import global_func
+
+    sync = global_func("runtime.Device_StreamSync")
+    S = model.ffi.Shape
+    kv = PagedKVCache(model, num_blocks=batch * (tokens // 16 + 1) + 8, block_size=16, max_num_seqs=batch, prefill_chunk=2048)
+    for seq in range(batch):
+        kv.add(seq)
+    ids = model.upload(np.full(batch, 1234, dtype=np.int32))
+    flat = model.function("embed")(ids, model.params)
+    embeds = global_func("runtime.TVMTensorCreateView")(flat, S([batch, 1, model.hidden_size]), model.dtype, 0)
+
+    def one() -> None:
+        kv.begin_forward(list(range(batch)), [1] * batch)
+        model.function("batch_decode")(embeds, kv.tvm, model.params)
+        kv.end_forward()
+
+    def timed(n: int) -> float:
+        for _ in range(4):
+            one()
+        sync(model.device, 0)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            one()
+        sync(model.device, 0)
+        return (time.perf_counter() - t0) / n
+
+    return timed
+
+
+def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool = False) -> None:
+    from vtool.runtime.artifact import CompiledModel
+    from vtool.runtime.checkpoint import open_checkpoint
+    from vtool.runtime.generate import Generator
+    from vtool.runtime.sampling_params import SamplingParams
+    from vtool.runtime.tvm_runtime import global_func
+
+    t = time.perf_counter()
+    model = CompiledModel(artifact, open_checkpoint(checkpoint_dir))
+    record(step="vtool_load", seconds=round(time.perf_counter() - t, 1))
+    sync = global_func("runtime.Device_StreamSync")
+    gen = Generator(model, max_model_len=4096)
+    timed_decode = decode_timer(model, gen)
     timed_decode(8)
     step = timed_decode(steps)
     record(step="vtool_decode_b1_model_only", ms_per_token=round(step * 1e3, 3), tok_s=round(1 / step, 1))
@@ -153,32 +200,9 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
         sync(model.device, 0)
         record(step=f"vtool_prefill_{n_prompt}", ms=round((time.perf_counter() - t0) * 1e3, 2))
 
-    from vtool.runtime.kv_cache import PagedKVCache
-
     for batch in (1, 8, 32):
-        kv = PagedKVCache(model, num_blocks=batch * 24 + 8, block_size=16, max_num_seqs=batch, prefill_chunk=2048)
-        for seq in range(batch):
-            kv.add(seq)
-        ids = model.upload(np.full(batch, 1234, dtype=np.int32))
-        flat = model.function("embed")(ids, model.params)
-        embeds = global_func("runtime.TVMTensorCreateView")(flat, S([batch, 1, model.hidden_size]), model.dtype, 0)
-
-        def one() -> None:
-            kv.begin_forward(list(range(batch)), [1] * batch)
-            model.function("batch_decode")(embeds, kv.tvm, model.params)
-            kv.end_forward()
-
-        for _ in range(4):
-            one()
-        sync(model.device, 0)
-        t0 = time.perf_counter()
-        n = 32
-        for _ in range(n):
-            one()
-        sync(model.device, 0)
-        ms = (time.perf_counter() - t0) / n * 1e3
+        ms = batch_decode_timer(model, batch)(32) * 1e3
         record(step=f"vtool_batch_decode_b{batch}", ms_per_step=round(ms, 3), tok_s=round(batch * 1e3 / ms, 1))
-        del kv
     del model
 
 
