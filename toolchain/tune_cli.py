@@ -66,8 +66,10 @@ def run_tune(model_path: Path, target: str, opts: TuneOptions, list_only: bool, 
             results.add_row(escape(task.label), _us(task.rule_us), "-", "-", "0", why)
             return
         speed = f"{bucket.rule_us / bucket.tuned_us:.2f}x" if bucket.tuned_us not in (0, float("inf")) else "-"
+        verdict = "yes" if bucket.use else "no (rules win)" if bucket.trace is not None else \
+            "no valid candidate (none passed MetaSchedule's checks)"
         results.add_row(escape(task.label), _us(bucket.rule_us), _us(bucket.tuned_us), speed, str(bucket.trials),
-                        ("yes" if bucket.use else "no (rules win)") + (f"; {why}" if why else ""))
+                        verdict + (f"; {why}" if why else ""))
 
     def message(msg: str) -> None:
         progress.console.print(f"[dim]{msg}[/]", highlight=False)
