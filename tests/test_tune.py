@@ -273,3 +273,14 @@ def test_cold_cache_timer_flushes_before_its_samples(kernels, monkeypatch):
     us = tune_measure.time_kernel(rule, target)
     assert us > 0
     np.testing.assert_array_equal(dst.numpy(), src.numpy())
+
+
+def test_tuning_for_a_gpu_target_without_its_gpu_is_refused_by_name(tiny):
+    import tvm
+
+    from vtool.toolchain.tune import TuneError
+
+    if tvm.runtime.device("cuda", 0).exist:
+        pytest.skip("this machine has the GPU: tuning for it is allowed")
+    with pytest.raises(TuneError, match="sm_90a times candidates on its GPU"):
+        tune_model(tiny, "sm_90a", TuneOptions(trials=1, quantization="none"))

@@ -241,6 +241,7 @@ def tune_model(model_path: str | Path, target_name: str, opts: TuneOptions,
     if importlib.util.find_spec("xgboost") is None:  # MetaSchedule's cost model
         raise TuneError("vtool tune needs XGBoost for MetaSchedule's cost model: pip install 'vtool[tune]'")
     root = opts.output or records_root()
+    _check_device(target_name)
     spec, target, mod = extract_kernels(model_path, target_name, opts.dtype, opts.quantization, events.message,
                                         opts.gemm, opts.attention, opts.activations)
     plan = plan_tasks(mod, opts.pattern, opts.prefill_buckets, opts.decode_buckets)
@@ -255,6 +256,21 @@ def tune_model(model_path: str | Path, target_name: str, opts: TuneOptions,
         return _tune_plan(plan, spec, target, root, opts, events, builder)
     finally:
         builder.close()
+
+
+def _check_device(target_name: str) -> None:
+    """Candidates are timed on the target's device: a GPU target needs its GPU here (a CPU
+    target is this machine, which `buildable` has checked)."""
+    import tvm
+
+    from vtool.targets import buildable
+
+    spec = buildable(target_name)
+    kind = str(spec.tvm.get("kind", "llvm"))
+    if kind != "llvm" and not tvm.runtime.device(kind, 0).exist:
+        raise TuneError(f"tuning for {spec.name} times candidates on its GPU, and this machine has no {kind} device; "
+                        f"run `vtool tune` on a machine with the GPU and copy the records into "
+                        f"tuning_logs/{spec.name}/ (docs/USAGE.md)")
 
 
 def build_workers() -> int:
