@@ -247,15 +247,15 @@ def tune_model(model_path: str | Path, target_name: str, opts: TuneOptions,
     plan = plan_tasks(mod, opts.pattern, opts.prefill_buckets, opts.decode_buckets)
     if not plan.tasks:
         raise TuneError(f"no tunable kernel matches {opts.pattern!r}" if opts.pattern else "no tunable kernel")
-    from vtool.toolchain.tune_measure import make_builder, skip_tensor_intrinsics
+    from vtool.toolchain.tune_measure import make_builder, tensor_intrinsics_for
 
-    skip_tensor_intrinsics(target)
-    # forked before anything is timed (no GPU context yet), and once for the whole run
-    builder = make_builder(build_workers())
-    try:
-        return _tune_plan(plan, spec, target, root, opts, events, builder)
-    finally:
-        builder.close()
+    with tensor_intrinsics_for(target):
+        # forked before anything is timed (no GPU context yet), and once for the whole run
+        builder = make_builder(build_workers())
+        try:
+            return _tune_plan(plan, spec, target, root, opts, events, builder)
+        finally:
+            builder.close()
 
 
 def _check_device(target_name: str) -> None:

@@ -22,12 +22,15 @@ the model's decode step never does.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
-from typing import Any
+import types
+from typing import Any, Iterator
 
 import numpy as np
 import tvm
@@ -246,26 +249,33 @@ def make_runner() -> InProcessRunner:
     return InProcessRunner()
 
 
-def skip_tensor_intrinsics(target: tvm.target.Target) -> None:
-    """MetaSchedule's TuneContext imports tvm.s_tir.tensor_intrin, which parses hundreds of
-    TVMScript intrinsics (GPU MMA/WMMA, ARM, Hexagon, ...): 40 s to minutes of CPU on a
-    loaded 2-core machine, paid again by every LocalBuilder worker (its default_build
-    imports them too). The CPU schedule rules used here never tensorize, so for an llvm
-    target an empty module stands in for it, unless it was imported already; for a GPU
-    they are parsed once, before the build workers fork."""
-    import sys
-    import types
-
+@contextlib.contextmanager
+def tensor_intrinsics_for(target: tvm.target.Target) -> Iterator[None]:
+    """While the block runs: MetaSchedule's TuneContext imports tvm.s_tir.tensor_intrin,
+    which parses hundreds of TVMScript intrinsics (GPU MMA/WMMA, ARM, Hexagon, ...): 40 s
+    to minutes of CPU on a loaded 2-core machine, paid again by every LocalBuilder worker
+    (its default_build imports them too). The CPU schedule rules used here never tensorize,
+    so for an llvm target an empty module stands in for it (unless it was imported
+    already), and is taken out again afterwards: a CUDA build later in the same process
+    needs the real one. For a GPU they are parsed once, before the build workers fork."""
     name = "tvm.s_tir.tensor_intrin"
-    if name in sys.modules:
-        return
-    if target.kind.name == "llvm":
-        sys.modules[name] = types.ModuleType(name, "not loaded: vtool tune's CPU rules do not tensorize")
-    else:  # GPU rules may tensorize: load them, the light way the CUDA build does
+    if target.kind.name != "llvm":  # GPU rules may tensorize: load them, the light way the CUDA build does
         from vtool.toolchain.cuda_worker import preload_tensor_intrinsics
 
         preload_tensor_intrinsics()
+    if target.kind.name != "llvm" or name in sys.modules:
+        yield
+        return
+    stand_in = types.ModuleType(name, "not loaded: vtool tune's CPU rules do not tensorize")
+    sys.modules[name] = stand_in
+    try:
+        yield
+    finally:
+        if sys.modules.get(name) is stand_in:
+            del sys.modules[name]
+        if vars(tvm.s_tir).get("tensor_intrin") is stand_in:
+            delattr(tvm.s_tir, "tensor_intrin")
 
 
-__all__ = ["InProcessBuilder", "InProcessRunner", "PoolBuilder", "make_builder", "make_runner", "compare", "kernel_timer",
-           "time_kernel", "ms"]
+__all__ = ["InProcessBuilder", "InProcessRunner", "PoolBuilder", "make_builder", "make_runner", "tensor_intrinsics_for",
+           "compare", "kernel_timer", "time_kernel", "ms"]
