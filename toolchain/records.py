@@ -304,15 +304,11 @@ class RecordSet:
 
 
 def becomes_view(func: Any) -> bool:
-    """A kernel that only reshapes: the lowering after the schedules turns its call into a
-    view of the same memory (RewriteDataflowReshape), so it never runs. A record must not
-    touch it: a scheduled or bucket-dispatched reshape is no longer recognised as one and
-    becomes a real copy kernel (measured on an H200: +52 us per batch-32 decode step)."""
-    from tvm.relax.analysis import has_reshape_pattern
-    from tvm.s_tir import SBlockRealize
+    """schedules/views.becomes_view (imported here lazily: this module is on the cached
+    build path, which must not import the compiler)."""
+    from vtool.schedules.views import becomes_view as _becomes_view
 
-    # (the analysis asserts a root block: hand-written kernels without one are no reshape)
-    return isinstance(func.body, SBlockRealize) and bool(has_reshape_pattern(func))
+    return _becomes_view(func)
 
 
 def _mismatch(rec: Record, target_name: str, tvm_target: dict[str, Any], version: str) -> str:

@@ -14,6 +14,10 @@ from tvm import tirx
 from vtool.schedules.cpu.attention import rewrite_decode_paged, rewrite_prefill_ragged
 from vtool.schedules.cpu.matmul import schedule_nt_matmul
 from vtool.schedules.cpu.quantized import schedule_quantized_matmul
+from vtool.schedules.cpu.rowwise import schedule_rowwise
+from vtool.schedules.views import becomes_view
+
+_OUT_ELEMWISE_FUSABLE = 4  # relax OpPatternKind: elementwise 0, broadcast 1, injective 2, reduce 3
 
 
 def vector_lanes(target: tvm.target.Target) -> int:
@@ -44,11 +48,18 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
             if scheduled is not None:
                 updates[gv] = scheduled
                 continue
-            if "op_pattern" not in func.attrs and not gv.name_hint.startswith("fused_NT_matmul"):
-                continue
-            scheduled = schedule_nt_matmul(func, lanes)
-            if scheduled is not None:
-                updates[gv] = scheduled
+            if "op_pattern" in func.attrs or gv.name_hint.startswith("fused_NT_matmul"):
+                scheduled = schedule_nt_matmul(func, lanes)
+                if scheduled is not None:
+                    updates[gv] = scheduled
+                    continue
+            # elementwise chains and per-row reductions (op patterns up to out-elementwise
+            # fusable; FuseTIR leaves some fused kernels without one), but never a reshape:
+            # the lowering makes those views, which a scheduled one would not be
+            if int(func.attrs.get("op_pattern", 0)) <= _OUT_ELEMWISE_FUSABLE and not becomes_view(func):
+                scheduled = schedule_rowwise(func, lanes)
+                if scheduled is not None:
+                    updates[gv] = scheduled
         for gv, func in updates.items():
             mod[gv] = func
         return mod
