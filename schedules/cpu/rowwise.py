@@ -74,7 +74,8 @@ def schedule_rowwise(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
         features = sch.get(loops[-1]).extent
         rows = sch.get(row).extent
         # a decode step's small static kernels stay on one thread
-        parallel = not isinstance(rows, tirx.IntImm) or int(rows) * int(features) >= PARALLEL_MIN_ELEMENTS
+        static = isinstance(rows, tirx.IntImm) and isinstance(features, tirx.IntImm)
+        parallel = not static or int(rows) * int(features) >= PARALLEL_MIN_ELEMENTS
         for block in reversed(blocks[:-1]):  # per-row producers (sum of squares, rsqrt)
             if _write_ndim(sch, block) == out_ndim - 1:
                 sch.compute_at(block, row, preserve_unit_loops=True)
