@@ -22,7 +22,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from vtool.runtime.sampling_params import SamplingParams
+        from vtool.runtime.sampling.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'vtool' has no attribute {name!r}")

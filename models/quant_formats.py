@@ -14,7 +14,7 @@ of output rows reads each part as one sequential stream. Every part is
   Q6_K  qweight as Q4_0 (the low 4 bits); qhigh [rows/4, cols/64, 4, 16] uint8 (the high 2
         bits); sub_scale [rows/4, cols/16, 4] int8; scale [rows/4, cols/256, 4] float16 (d)
 
-The runtime repacks GGUF blocks into exactly these arrays (vtool.runtime.quant_blocks,
+The runtime repacks GGUF blocks into exactly these arrays (vtool.runtime.weights.quant_blocks,
 whose docstring gives the byte layout); the binder checks every part's shape and dtype
 against the manifest, and a test holds the two tables equal.
 

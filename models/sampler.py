@@ -1,9 +1,9 @@
 """Token sampling as compiled Relax functions, so a GPU step copies token ids to the host
 instead of the whole float32 logits [b, vocab] (issue #4).
 
-The functions reproduce runtime/sampling.py's host sampler for requests that need no
+The functions reproduce runtime/sampling/host.py's host sampler for requests that need no
 per-request logit processing (no logit_bias, penalties, min_tokens masking or logprobs;
-runtime/gpu_sampler.py's can_sample_on_device says which). For the same uniform draw u
+runtime/sampling/device.py's can_sample_on_device says which). For the same uniform draw u
 they pick the same token as the host, except where float rounding decides (a near-tie):
 
   greedy (temperature == 0 here; the host's temperature < 1e-5): argmax of the raw
@@ -44,7 +44,7 @@ import tvm
 from tvm import relax, te, tirx
 
 # The function names, shared with the runtime wrapper (which must not import tvm).
-from vtool.runtime.gpu_sampler import ARGMAX, FUNCTIONS, TEMPERATURE, TOP_P_TOP_K
+from vtool.runtime.sampling.device import ARGMAX, FUNCTIONS, TEMPERATURE, TOP_P_TOP_K
 
 BATCH_VAR = "sample_batch"
 _F32_MAX = 3.4028234663852886e38

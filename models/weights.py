@@ -2,7 +2,7 @@
 
 The plan is written into manifest.json, so the runtime binds weights by following it
 and never needs this module: each entry names its source tensors and one transform
-from the runtime's registry (vtool.runtime.transforms).
+from the runtime's registry (vtool.runtime.weights.transforms).
 """
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
-from vtool.runtime.checkpoint import Checkpoint
-from vtool.runtime.engine import Engine, EngineConfig
-from vtool.runtime.sampling_params import SamplingParams
+from vtool.runtime.weights.checkpoint import Checkpoint
+from vtool.runtime.engine.engine import Engine, EngineConfig
+from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.session import open_session
 
 

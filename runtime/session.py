@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vtool import VtoolError
-from vtool.runtime.artifact import CompiledModel
-from vtool.runtime.checkpoint import Checkpoint
-from vtool.runtime.generate import Generator
-from vtool.runtime.stop_ids import stop_token_ids
-from vtool.runtime.tokenizer import Tokenizer
+from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.weights.checkpoint import Checkpoint
+from vtool.runtime.engine.generate import Generator
+from vtool.runtime.text.stop_ids import stop_token_ids
+from vtool.runtime.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 4096  # cap on the context when the model allows more; --max-model-len raises it
 

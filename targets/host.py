@@ -31,7 +31,7 @@ def host_cpu_features() -> frozenset[str]:
 def linux_cpu_flags() -> frozenset[str]:
     """CPU feature flags as Linux reports them in /proc/cpuinfo (empty elsewhere): the
     "flags" line on x86, "Features" on aarch64. The runtime's tier check reads them too
-    (runtime/artifact.py)."""
+    (runtime/artifact/library.py)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

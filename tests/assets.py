@@ -18,7 +18,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from vtool.runtime.default_model import sha256_of
+from vtool.runtime.weights.default_model import sha256_of
 from vtool.runtime.paths import cache_root
 
 LCP_PACKAGE = "llama-cpp-python==0.3.36"

@@ -46,9 +46,9 @@ def build(args: argparse.Namespace) -> None:
     import importlib.metadata
 
     from tiny_models import TINY_SHAPES, make_tiny_model
-    from vtool.runtime.artifact import installed_versions
-    from vtool.runtime.checkpoint import open_checkpoint
-    from vtool.runtime.default_model import FILENAME, SHA256, default_model_path
+    from vtool.runtime.artifact.library import installed_versions
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+    from vtool.runtime.weights.default_model import FILENAME, SHA256, default_model_path
     from vtool.toolchain.build import build_artifact
 
     out = Path(args.out).resolve()

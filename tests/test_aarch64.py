@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vtool.runtime.checkpoint import open_checkpoint
-from vtool.runtime.manifest import ManifestError
+from vtool.runtime.weights.checkpoint import open_checkpoint
+from vtool.runtime.artifact.manifest import ManifestError
 from vtool.targets import lookup
 from vtool.toolchain import cross_link
 
@@ -158,7 +158,7 @@ def test_run_here_is_refused_by_name(tiny, neon_artifact, tmp_path):
 @needs_zig
 def test_library_whose_manifest_claims_x86_is_never_loaded(tiny, neon_artifact, tmp_path):
     """A manifest edited to claim x86: the library's own ELF header still stops the load."""
-    from vtool.runtime.artifact import CompiledModel
+    from vtool.runtime.artifact.library import CompiledModel
 
     fake = tmp_path / "fake"
     shutil.copytree(neon_artifact, fake)
@@ -195,9 +195,9 @@ def test_zig_link_recipe_loads_and_matches_transformers_on_x86(tiny, monkeypatch
     from transformers import AutoModelForCausalLM
 
     from hf_oracle import greedy
-    from vtool.runtime.artifact import CompiledModel
-    from vtool.runtime.generate import Generator
-    from vtool.runtime.sampling_params import SamplingParams
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.runtime.engine.generate import Generator
+    from vtool.runtime.sampling.params import SamplingParams
     from vtool.toolchain.build import build_artifact
 
     monkeypatch.setattr(cross_link, "host_isa", lambda: "aarch64")  # x86 code counts as foreign now
@@ -228,7 +228,7 @@ def _mixed_format(name: str):
 @needs_zig
 def test_gguf_quantized_build_for_aarch64(tmp_path):
     from quant_gguf import write_tiny_gguf
-    from vtool.runtime.artifact import CompiledModel
+    from vtool.runtime.artifact.library import CompiledModel
     from vtool.toolchain.build import build_artifact
 
     path = write_tiny_gguf(tmp_path / "m.gguf", _mixed_format, tie=True)

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from vtool import VtoolError
-from vtool.runtime.bench_client import (NO_TTFT_ERROR, RequestInput, SSEDecoder, api_base, endpoint_url,
+from vtool.runtime.bench.client import (NO_TTFT_ERROR, RequestInput, SSEDecoder, api_base, endpoint_url,
                                         request_chat_completions, request_completions, request_delays, run_requests)
-from vtool.runtime.bench_cmd import (BenchOptions, BenchPrompt, bench_main, load_dataset_prompts, parse_concurrency,
+from vtool.runtime.bench.command import (BenchOptions, BenchPrompt, bench_main, load_dataset_prompts, parse_concurrency,
                                      parse_goodput, run_bench, synthetic_prompts, word_prompts)
-from vtool.runtime.bench_metrics import RequestRecord, calculate_metrics, latency_stats, peak_rates
+from vtool.runtime.bench.metrics import RequestRecord, calculate_metrics, latency_stats, peak_rates
 
 # ----------------------------------------------------------------------------- metrics: by hand
 
@@ -432,7 +432,7 @@ def test_single_request_timing(server, chat):
     func = request_chat_completions if chat else request_completions
 
     async def go():
-        from vtool.runtime.bench_client import make_client
+        from vtool.runtime.bench.client import make_client
         async with make_client(1) as client:
             return await func(client, inp)
 

@@ -1,4 +1,4 @@
-"""vtool.runtime.checkpoint: safetensors folders and GGUF files -> HF config + HF tensors.
+"""vtool.runtime.weights.checkpoint: safetensors folders and GGUF files -> HF config + HF tensors.
 
 transformers (offline) is the oracle for GGUF: its GGUF loader dequantizes with the same
 gguf-py code and un-permutes Q/K for llama, so our tensors must equal its state_dict.
@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from vtool.runtime.checkpoint import CheckpointError, TensorInfo, open_checkpoint
-from vtool.runtime.gguf_reader import llama3_rope_scaling, unpermute_rows
+from vtool.runtime.weights.checkpoint import CheckpointError, TensorInfo, open_checkpoint
+from vtool.runtime.weights.gguf_reader import llama3_rope_scaling, unpermute_rows
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -192,7 +192,7 @@ def safetensors_dir(tmp: Path, tensors: dict[str, np.ndarray], config: dict | No
 # ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real_gguf() -> Path:
-    from vtool.runtime.default_model import default_model_path
+    from vtool.runtime.weights.default_model import default_model_path
 
     return default_model_path()
 
@@ -474,7 +474,7 @@ def test_runtime_reader_does_not_import_compiler_or_torch(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "llama", kv, to_gguf_tensors("llama", weights, lambda n, a: Q.Q4_K, rng))
     st_dir = safetensors_dir(tmp_path / "st", {"a": np.ones((2, 2), np.float32)})
     code = (
-        "import sys\nfrom vtool.runtime.checkpoint import open_checkpoint\n"
+        "import sys\nfrom vtool.runtime.weights.checkpoint import open_checkpoint\n"
         f"c = open_checkpoint({str(path)!r}); c.config(); c.load('model.layers.0.self_attn.q_proj.weight')\n"
         f"open_checkpoint({str(st_dir)!r}).load('a')\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'tvm')"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vtool.runtime.default_model import default_model_path
+from vtool.runtime.weights.default_model import default_model_path
 
 
 def vtool(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:

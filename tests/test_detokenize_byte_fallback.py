@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from assets import mistral_tokenizer_dir
-from vtool.runtime.tokenizer import Tokenizer
+from vtool.runtime.text.tokenizer import Tokenizer
 
 TEXTS = ["naïve café 😀 €5", "日本語のテキスト", "emoji: 🦙🧪🎉", "Ünïcödé and \u0301 combining", "plain ascii"]
 

@@ -7,10 +7,10 @@ import pytest
 
 from tiny_models import make_tiny_chat_model
 from vtool import VtoolError
-from vtool.runtime.checkpoint import open_checkpoint
-from vtool.runtime.default_model import default_model_path
-from vtool.runtime.engine import Engine, EngineConfig, RequestError
-from vtool.runtime.sampling_params import SamplingParams
+from vtool.runtime.weights.checkpoint import open_checkpoint
+from vtool.runtime.weights.default_model import default_model_path
+from vtool.runtime.engine.engine import Engine, EngineConfig, RequestError
+from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.session import open_session
 from vtool.toolchain.build import build_artifact
 
@@ -175,7 +175,7 @@ def test_refusals_name_the_lengths(session):
 
 def test_prompt_logprobs_survive_a_warm_prefix_cache(session):
     """A prompt whose prefix is cached still gets logprobs for every prompt position."""
-    from vtool.runtime.engine import Engine
+    from vtool.runtime.engine.engine import Engine
 
     ids = session.tokenizer.encode(PROMPTS[2] * 2)
     engine = Engine(session)

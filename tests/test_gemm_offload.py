@@ -13,7 +13,7 @@ import re
 import pytest
 
 from vtool.models.config import parse_hf_config
-from vtool.runtime.tvm_runtime import RuntimeLoadError, load_cublas
+from vtool.runtime.artifact.tvm_runtime import RuntimeLoadError, load_cublas
 from vtool.toolchain.gemm_offload import (EXTERN_SYMBOL, OFFLOADED_FUNCTIONS, GemmChoiceError, count_offloaded,
                                           offload_pass, resolve_gemm)
 

@@ -41,12 +41,12 @@ import torch
 from hf_oracle import load_gguf_model, load_gguf_tokenizer
 from tiny_models import TINY_SHAPES, make_tiny_model
 from vtool import VtoolError
-from vtool.runtime.artifact import CompiledModel
-from vtool.runtime.checkpoint import open_checkpoint
-from vtool.runtime.cuda import GpuInfo, arch_runs_on, artifact_archs, target_for_compute_capability
-from vtool.runtime.generate import Generator
-from vtool.runtime.sampling_params import SamplingParams
-from vtool.runtime.tvm_runtime import DRIVER, RuntimeLoadError, cuda_runtime
+from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.weights.checkpoint import open_checkpoint
+from vtool.runtime.artifact.cuda import GpuInfo, arch_runs_on, artifact_archs, target_for_compute_capability
+from vtool.runtime.engine.generate import Generator
+from vtool.runtime.sampling.params import SamplingParams
+from vtool.runtime.artifact.tvm_runtime import DRIVER, RuntimeLoadError, cuda_runtime
 
 ARTIFACTS_ENV = "VTOOL_GPU_ARTIFACTS"
 INDEX_NAME = "index.json"
@@ -147,7 +147,7 @@ class Artifacts:
 
     def smollm2(self) -> tuple[Path, Path]:
         """(GGUF path, bfloat16 artifact folder)."""
-        from vtool.runtime.default_model import SHA256, default_model_path, sha256_of
+        from vtool.runtime.weights.default_model import SHA256, default_model_path, sha256_of
 
         if self.root is not None:
             entry = self.index.get("smollm2")
@@ -272,8 +272,8 @@ def test_target_for_compute_capability(cc, name):
 
 def _fake_cuda_artifact(folder: Path, archs: list[str]) -> Path:
     """A manifest-only CUDA artifact: every refusal below happens before model.so is read."""
-    from vtool.runtime.artifact import installed_versions
-    from vtool.runtime.manifest import FORMAT_VERSION, write_manifest
+    from vtool.runtime.artifact.library import installed_versions
+    from vtool.runtime.artifact.manifest import FORMAT_VERSION, write_manifest
 
     folder.mkdir(parents=True, exist_ok=True)
     write_manifest(folder, {
@@ -423,7 +423,7 @@ def test_smollm2_bfloat16_generator_matches_transformers(smollm2, index):
 def test_smollm2_bfloat16_engine_batch_matches_transformers(smollm2):
     """The three prompts at once through the continuous-batching engine (batch_prefill,
     batch_decode, KV sized by gpu_memory_utilization): each against transformers."""
-    from vtool.runtime.engine import Engine, EngineConfig, kv_bytes_per_block
+    from vtool.runtime.engine.engine import Engine, EngineConfig, kv_bytes_per_block
 
     session, tokenizer, prompts, refs = smollm2
     free_before, total = session.model.device_memory()
@@ -458,7 +458,7 @@ def _run_engine(engine: Any, prompts: list[list[int]], params_for: Any) -> dict[
 
 
 def _engine_tokens(session, prompts, params_for, device_sampling: bool) -> tuple[dict, Any]:
-    from vtool.runtime.engine import Engine, EngineConfig
+    from vtool.runtime.engine.engine import Engine, EngineConfig
 
     engine = Engine(session, EngineConfig(max_num_seqs=4, enable_prefix_caching=False,
                                           gpu_memory_utilization=0.3, device_sampling=device_sampling))

@@ -1,4 +1,4 @@
-"""Device sampling (models/sampler.py + runtime/gpu_sampler.py) against the host sampler.
+"""Device sampling (models/sampler.py + runtime/sampling/device.py) against the host sampler.
 
 CPU: the sampling functions built for the host through vtool's x86 pipeline, run through the
 vtool runtime (tvm_ffi + libtvm_runtime, CompiledModel's own upload/to_numpy):
@@ -37,11 +37,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vtool import VtoolError
-from vtool.runtime.artifact import CompiledModel
-from vtool.runtime.gpu_sampler import DeviceSampler, can_sample_on_device, sequence_on_device
-from vtool.runtime.sampling import SequenceSampler, make_generator, sample_batch
-from vtool.runtime.sampling_params import SamplingParams, SamplingParamsError
-from vtool.runtime.tvm_runtime import ffi
+from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.sampling.device import DeviceSampler, can_sample_on_device, sequence_on_device
+from vtool.runtime.sampling.host import SequenceSampler, make_generator, sample_batch
+from vtool.runtime.sampling.params import SamplingParams, SamplingParamsError
+from vtool.runtime.artifact.tvm_runtime import ffi
 
 SMALL_V = 1000  # the host's dense nucleus (<= 8192) and one-block draw (<= 4096)
 LARGE_V = 20000  # past both: bucketed nucleus, blocked draw
@@ -496,7 +496,7 @@ def test_cuda_rules_wired():
 
 @pytest.fixture(scope="module")
 def gpu_sampler(tmp_path_factory) -> DeviceSampler:
-    from vtool.runtime.tvm_runtime import cuda_runtime
+    from vtool.runtime.artifact.tvm_runtime import cuda_runtime
 
     try:
         cuda_runtime().gpu(0)
@@ -505,7 +505,7 @@ def gpu_sampler(tmp_path_factory) -> DeviceSampler:
     path = os.environ.get("VTOOL_GPU_SAMPLER_LIBRARY")
     vocab = int(os.environ.get("VTOOL_GPU_SAMPLER_VOCAB", GPU_V))
     if not path:
-        from vtool.runtime.cuda import target_for_compute_capability
+        from vtool.runtime.artifact.cuda import target_for_compute_capability
 
         info = cuda_runtime().gpu(0)
         path = tmp_path_factory.mktemp("sampler-gpu") / "sampler.so"

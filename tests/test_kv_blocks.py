@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from vtool.runtime.kv_blocks import KVBlockManager, OutOfBlocks
-from vtool.runtime.prefix_cache import PrefixCache, block_hashes
+from vtool.runtime.engine.kv_blocks import KVBlockManager, OutOfBlocks
+from vtool.runtime.engine.prefix_cache import PrefixCache, block_hashes
 
 
 class BlockMachine(RuleBasedStateMachine):
@@ -133,8 +133,8 @@ def test_eviction_is_least_recently_used_and_frees_only_unshared_blocks():
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from tiny_models import make_tiny_model
-    from vtool.runtime.artifact import CompiledModel
-    from vtool.runtime.checkpoint import open_checkpoint
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.runtime.weights.checkpoint import open_checkpoint
     from vtool.toolchain.build import build_artifact
 
     folder = make_tiny_model("qwen3-qknorm", tmp_path_factory.mktemp("kv"))
@@ -146,7 +146,7 @@ def tiny_model(tmp_path_factory):
                 min_size=1, max_size=25))
 def test_mirror_agrees_with_tvm(tiny_model, ops):
     """The same random operations on TVM's cache and on the mirror leave the same free-block count."""
-    from vtool.runtime.kv_cache import PagedKVCache
+    from vtool.runtime.engine.kv_cache import PagedKVCache
 
     # TVM's CPU attention kernels are compiled for 16-token pages (see PagedKVCache).
     kv = PagedKVCache(tiny_model, num_blocks=12, block_size=16, max_num_seqs=4, prefill_chunk=64)

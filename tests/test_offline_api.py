@@ -5,7 +5,7 @@ import pytest
 
 from tiny_models import make_tiny_chat_model
 from vtool import LLM, SamplingParams, VtoolError
-from vtool.runtime.default_model import default_model_path
+from vtool.runtime.weights.default_model import default_model_path
 
 
 @pytest.fixture(scope="module")

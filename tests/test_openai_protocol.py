@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from vtool import VtoolError
-from vtool.runtime.openai_errors import (NotFoundError, OpenAIError, error_json, install_error_handlers,
+from vtool.runtime.serving.errors import (NotFoundError, OpenAIError, error_json, install_error_handlers,
                                          validation_message)
-from vtool.runtime.openai_protocol import (MAX_LOGPROBS, ChatCompletionRequest, ChatCompletionResponse,
+from vtool.runtime.serving.protocol import (MAX_LOGPROBS, ChatCompletionRequest, ChatCompletionResponse,
                                            ChatCompletionStreamResponse, CompletionRequest,
                                            CompletionResponse, CompletionStreamResponse, DetokenizeRequest,
                                            ErrorResponse, ModelCard, ModelList, TokenizeRequest,
@@ -213,7 +213,7 @@ def test_valid_chat_requests_parse_and_map(body, defaults):
 
 
 def test_sampling_kwargs_are_sampling_params_fields():
-    sampling_params = pytest.importorskip("vtool.runtime.sampling_params")
+    sampling_params = pytest.importorskip("vtool.runtime.sampling.params")
     fields = {f.name for f in dataclasses.fields(sampling_params.SamplingParams)}
     assert SAMPLING_KEYS <= fields
     for req in (CompletionRequest(prompt="x", max_tokens=-1, stop="\n", logit_bias={"5": 1000.0}, logprobs=2),

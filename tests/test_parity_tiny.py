@@ -9,10 +9,10 @@ import torch
 
 from hf_oracle import greedy
 from tiny_models import TINY_SHAPES, make_tiny_model
-from vtool.runtime.artifact import CompiledModel
-from vtool.runtime.checkpoint import open_checkpoint
-from vtool.runtime.generate import Generator
-from vtool.runtime.sampling_params import SamplingParams
+from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.weights.checkpoint import open_checkpoint
+from vtool.runtime.engine.generate import Generator
+from vtool.runtime.sampling.params import SamplingParams
 from vtool.toolchain.build import build_artifact
 
 TOLERANCE = 1e-4
@@ -57,7 +57,7 @@ def test_greedy_tokens_and_decode_logits_match_transformers(tiny):
 
 def test_chunked_prefill_matches_one_shot(tiny, monkeypatch):
     """A prompt fed in several prefill chunks continues exactly like one fed at once."""
-    import vtool.runtime.generate as generate
+    import vtool.runtime.engine.generate as generate
 
     name, _, gen = tiny
     whole = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))

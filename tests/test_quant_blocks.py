@@ -1,4 +1,4 @@
-"""GGUF block repacking (vtool.runtime.quant_blocks) and the build's choice of which
+"""GGUF block repacking (vtool.runtime.weights.quant_blocks) and the build's choice of which
 weights stay quantized (vtool.models.weights.kept_formats). No compiler involved.
 
 The repacked parts must dequantize to exactly what gguf.quants.dequantize (the code
@@ -19,7 +19,7 @@ from vtool.models import quant_formats
 from vtool.models.config import parse_hf_config
 from vtool.models.weights import expected_source_shapes, kept_formats, plan_parameters, weight_modules
 from vtool.runtime import quant_blocks
-from vtool.runtime.quant_blocks import QuantFormatError, dequantize, repack
+from vtool.runtime.weights.quant_blocks import QuantFormatError, dequantize, repack
 
 Q = gguf.GGMLQuantizationType
 FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -191,14 +191,14 @@ def test_plan_names_the_block_sources():
     assert "quant" not in plan[2] and plan[2]["sources"] == ["model.layers.0.mlp.down_proj.weight"]
 
 
-# --- vtool's light GGUF header reader (runtime/gguf_reader.py GGUFFile) ---------------------------
+# --- vtool's light GGUF header reader (runtime/weights/gguf_reader.py GGUFFile) ---------------------------
 # Here because the quantized path binds through it. Held to gguf.GGUFReader on the default model.
 
 def test_light_gguf_reader_matches_gguf_package():
     import gguf
 
-    from vtool.runtime.default_model import default_model_path
-    from vtool.runtime.gguf_reader import GGML_TYPES, GGUFFile
+    from vtool.runtime.weights.default_model import default_model_path
+    from vtool.runtime.weights.gguf_reader import GGML_TYPES, GGUFFile
 
     for raw, (name, block, size) in GGML_TYPES.items():
         t = gguf.GGMLQuantizationType(raw)

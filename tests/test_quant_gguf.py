@@ -26,11 +26,11 @@ from quant_gguf import K_SHAPE, SHAPE, Q, gguf_name, write_tiny_gguf
 from vtool import VtoolError
 from vtool.models.int8_gemv import FORMATS as INT8_FORMATS
 from vtool.models.int8_gemv import isa_for_target as int8_isa_for
-from vtool.runtime.artifact import CompiledModel
-from vtool.runtime.checkpoint import open_checkpoint
-from vtool.runtime.generate import Generator
-from vtool.runtime.manifest import ManifestError
-from vtool.runtime.sampling_params import SamplingParams
+from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.weights.checkpoint import open_checkpoint
+from vtool.runtime.engine.generate import Generator
+from vtool.runtime.artifact.manifest import ManifestError
+from vtool.runtime.sampling.params import SamplingParams
 from vtool.targets import buildable
 from vtool.toolchain.build import build_artifact
 
@@ -222,7 +222,7 @@ def test_cuda_target_refused_by_name(tmp_path):
 
 
 def test_old_manifest_format_refused(tmp_path):
-    from vtool.runtime.manifest import read_manifest
+    from vtool.runtime.artifact.manifest import read_manifest
 
     (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 1}))
     with pytest.raises(ManifestError, match="manifest format 1; this vtool reads format 2"):

@@ -22,7 +22,7 @@ from tvm import te, tirx  # noqa: E402
 from quant_gguf import quantize  # noqa: E402
 from vtool.models.quant_formats import part_dtype, part_shape, parts  # noqa: E402
 from vtool.models.quantized_linear import matmul_te, take_te  # noqa: E402
-from vtool.runtime.quant_blocks import repack  # noqa: E402
+from vtool.runtime.weights.quant_blocks import repack  # noqa: E402
 from vtool.schedules.cpu import vector_lanes  # noqa: E402
 from vtool.schedules.cpu.quantized import schedule_quantized_matmul  # noqa: E402
 from vtool.targets import buildable  # noqa: E402

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from hf_oracle import greedy, load_gguf_model, load_gguf_tokenizer, q8_0_activations
-from vtool.runtime.checkpoint import open_checkpoint
-from vtool.runtime.default_model import default_model_path
-from vtool.runtime.sampling_params import SamplingParams
+from vtool.runtime.weights.checkpoint import open_checkpoint
+from vtool.runtime.weights.default_model import default_model_path
+from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.session import open_session
 from vtool.toolchain.build import build_artifact
 

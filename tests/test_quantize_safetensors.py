@@ -31,11 +31,11 @@ import torch
 from hf_oracle import greedy
 from tiny_models import make_tiny_model
 from vtool import VtoolError
-from vtool.runtime.artifact import CompiledModel
-from vtool.runtime.checkpoint import open_checkpoint
-from vtool.runtime.generate import Generator
-from vtool.runtime.manifest import ManifestError
-from vtool.runtime.sampling_params import SamplingParams
+from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.weights.checkpoint import open_checkpoint
+from vtool.runtime.engine.generate import Generator
+from vtool.runtime.artifact.manifest import ManifestError
+from vtool.runtime.sampling.params import SamplingParams
 from vtool.toolchain.build import build_artifact
 
 TOLERANCE = 1e-4
@@ -288,7 +288,7 @@ def test_cli_run_builds_and_binds_the_quantized_weights(tmp_path):
     it builds the artifact the API finds in the cache, its text is the API's greedy text on
     that artifact, and the artifact's prompt logits equal transformers' on the same weights."""
     from tiny_models import make_tiny_chat_model
-    from vtool.runtime.default_model import default_model_path
+    from vtool.runtime.weights.default_model import default_model_path
     from vtool.runtime.session import open_session
 
     folder = make_tiny_chat_model(tmp_path / "chat", default_model_path())

@@ -14,9 +14,9 @@ from tiny_models import make_tiny_model
 from vtool import VtoolError
 from vtool.models.config import SUPPORTED_ARCHITECTURES, ConfigError, parse_hf_config
 from vtool.models.weights import WeightPlanError
-from vtool.runtime.artifact import CompiledModel
-from vtool.runtime.checkpoint import open_checkpoint
-from vtool.runtime.manifest import ManifestError
+from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.weights.checkpoint import open_checkpoint
+from vtool.runtime.artifact.manifest import ManifestError
 from vtool.targets import TargetError
 from vtool.toolchain.build import build_artifact
 
@@ -82,7 +82,7 @@ def test_artifact_from_other_versions_is_refused(tiny_dir, tmp_path):
 
 
 def test_artifact_for_a_cpu_tier_this_machine_lacks_is_refused(tiny_dir, monkeypatch):
-    import vtool.runtime.artifact as artifact_mod
+    import vtool.runtime.artifact.library as artifact_mod
 
     artifact = build_artifact(tiny_dir, "x86-avx2")
     monkeypatch.setattr(artifact_mod, "host_cpu_flags", lambda: {"sse2", "avx"})  # a pre-Haswell CPU
@@ -131,8 +131,8 @@ def test_config_parser_only_raises_config_errors(partial):
 
 def test_token_id_outside_vocabulary_is_refused_not_read(tiny_dir):
     """The compiled embedding gather has no bounds check; the runtime refuses the id first."""
-    from vtool.runtime.generate import Generator
-    from vtool.runtime.sampling_params import SamplingParams
+    from vtool.runtime.engine.generate import Generator
+    from vtool.runtime.sampling.params import SamplingParams
 
     gen = Generator(CompiledModel(build_artifact(tiny_dir, "host"), open_checkpoint(tiny_dir)), 64)
     for bad in (512, 10**6, -1):

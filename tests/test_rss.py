@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vtool.runtime.default_model import default_model_path
+from vtool.runtime.weights.default_model import default_model_path
 
 WRAPPER = ("import resource, subprocess, sys; "
            "done = subprocess.run(sys.argv[1:], capture_output=True, text=True); "

@@ -8,14 +8,14 @@ import subprocess
 import sys
 
 from tiny_models import make_tiny_chat_model
-from vtool.runtime.default_model import default_model_path
+from vtool.runtime.weights.default_model import default_model_path
 from vtool.toolchain.build import build_artifact
 
 PROBE = r"""
 import json, sys
-from vtool.runtime.checkpoint import open_checkpoint
-from vtool.runtime.engine import Engine
-from vtool.runtime.sampling_params import SamplingParams
+from vtool.runtime.weights.checkpoint import open_checkpoint
+from vtool.runtime.engine.engine import Engine
+from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.session import open_session
 checkpoint = open_checkpoint(sys.argv[2])
 session = open_session(sys.argv[1], checkpoint, max_model_len=128)

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from vtool import VtoolError
-from vtool.runtime.sampling import SequenceSampler, make_generator, prompt_logprobs, sample_batch
-from vtool.runtime.sampling_params import SamplingParams, SamplingParamsError
+from vtool.runtime.sampling.host import SequenceSampler, make_generator, prompt_logprobs, sample_batch
+from vtool.runtime.sampling.params import SamplingParams, SamplingParamsError
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -279,7 +279,7 @@ def large_row(seed: int, vocab: int, scale: float, ties: bool) -> np.ndarray:
 @given(seed=st.integers(0, 2**32), scale=st.sampled_from([0.5, 3.0, 15.0]), ties=st.booleans(),
        k=st.integers(1, 3000), top_p=st.floats(0.01, 0.999))
 def test_large_vocab_filters_match_sorting(seed, scale, ties, k, top_p):
-    from vtool.runtime.sampling import _nucleus_dense, _nucleus_sorted, _Scratch, _top_k_indices
+    from vtool.runtime.sampling.host import _nucleus_dense, _nucleus_sorted, _Scratch, _top_k_indices
     x = large_row(seed, 20000, scale, ties)
     m = x.max()
     s = _Scratch(x.size)

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from tiny_models import make_tiny_chat_model
-from vtool.runtime.bench_server import free_port
-from vtool.runtime.default_model import default_model_path
+from vtool.runtime.bench.local_server import free_port
+from vtool.runtime.weights.default_model import default_model_path
 
 KEY = "test-key"
 MODEL = "tiny-chat"

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from hf_oracle import greedy, load_gguf_model, load_gguf_tokenizer
-from vtool.runtime.artifact import CompiledModel
-from vtool.runtime.checkpoint import open_checkpoint
-from vtool.runtime.default_model import default_model_path
-from vtool.runtime.sampling_params import SamplingParams
+from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.weights.checkpoint import open_checkpoint
+from vtool.runtime.weights.default_model import default_model_path
+from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.session import open_session
 from vtool.toolchain.build import build_artifact
 
@@ -72,7 +72,7 @@ def test_our_tokenizer_and_template_match_transformers(session, gguf_path):
 def test_artifact_refuses_another_config(gguf_path, tmp_path):
     """An artifact is bound to the config it was built for: a tiny model is refused by name."""
     from tiny_models import make_tiny_model
-    from vtool.runtime.manifest import ManifestError
+    from vtool.runtime.artifact.manifest import ManifestError
 
     checkpoint = open_checkpoint(gguf_path)
     artifact = build_artifact(gguf_path, "host", "float32", checkpoint=checkpoint, activations="none")

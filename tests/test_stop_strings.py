@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vtool import VtoolError
-from vtool.runtime.stop_strings import StopStringMatcher
+from vtool.runtime.sampling.stop_strings import StopStringMatcher
 
 # A small alphabet so stop strings actually occur, overlap and prefix each other; with
 # multi-code-point and astral characters for unicode.

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vtool import VtoolError
-from vtool.runtime.chat_template import ChatTemplateError, render_chat_template, select_chat_template
-from vtool.runtime.stop_ids import stop_token_ids
-from vtool.runtime.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer, TokenizerError
+from vtool.runtime.text.chat_template import ChatTemplateError, render_chat_template, select_chat_template
+from vtool.runtime.text.stop_ids import stop_token_ids
+from vtool.runtime.text.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer, TokenizerError
 
 try:  # tests/ on sys.path (conftest) or tests as a package
     import assets
@@ -66,7 +66,7 @@ def qwen3_tok() -> Tokenizer:
 
 @functools.lru_cache(maxsize=None)
 def default_gguf() -> Path:
-    from vtool.runtime.default_model import default_model_path
+    from vtool.runtime.weights.default_model import default_model_path
 
     return default_model_path()
 
@@ -417,7 +417,7 @@ def test_missing_tokenizer_json_is_refused(tmp_path: Path) -> None:
 def test_run_tokenize_prints_ids_and_count(tmp_path: Path) -> None:
     from rich.console import Console
 
-    from vtool.runtime.tokenize_cmd import run_tokenize, tokenize_file
+    from vtool.runtime.text.tokenize_cmd import run_tokenize, tokenize_file
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("Hello world! 12345 你好 🦙\n" * 50, encoding="utf-8")

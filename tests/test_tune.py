@@ -19,10 +19,10 @@ import pytest
 from click.testing import CliRunner
 from quant_gguf import Q, write_tiny_gguf
 
-from vtool.runtime.artifact import CompiledModel
-from vtool.runtime.checkpoint import open_checkpoint
-from vtool.runtime.generate import Generator
-from vtool.runtime.sampling_params import SamplingParams
+from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.weights.checkpoint import open_checkpoint
+from vtool.runtime.engine.generate import Generator
+from vtool.runtime.sampling.params import SamplingParams
 from vtool.toolchain import records as rec_mod
 from vtool.toolchain.build import build_artifact
 from vtool.toolchain.records import RecordSet, apply_trace, dispatch, read_record, specialize, write_record

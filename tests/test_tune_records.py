@@ -77,7 +77,7 @@ def test_extraction_follows_the_builds_gemm_choice(tiny_bf16):
 
 
 def test_shipped_x86_records_match_the_default_models_builds():
-    from vtool.runtime.default_model import default_model_path
+    from vtool.runtime.weights.default_model import default_model_path
 
     shipped = _shipped("x86-avx2")
     assert shipped, "no x86-avx2 records shipped"

@@ -4,10 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vtool.runtime.checkpoint import open_checkpoint
-from vtool.runtime.default_model import default_model_path
-from vtool.runtime.engine import EngineConfig
-from vtool.runtime.offline import OfflineLLM
+from vtool.runtime.weights.checkpoint import open_checkpoint
+from vtool.runtime.weights.default_model import default_model_path
+from vtool.runtime.engine.engine import EngineConfig
+from vtool.runtime.engine.offline import OfflineLLM
 from vtool.runtime.session import open_session
 from vtool.toolchain.build import build_artifact
 

@@ -23,9 +23,9 @@ from typing import Any, Callable
 from vtool import VtoolError
 from vtool.models.config import ModelConfig, parse_hf_config, source_config
 from vtool.models.weights import check_checkpoint_shapes, kept_formats, plan_parameters
-from vtool.runtime.artifact import installed_versions
-from vtool.runtime.checkpoint import Checkpoint, open_checkpoint
-from vtool.runtime.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, ManifestError, read_manifest, write_manifest
+from vtool.runtime.artifact.library import installed_versions
+from vtool.runtime.weights.checkpoint import Checkpoint, open_checkpoint
+from vtool.runtime.artifact.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, ManifestError, read_manifest, write_manifest
 from vtool.runtime.paths import artifact_cache
 from vtool.targets import TargetSpec, buildable
 from vtool.toolchain.quantize import SCHEMES, plan_formats, quantized_sources, source_key, write_weights
@@ -45,7 +45,7 @@ _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 _COMPILER_SOURCES = ("models", "schedules", "targets", "toolchain/pipeline.py", "toolchain/build.py",
                      "toolchain/cuda.py", "toolchain/gemm_offload.py", "toolchain/native/cublas_gemm.cc",
                      "toolchain/flashinfer_attention.py", "toolchain/quantize.py",
-                     "runtime/quant_blocks.py")  # the block layout the kernels are compiled for
+                     "runtime/weights/quant_blocks.py")  # the block layout the kernels are compiled for
 
 Progress = Callable[[str], None]
 
@@ -340,7 +340,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
         "seconds": {"export_tvm": round(t_export, 2), "tvm.compile (incl. nvcc)": round(t_compile, 2),
                     "nvcc": record.pop("nvcc_seconds", 0.0), "export_library": round(t_link, 2)},
     })
-    from vtool.runtime.gpu_sampler import FUNCTIONS as SAMPLER_FUNCTIONS
+    from vtool.runtime.sampling.device import FUNCTIONS as SAMPLER_FUNCTIONS
 
     return {"params": params, "entry_points": entry_points, "pipeline": describe("cuda", gemm), "cuda": record,
             "sampler": list(SAMPLER_FUNCTIONS), "tuning": records.summary()}

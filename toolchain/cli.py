@@ -40,7 +40,7 @@ def resolve_model(model: str | None) -> Path:
     """--model, or the embedded default (SmolLM2-135M-Instruct Q4_1), fetched on first use."""
     if model:
         return Path(model)
-    from vtool.runtime.default_model import default_model_path
+    from vtool.runtime.weights.default_model import default_model_path
 
     with console.status("fetching the default model (SmolLM2-135M-Instruct Q4_1, 98 MB)"):
         return default_model_path()
@@ -115,7 +115,7 @@ def _runtime_process(threads: int | None) -> None:
     memory and seconds of start-up that running a compiled model never uses: a None entry in
     sys.modules makes that import fail fast. Only when torch is not imported already (the
     Python API inside a torch program keeps it)."""
-    from vtool.runtime.tvm_runtime import apply_cpu_threads, block_torch_import
+    from vtool.runtime.artifact.tvm_runtime import apply_cpu_threads, block_torch_import
 
     apply_cpu_threads(threads)
     block_torch_import()
@@ -202,7 +202,7 @@ def run(model: str | None, target: str, dtype: str, prompt: str, tokenizer_confi
         threads: int | None) -> None:
     """Generate text from a prompt (builds the model on first use)."""
     _runtime_process(threads)
-    from vtool.runtime.checkpoint import open_checkpoint
+    from vtool.runtime.weights.checkpoint import open_checkpoint
     from vtool.runtime.run_cmd import RunOptions, run_completion
 
     model_path = resolve_model(model)
@@ -257,10 +257,10 @@ def serve(model: str | None, target: str, dtype: str, host: str, port: int, serv
           threads: int | None) -> None:
     """Serve an OpenAI-compatible API (builds the model on first use)."""
     _runtime_process(threads)
-    from vtool.runtime.checkpoint import open_checkpoint
-    from vtool.runtime.engine import EngineConfig
-    from vtool.runtime.serve_cmd import ServeOptions
-    from vtool.runtime.serve_cmd import serve as run_server
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+    from vtool.runtime.engine.engine import EngineConfig
+    from vtool.runtime.serving.serve_cmd import ServeOptions
+    from vtool.runtime.serving.serve_cmd import serve as run_server
 
     for flag, on, why in (("--trust-remote-code", trust_remote_code, "vtool runs no code from checkpoints"),
                           ("--enable-auto-tool-choice", enable_auto_tool_choice, "tool calling is not served yet")):
@@ -312,11 +312,11 @@ def bench(model: str | None, url: str | None, endpoint: str, dataset_path: str |
     """Measure serving throughput and latency (TTFT, TPOT, ITL, E2EL) as vLLM defines them.
     --threads applies to the local server it starts (passed on as VTOOL_CPU_THREADS)."""
     if threads is not None:
-        from vtool.runtime.tvm_runtime import apply_cpu_threads
+        from vtool.runtime.artifact.tvm_runtime import apply_cpu_threads
 
         apply_cpu_threads(threads)  # the local server process inherits VTOOL_CPU_THREADS
-    from vtool.runtime.bench_cmd import BenchOptions, bench_main, parse_concurrency
-    from vtool.runtime.bench_server import local_server
+    from vtool.runtime.bench.command import BenchOptions, bench_main, parse_concurrency
+    from vtool.runtime.bench.local_server import local_server
 
     levels = parse_concurrency(concurrency)
     opts = BenchOptions(model=model if url else None, url=url or "", endpoint=endpoint, dataset_path=dataset_path,
@@ -387,7 +387,7 @@ def tune(model: str | None, target: str, dtype: str, trials: int, budget_minutes
 @click.argument("corpus", type=click.Path(exists=True, dir_okay=False))
 def tokenize(tokenizer: str, corpus: str) -> None:
     """Tokenize CORPUS with TOKENIZER (tokenizer.json, a model folder, or model.gguf): counts and ids."""
-    from vtool.runtime.tokenize_cmd import run_tokenize
+    from vtool.runtime.text.tokenize_cmd import run_tokenize
 
     sys.exit(run_tokenize(tokenizer, corpus, out))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from vtool import VtoolError
-from vtool.runtime.library_arch import host_machine, normalize
+from vtool.runtime.artifact.library_arch import host_machine, normalize
 from vtool.targets import TargetSpec
 
 INSTALL_HINT = "pip install 'vtool[cross]'  (the ziglang package: zig cc links for aarch64)"

@@ -37,9 +37,9 @@ from vtool import VtoolError
 from vtool.models.config import ModelConfig
 from vtool.models.quant_formats import keepable
 from vtool.models.weights import weight_modules
-from vtool.runtime.checkpoint import Checkpoint
-from vtool.runtime.default_model import sha256_of
-from vtool.runtime.weights_file import STORED_DTYPES, WEIGHTS_NAME, source_fingerprint
+from vtool.runtime.weights.checkpoint import Checkpoint
+from vtool.runtime.weights.default_model import sha256_of
+from vtool.runtime.weights.weights_file import STORED_DTYPES, WEIGHTS_NAME, source_fingerprint
 
 # --quantization value -> the GGML type of its linear weights
 SCHEMES: dict[str, str] = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0"}
@@ -74,7 +74,7 @@ def quantized_sources(c: ModelConfig, kept: dict[str, str]) -> dict[str, str]:
 
 def source_key(ckpt: Checkpoint, sources: dict[str, str]) -> str:
     """What the build cache key adds for weights quantized into the artifact: the content
-    fingerprint (runtime/weights_file.py) and each data file's size and modification time,
+    fingerprint (runtime/weights/weights_file.py) and each data file's size and modification time,
     so that no edit of the checkpoint ever reuses blocks made from its old weights."""
     h = hashlib.sha256(source_fingerprint(ckpt, sources).encode())
     for f in sorted(Path(ckpt.path).glob("*.safetensors*")):

@@ -87,7 +87,7 @@ def extract_kernels(model_path: str | Path, target_name: str, dtype: str = "floa
     structural hashes, and a build would find no record for them."""
     from vtool.models.config import parse_hf_config
     from vtool.models.weights import check_checkpoint_shapes
-    from vtool.runtime.checkpoint import open_checkpoint
+    from vtool.runtime.weights.checkpoint import open_checkpoint
     from vtool.targets import buildable
     from vtool.toolchain.build import model_module, resolve_activations, resolve_quantization
     from vtool.toolchain.flashinfer_attention import resolve_attention
@@ -226,7 +226,7 @@ def same_threads_as_runtime() -> int:
     kernels (the physical cores, or --threads / VTOOL_CPU_THREADS): TVM's own default is
     one thread on a 2-core x86 machine, and a kernel tuned for one thread can be several
     times slower on two. TVM's thread pool reads the count at its first parallel kernel."""
-    from vtool.runtime.tvm_runtime import apply_cpu_threads
+    from vtool.runtime.artifact.tvm_runtime import apply_cpu_threads
 
     return apply_cpu_threads(None)
 

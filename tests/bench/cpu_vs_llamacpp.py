@@ -23,7 +23,7 @@ vtool's figures, measured in a worker (`--worker`, run with VTOOL_CPU_THREADS=--
                entry point, embed included, each step's logits to the host and argmax there
                (the model step with greedy host sampling): 128 / seconds, mean of --reps
                (llama-bench: 128 one-token steps from an empty context, no sampling);
-  tg128_engine the same 128 steps as the engine runs them (vtool.runtime.engine.Engine: scheduler,
+  tg128_engine the same 128 steps as the engine runs them (vtool.runtime.engine.engine.Engine: scheduler,
                KV-block bookkeeping, the host sampler, incremental detokenization), greedy,
                ignore_eos, a 1-token prompt, timed from the first generated token to the 129th.
 Each worker first warms up (one prefill, a few decode steps), as llama-bench does.
@@ -56,7 +56,7 @@ def worker(artifact: str, model: str, reps: int, engine_too: bool) -> dict[str, 
     measures pp512, tg128 and tg128_engine; returns the figures (t/s per repetition)."""
     import numpy as np
 
-    from vtool.runtime.checkpoint import open_checkpoint
+    from vtool.runtime.weights.checkpoint import open_checkpoint
     from vtool.runtime.session import open_session
 
     t0 = time.perf_counter()
@@ -88,8 +88,8 @@ def worker(artifact: str, model: str, reps: int, engine_too: bool) -> dict[str, 
                            "pp512": [round(pp(), 2) for _ in range(reps)],
                            "tg128": [round(tg(), 2) for _ in range(reps)]}
     if engine_too:
-        from vtool.runtime.engine import Engine, EngineConfig
-        from vtool.runtime.sampling_params import SamplingParams
+        from vtool.runtime.engine.engine import Engine, EngineConfig
+        from vtool.runtime.sampling.params import SamplingParams
 
         engine = Engine(session, EngineConfig(max_num_seqs=1, enable_prefix_caching=False,
                                               max_model_len=N_PROMPT + N_GEN + 16))

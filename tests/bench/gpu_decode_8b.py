@@ -113,7 +113,7 @@ def profile_kernels(name: str, run, weight_bytes: int, steps: int = 16) -> None:
 def decode_timer(model, gen, prompt: int = 128):  # noqa: ANN001, ANN201 - () -> seconds per step
     """Seconds per batch-1 `decode` step after a `prompt`-token prefill: the model step
     alone, the host synchronised once per loop (the timer's argument: steps)."""
-    from vtool.runtime.tvm_runtime import global_func
+    from vtool.runtime.artifact.tvm_runtime import global_func
 
     sync = global_func("runtime.Device_StreamSync")
     S = model.ffi.Shape
@@ -137,8 +137,8 @@ def decode_timer(model, gen, prompt: int = 128):  # noqa: ANN001, ANN201 - () ->
 def batch_decode_timer(model, batch: int, tokens: int = 384):  # noqa: ANN001, ANN201 - (steps) -> s/step
     """Seconds per `batch_decode` step of `batch` one-token sequences (a fresh paged cache
     with room for `tokens` steps, warm-up steps included, per sequence)."""
-    from vtool.runtime.kv_cache import PagedKVCache
-    from vtool.runtime.tvm_runtime import global_func
+    from vtool.runtime.engine.kv_cache import PagedKVCache
+    from vtool.runtime.artifact.tvm_runtime import global_func
 
     sync = global_func("runtime.Device_StreamSync")
     S = model.ffi.Shape
@@ -168,11 +168,11 @@ def batch_decode_timer(model, batch: int, tokens: int = 384):  # noqa: ANN001, A
 
 
 def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool = False) -> None:
-    from vtool.runtime.artifact import CompiledModel
-    from vtool.runtime.checkpoint import open_checkpoint
-    from vtool.runtime.generate import Generator
-    from vtool.runtime.sampling_params import SamplingParams
-    from vtool.runtime.tvm_runtime import global_func
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+    from vtool.runtime.engine.generate import Generator
+    from vtool.runtime.sampling.params import SamplingParams
+    from vtool.runtime.artifact.tvm_runtime import global_func
 
     t = time.perf_counter()
     model = CompiledModel(artifact, open_checkpoint(checkpoint_dir))
@@ -251,9 +251,9 @@ def logits_check(artifact: Path, checkpoint_dir: Path, n: int = 128) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from vtool.runtime.artifact import CompiledModel
-    from vtool.runtime.checkpoint import open_checkpoint
-    from vtool.runtime.generate import Generator
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+    from vtool.runtime.engine.generate import Generator
 
     ids = list(range(1000, 1000 + n))
     model = CompiledModel(artifact, open_checkpoint(checkpoint_dir))

@@ -38,9 +38,9 @@ BATCHES = (8, 32)
 
 
 def load(artifact: Path, checkpoint: Path):  # noqa: ANN201 - (CompiledModel, Generator)
-    from vtool.runtime.artifact import CompiledModel
-    from vtool.runtime.checkpoint import open_checkpoint
-    from vtool.runtime.generate import Generator
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+    from vtool.runtime.engine.generate import Generator
 
     model = CompiledModel(artifact, open_checkpoint(checkpoint))
     return model, Generator(model, max_model_len=4096)
@@ -49,8 +49,8 @@ def load(artifact: Path, checkpoint: Path):  # noqa: ANN201 - (CompiledModel, Ge
 def batch_decode_logits(model, batch: int) -> np.ndarray:  # noqa: ANN001
     """Float32 logits [batch, vocab] of one `batch_decode` step: `batch` fresh sequences,
     each given a different token (the step that runs the decode-bucket kernels)."""
-    from vtool.runtime.kv_cache import PagedKVCache
-    from vtool.runtime.tvm_runtime import global_func
+    from vtool.runtime.engine.kv_cache import PagedKVCache
+    from vtool.runtime.artifact.tvm_runtime import global_func
 
     kv = PagedKVCache(model, num_blocks=batch * 2 + 8, block_size=16, max_num_seqs=batch, prefill_chunk=2048)
     for seq in range(batch):
@@ -65,7 +65,7 @@ def batch_decode_logits(model, batch: int) -> np.ndarray:  # noqa: ANN001
 
 
 def same_answer(builds: dict[str, tuple], steps: int = 32) -> None:
-    from vtool.runtime.sampling_params import SamplingParams
+    from vtool.runtime.sampling.params import SamplingParams
 
     prompt = list(range(1000, 1128))
     tokens, logits = {}, {}

@@ -8,7 +8,7 @@ What it does, all cached and idempotent:
      with cmake, Release, GGML_NATIVE=ON, in $VTOOL_LLAMACPP_DIR (else <vtool cache>/llamacpp/<version>);
      no llama.cpp code ever enters the repository;
   2. prepares the GGUF files to measure:
-       * smollm2-135m-q4_1: the default model exactly as vtool fetches it (runtime/default_model.py);
+       * smollm2-135m-q4_1: the default model exactly as vtool fetches it (runtime/weights/default_model.py);
        * smollm2-135m-q8_0: the same weights re-quantized to Q8_0 (see `make_smollm2_q8_0`);
        * qwen3-0.6b-q4_1 / qwen3-0.6b-q8_0: Qwen3-0.6B-shaped, random weights (speed does not
          depend on the values), written with the `gguf` package; tokenizer.* fields copied from
@@ -51,8 +51,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from membw import OtherLoad, own_sched_group, wait_quiet  # noqa: E402
 
-from vtool.runtime.default_model import SHA256 as DEFAULT_MODEL_SHA256
-from vtool.runtime.default_model import default_model_path, sha256_of
+from vtool.runtime.weights.default_model import SHA256 as DEFAULT_MODEL_SHA256
+from vtool.runtime.weights.default_model import default_model_path, sha256_of
 from vtool.runtime.paths import cache_root
 
 LCP_VERSION = "0.3.36"  # latest llama-cpp-python on PyPI when written (2026-11)

@@ -70,8 +70,8 @@ def profile(model, prompt: list[int], steps: int = 8) -> dict[str, dict[str, flo
     decode step (the mean over `steps` steps), from the VM's instrument hook."""
     import tvm_ffi
 
-    from vtool.runtime.generate import Generator
-    from vtool.runtime.sampling_params import SamplingParams
+    from vtool.runtime.engine.generate import Generator
+    from vtool.runtime.sampling.params import SamplingParams
 
     totals: dict[str, float] = defaultdict(float)
     starts: dict[str, float] = {}
@@ -123,11 +123,11 @@ def main() -> None:
     same_threads_as_runtime()  # the kernel timings below on the runtime's thread count
     import numpy as np
 
-    from vtool.runtime.artifact import CompiledModel
-    from vtool.runtime.checkpoint import open_checkpoint
-    from vtool.runtime.default_model import default_model_path
-    from vtool.runtime.generate import Generator
-    from vtool.runtime.sampling_params import SamplingParams
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+    from vtool.runtime.weights.default_model import default_model_path
+    from vtool.runtime.engine.generate import Generator
+    from vtool.runtime.sampling.params import SamplingParams
     from vtool.toolchain import records as rec_mod
     from vtool.toolchain.build import build_artifact
 

@@ -1,0 +1,242 @@
+"""Load a compiled artifact (model.so + manifest.json) and bind a checkpoint's weights.
+
+Every check that can refuse runs before the library is loaded: the manifest format,
+the versions it was built with, the instruction set of its code (runtime/artifact/library_arch.py:
+an aarch64 library is never dlopen'ed on x86-64), the CPU features it needs (x86, arm) or the GPU's
+compute capability against the archs it holds code for (CUDA), the checkpoint's config
+against the one it was built for, and each source tensor's shape.
+
+The target family picks the device: an x86 or arm artifact runs on the CPU, a CUDA one on
+cuda:0 (weights live there; logits come back to the host through `to_numpy`).
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+import vtool
+from vtool.runtime.weights.checkpoint import Checkpoint
+from vtool.runtime.artifact.library_arch import check_library_runs_here, check_target_runs_here
+from vtool.runtime.artifact.manifest import LIBRARY_NAME, ManifestError, read_manifest, source_config_mismatches
+from vtool.runtime.weights.quant_blocks import repack
+from vtool.runtime.weights.transforms import apply_transform
+from vtool.runtime.artifact.tvm_runtime import cuda_runtime, ffi, global_func, load_cublas
+from vtool.runtime.weights.weights_file import WeightsFile, check_source
+
+_DL_CPU = 1
+_DL_CUDA = 2
+_POOLED_ALLOCATOR = 2
+# Target family -> (tvm_ffi device type, DLPack device type).
+DEVICES = {"x86": ("cpu", _DL_CPU), "arm": ("cpu", _DL_CPU), "cuda": ("cuda", _DL_CUDA)}
+CUDA_DEVICE_INDEX = 0  # the first visible GPU (CUDA_VISIBLE_DEVICES picks which)
+
+
+def installed_versions() -> dict[str, str | None]:
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {"vtool": vtool.__version__, "tvm": version("apache-tvm"), "tvm_ffi": version("apache-tvm-ffi")}
+
+
+def host_cpu_flags() -> set[str]:
+    """CPU feature flags as Linux reports them (the kernel hides what the OS does not enable)."""
+    from vtool.targets.host import linux_cpu_flags
+
+    return set(linux_cpu_flags())
+
+
+def check_compatible(manifest: dict[str, Any], checkpoint: Checkpoint | None) -> None:
+    """Refuse, with the reason, an artifact that must not be loaded here or with this checkpoint."""
+    built, have = manifest["versions"], installed_versions()
+    for key in ("vtool", "tvm_ffi"):
+        if built.get(key) != have.get(key):
+            raise ManifestError(f"artifact built with {key} {built.get(key)}, this runtime has {have.get(key)}; rebuild it")
+    if have.get("tvm") is not None and built.get("tvm") != have["tvm"]:
+        raise ManifestError(f"artifact built with TVM {built.get('tvm')}, this runtime has TVM {have['tvm']}; rebuild it")
+    target = manifest["target"]
+    check_target_runs_here(target)  # another ISA's code: refused by name before any flag check
+    if target.get("family") in ("x86", "arm"):
+        missing = sorted(set(target.get("requires_cpu", [])) - host_cpu_flags())
+        if missing:
+            raise ManifestError(
+                f"artifact targets {target['name']}, which this CPU cannot execute (missing {', '.join(missing)}); "
+                "build for --target host"
+            )
+    elif target.get("family") == "cuda":
+        check_gpu(target)
+    else:
+        raise ManifestError(f"artifact targets {target.get('name')} (family {target.get('family')!r}); "
+                            f"this runtime runs {' and '.join(DEVICES)} artifacts")
+    if checkpoint is not None:
+        diffs = source_config_mismatches(manifest["source_config"], checkpoint.config())
+        if diffs:
+            raise ManifestError(f"artifact was built for another config ({checkpoint.path}): " + "; ".join(diffs))
+        if "weights_file" in manifest:  # weights quantized at build: from this checkpoint only
+            check_source(manifest["weights_file"], checkpoint)
+
+
+def check_gpu(target: dict[str, Any]) -> Any:
+    """The GPU a CUDA artifact will run on (a vtool.runtime.artifact.cuda.GpuInfo), refusing by name
+    when the CUDA runtime cannot load, there is no GPU, or the artifact holds no code for it."""
+    from vtool.runtime.artifact.cuda import check_archs_cover
+
+    gpu = cuda_runtime().gpu(CUDA_DEVICE_INDEX)
+    check_archs_cover(target, gpu)
+    return gpu
+
+
+class CompiledModel:
+    """The Relax VM over one artifact, with its weights bound in manifest order."""
+
+    def __init__(self, folder: Path, checkpoint: Checkpoint, progress: Callable[[int, int], None] | None = None):
+        self.folder = Path(folder)
+        self.manifest = read_manifest(self.folder)
+        check_compatible(self.manifest, checkpoint)
+        self.ffi = ffi()
+        self.device_type, dl_type = DEVICES[self.manifest["target"]["family"]]
+        self.device_index = CUDA_DEVICE_INDEX if self.device_type == "cuda" else 0
+        self.device = self.ffi.device(self.device_type, self.device_index)
+        self._staging: dict[tuple[str, str], tuple[Any, int]] = {}
+        if self.manifest.get("gemm") == "cublas":
+            load_cublas()  # refuse here, by name, rather than at the first prefill
+        check_library_runs_here(self.folder / LIBRARY_NAME)  # never dlopen another machine's code
+        library = self.ffi.load_module(str(self.folder / LIBRARY_NAME))
+        self.vm = library["vm_load_executable"]()
+        if self.device_type == "cpu":
+            self.vm["vm_initialization"](_DL_CPU, 0, _POOLED_ALLOCATOR)
+        else:  # (device type, index, allocator) per device, the host last
+            self.vm["vm_initialization"](dl_type, self.device_index, _POOLED_ALLOCATOR, _DL_CPU, 0, _POOLED_ALLOCATOR)
+        t = time.perf_counter()
+        self.params = self.ffi.convert(self._bind(checkpoint, progress))
+        self.load_seconds = time.perf_counter() - t
+        self.dtype: str = self.manifest["dtype"]
+        self.hidden_size: int = self.manifest["config"]["hidden_size"]
+        self.vocab_size: int = self.manifest["config"]["vocab_size"]
+        self._fns = {name: self.vm[name] for name in self.manifest["entry_points"]}
+
+    def function(self, name: str) -> Any:
+        return self._fns[name]
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device_type != "cpu"
+
+    def upload(self, array: np.ndarray, dtype: str | None = None, slot: str | None = None) -> Any:
+        """Copy into a TVM-allocated tensor on the model's device: TVM kernels assume 64-byte
+        alignment, which zero-copy numpy buffers do not give (AVX-512 code crashed on them).
+
+        `slot` names a per-step input (token ids, logit positions): on a GPU its device
+        buffer is kept and reused (a view of the needed shape), sparing a cudaMalloc and a
+        synchronizing cudaFree every step. A slot's previous tensor must be dead by then,
+        which holds for inputs consumed by the call they are made for."""
+        array = np.ascontiguousarray(array)
+        dtype = dtype or str(array.dtype)
+        if slot is not None and self.on_gpu:
+            tensor = self._staged(slot, array.shape, dtype, array.size)
+        else:
+            tensor = global_func("runtime.TVMTensorAllocWithScope")(
+                self.ffi.Shape(array.shape), dtype, self.device, None)
+        global_func("runtime.TVMTensorCopyFromBytes")(tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes)
+        return tensor
+
+    def _staged(self, slot: str, shape: tuple[int, ...], dtype: str, size: int) -> Any:
+        buffer, capacity = self._staging.get((slot, dtype), (None, 0))
+        if buffer is None or capacity < size:
+            capacity = max(64, 1 << max(0, size - 1).bit_length())  # elements, a power of two
+            buffer = global_func("runtime.TVMTensorAllocWithScope")(
+                self.ffi.Shape([capacity]), dtype, self.device, None)
+            self._staging[(slot, dtype)] = (buffer, capacity)
+        return global_func("runtime.TVMTensorCreateView")(buffer, self.ffi.Shape(list(shape)), dtype, 0)
+
+    def to_numpy(self, tensor: Any) -> np.ndarray:
+        """A TVM tensor's values on the host. CPU: a zero-copy view (copy it to keep it past
+        the next call); GPU: a fresh array (TVMTensorCopyToBytes waits for the copy)."""
+        if not self.on_gpu:
+            return np.from_dlpack(tensor)
+        dtype = str(tensor.dtype)
+        out = np.empty(tuple(int(d) for d in tensor.shape), dtype=_numpy_dtype(dtype))
+        global_func("runtime.TVMTensorCopyToBytes")(tensor, ctypes.c_void_p(out.ctypes.data), out.nbytes)
+        return out
+
+    def device_memory(self) -> tuple[int, int] | None:
+        """(free, total) bytes on the model's GPU now; None on the CPU."""
+        if not self.on_gpu:
+            return None
+        return cuda_runtime().mem_get_info(self.device_index)
+
+    def _bind(self, checkpoint: Checkpoint, progress: Callable[[int, int], None] | None) -> list[Any]:
+        plan = self.manifest["params"]
+        # Blocks come from the checkpoint (a GGUF file's own) or from the artifact's weights
+        # file (quantized at build time from a float checkpoint).
+        record = self.manifest.get("weights_file")
+        source = WeightsFile(self.folder, record) if record else checkpoint
+        check_sources(plan, checkpoint, source)
+        blocks = _BlockCache(source)
+        bound = []
+        for i, entry in enumerate(plan):
+            if "quant" in entry:
+                arrays = [blocks.part(src, entry["quant"]["part"]) for src in entry["sources"]]
+            else:
+                arrays = [checkpoint.load(src, dtype=entry["dtype"]) for src in entry["sources"]]
+            value = apply_transform(entry["transform"], arrays)
+            if list(value.shape) != entry["shape"] or str(value.dtype) != entry["dtype"]:
+                raise ManifestError(
+                    f"{checkpoint.path}: {entry['name']!r} made from {entry['sources']} is {value.dtype} "
+                    f"{list(value.shape)}, the library expects {entry['dtype']} {entry['shape']}")
+            bound.append(self.upload(value, entry["dtype"]))
+            del arrays, value
+            if progress:
+                progress(i + 1, len(plan))
+        return bound
+
+
+def check_sources(plan: list[dict[str, Any]], checkpoint: Checkpoint, blocks: Any = None) -> None:
+    """Refuse, before anything is read, a missing source tensor or one stored in another
+    block format than the library's kernels were compiled for. `blocks` (default: the
+    checkpoint) holds the quantized parts' sources."""
+    blocks = blocks if blocks is not None else checkpoint
+    for entry in plan:
+        want = entry.get("quant", {}).get("format")
+        holder = checkpoint if want is None else blocks
+        available = holder.tensors()
+        for src in entry["sources"]:
+            if src not in available:
+                raise ManifestError(f"{holder.path}: missing tensor {src!r} needed by {entry['name']!r}")
+            if want is not None and available[src].dtype != want:
+                raise ManifestError(
+                    f"{holder.path}: tensor {src!r} is stored as {available[src].dtype}, but this artifact "
+                    f"was built to keep it as {want} blocks; rebuild for this file, or with --quantization none")
+
+
+class _BlockCache:
+    """Repacked parts of the sources of the weight being bound: its 2-3 parts are
+    consecutive parameters, so each source is repacked once and then dropped."""
+
+    def __init__(self, checkpoint: Any):  # a Checkpoint or a WeightsFile
+        self.checkpoint = checkpoint
+        self.repacked: dict[str, dict[str, np.ndarray]] = {}
+
+    def part(self, source: str, part: str) -> np.ndarray:
+        if source not in self.repacked:
+            if len(self.repacked) >= 4:  # q|k|v is the widest fused weight
+                self.repacked.clear()
+            fmt, raw = self.checkpoint.load_blocks(source)
+            cols = self.checkpoint.tensors()[source].shape[-1]
+            self.repacked[source] = repack(fmt, raw, cols)
+        return self.repacked[source][part]
+
+
+def _numpy_dtype(dtype: str) -> np.dtype:
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)

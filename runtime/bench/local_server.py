@@ -1,0 +1,62 @@
+"""`vtool bench` without --url: start `vtool serve` on a free local port, measure it over
+HTTP like any other server, and stop it afterwards."""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+from rich.console import Console
+
+from vtool import VtoolError
+from vtool.runtime.text.tokenizer import Tokenizer
+
+STARTUP_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_server(model_path: Path, target: str, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_blocks: int | None, console: Console) -> Iterator[tuple[str, Tokenizer]]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vtool.toolchain.cli", "serve", "--model", str(model_path), "--target", target,
+           "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
+           "--max-num-batched-tokens", str(max_num_batched_tokens), "--disable-log-requests"]
+    if num_blocks:
+        cmd += ["--num-blocks", str(num_blocks)]
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vtool-bench-server-{port}.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with console.status(f"starting vtool serve on port {port} (log: {log_path})"):
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while True:
+                if proc.poll() is not None:
+                    raise VtoolError(f"the server exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise VtoolError(f"the server did not become healthy in {STARTUP_TIMEOUT_S} s; log: {log_path}")
+                time.sleep(0.5)
+        yield url, Tokenizer.load(model_path)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

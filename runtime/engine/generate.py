@@ -1,0 +1,142 @@
+"""One-sequence generation over a compiled model: chunked prefill, then decode steps.
+
+This is what `vtool run` drives; the batching engine builds on the same entry points
+(batch_prefill / batch_decode) and the same KV-state protocol.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+
+from vtool import VtoolError
+from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.sampling.host import SequenceSampler, sample_batch
+from vtool.runtime.sampling.params import SamplingParams
+from vtool.runtime.artifact.tvm_runtime import global_func
+
+PAGE_SIZE = 16
+PREFILL_CHUNK = 512
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        steps = len(self.token_ids) - 1  # the first token comes from prefill
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+
+
+class Generator:
+    """Owns one KV cache with a single sequence slot; reused across calls."""
+
+    SEQ_ID = 0
+
+    def __init__(self, model: CompiledModel, max_model_len: int):
+        self.model = model
+        self.max_model_len = max_model_len
+        self._kv = None
+        self._kv_capacity = 0
+        self._begin = global_func("vm.builtin.kv_state_begin_forward")
+        self._end = global_func("vm.builtin.kv_state_end_forward")
+        self._add = global_func("vm.builtin.kv_state_add_sequence")
+        self._remove = global_func("vm.builtin.kv_state_remove_sequence")
+
+    def _fresh_sequence(self, tokens_needed: int) -> None:
+        """A KV cache with room for `tokens_needed`, holding one empty sequence."""
+        capacity = -(-tokens_needed // PAGE_SIZE) * PAGE_SIZE
+        if self._kv is None or capacity > self._kv_capacity:
+            shape = self.model.ffi.Shape
+            self._kv = self.model.function("create_tir_paged_kv_cache")(
+                shape([1]), shape([capacity]), shape([PREFILL_CHUNK]), shape([PAGE_SIZE]), shape([0]))
+            self._kv_capacity = capacity
+        else:
+            self._remove(self._kv, self.SEQ_ID)
+        self._add(self._kv, self.SEQ_ID)
+
+    def _embed(self, ids: list[int]) -> object:
+        """Token embeddings as a [1, n, hidden] tensor on the model's device (a view: no copy
+        through the host)."""
+        m = self.model
+        array = np.asarray(ids, dtype=np.int64)
+        if array.size and (array.min() < 0 or array.max() >= m.vocab_size):
+            # The compiled gather does no bounds check: an id past the table would read
+            # (or crash on) memory outside it, so refuse it here by value.
+            bad = int(array[(array < 0) | (array >= m.vocab_size)][0])
+            raise VtoolError(f"token id {bad} is outside the vocabulary (0..{m.vocab_size - 1})")
+        flat = m.function("embed")(m.upload(array.astype(np.int32), slot="ids"), m.params)
+        return global_func("runtime.TVMTensorCreateView")(flat, m.ffi.Shape([1, len(ids), m.hidden_size]), m.dtype, 0)
+
+    def _forward(self, entry: str, ids: list[int]) -> np.ndarray:
+        m = self.model
+        embeds = self._embed(ids)
+        self._begin(self._kv, m.ffi.Shape([self.SEQ_ID]), m.ffi.Shape([len(ids)]))
+        logits, _ = m.function(entry)(embeds, self._kv, m.params)
+        self._end(self._kv)
+        return m.to_numpy(logits).reshape(-1, m.vocab_size)[-1].copy()
+
+    def prompt_logits(self, prompt_ids: list[int]) -> np.ndarray:
+        """Logits at every prompt position ([n, vocab]), for prompt logprobs and parity checks.
+        Starts a fresh sequence; the prompt must fit in one prefill chunk."""
+        if not 0 < len(prompt_ids) <= PREFILL_CHUNK:
+            raise VtoolError(f"prompt_logits takes 1..{PREFILL_CHUNK} tokens, got {len(prompt_ids)}")
+        m = self.model
+        self._fresh_sequence(len(prompt_ids))
+        embeds = self._embed(prompt_ids)
+        positions = m.upload(np.arange(len(prompt_ids), dtype=np.int32), slot="positions")
+        self._begin(self._kv, m.ffi.Shape([self.SEQ_ID]), m.ffi.Shape([len(prompt_ids)]))
+        logits, _ = m.function("batch_prefill")(embeds, positions, self._kv, m.params)
+        self._end(self._kv)
+        return m.to_numpy(logits).reshape(len(prompt_ids), m.vocab_size).copy()
+
+    def prefill_logits(self, prompt_ids: list[int]) -> np.ndarray:
+        """Logits after the last prompt token, the prompt fed in chunks the KV cache accepts."""
+        logits = None
+        for start in range(0, len(prompt_ids), PREFILL_CHUNK):
+            logits = self._forward("prefill", prompt_ids[start:start + PREFILL_CHUNK])
+        assert logits is not None
+        return logits
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, stop_ids: Iterable[int] = (),
+                 on_token: Callable[[int], None] | None = None,
+                 on_logits: Callable[[np.ndarray], None] | None = None) -> GenerationResult:
+        """Run one sequence to a stop id or params.max_tokens (None or <= 0: to the context)."""
+        if not prompt_ids:
+            raise VtoolError("the prompt is empty: at least one token is needed")
+        if len(prompt_ids) >= self.max_model_len:
+            raise VtoolError(
+                f"the prompt has {len(prompt_ids)} tokens, at or past max_model_len={self.max_model_len}")
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = min(params.max_tokens, room) if params.max_tokens and params.max_tokens > 0 else room
+        sampler = SequenceSampler(params, prompt_ids, tuple(stop_ids), self.model.vocab_size)
+        self._fresh_sequence(len(prompt_ids) + max_tokens)
+
+        t0 = time.perf_counter()
+        logits = self.prefill_logits(prompt_ids)
+        prefill_seconds = time.perf_counter() - t0
+        tokens: list[int] = []
+        finish = "length"
+        t1 = time.perf_counter()
+        while True:
+            if on_logits:
+                on_logits(logits)
+            token = sample_batch(logits[None, :], [sampler])[0].token_id
+            tokens.append(token)
+            if on_token:
+                on_token(token)
+            if sampler.is_stop_token(token):
+                finish = "stop"
+                break
+            if len(tokens) >= max_tokens:
+                break
+            logits = self._forward("decode", [token])
+        decode_seconds = time.perf_counter() - t1
+        return GenerationResult(list(prompt_ids), tokens, finish, prefill_seconds, decode_seconds)

@@ -1,0 +1,63 @@
+"""TVM's paged KV cache and its Python block mirror, changed together in one place."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from vtool import VtoolError
+from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.engine.kv_blocks import KVBlockManager
+from vtool.runtime.artifact.tvm_runtime import global_func
+
+
+# TVM's TIR attention/append kernels are generated for 16-token pages (other sizes fail
+# their buffer-shape checks at the first forward), so the block size is fixed to it.
+SUPPORTED_BLOCK_SIZES = (16,)
+
+
+class PagedKVCache:
+    def __init__(self, model: CompiledModel, num_blocks: int, block_size: int, max_num_seqs: int,
+                 prefill_chunk: int):
+        if block_size not in SUPPORTED_BLOCK_SIZES:
+            raise VtoolError(f"block size {block_size} is not supported; supported: {SUPPORTED_BLOCK_SIZES}")
+        shape = model.ffi.Shape
+        self.handle = model.function("create_tir_paged_kv_cache")(
+            shape([max_num_seqs]), shape([num_blocks * block_size]), shape([prefill_chunk]), shape([block_size]),
+            shape([0]))
+        self._f = {name: global_func(f"vm.builtin.{name}") for name in (
+            "kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_fork_sequence",
+            "kv_state_begin_forward", "kv_state_end_forward", "attention_kv_cache_get_num_available_pages")}
+        self._shape = shape
+        # TVM may round the page count up; the mirror starts from what TVM reports.
+        self.blocks = KVBlockManager(self.tvm_free_blocks(), block_size)
+        self.block_size = block_size
+
+    def tvm_free_blocks(self) -> int:
+        return int(self._f["attention_kv_cache_get_num_available_pages"](self.handle))
+
+    def add(self, seq_id: int) -> None:
+        self.blocks.add(seq_id)
+        self._f["kv_state_add_sequence"](self.handle, seq_id)
+
+    def fork(self, parent: int, child: int, fork_pos: int) -> None:
+        self.blocks.fork(parent, child, fork_pos)
+        self._f["kv_state_fork_sequence"](self.handle, parent, child, fork_pos)
+
+    def remove(self, seq_id: int) -> None:
+        self.blocks.remove(seq_id)
+        self._f["kv_state_remove_sequence"](self.handle, seq_id)
+
+    def begin_forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
+        for seq_id, n in zip(seq_ids, lengths):
+            self.blocks.append(seq_id, n)
+        self._f["kv_state_begin_forward"](self.handle, self._shape(list(seq_ids)), self._shape(list(lengths)))
+
+    def end_forward(self) -> None:
+        self._f["kv_state_end_forward"](self.handle)
+
+    def in_sync(self) -> bool:
+        """Whether the mirror agrees with TVM's own count (checked by the tests)."""
+        return self.blocks.num_free_blocks == self.tvm_free_blocks()
+
+    @property
+    def tvm(self) -> Any:
+        return self.handle

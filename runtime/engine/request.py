@@ -1,0 +1,85 @@
+"""One generation request inside the engine, and what the engine reports about it."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any
+
+from vtool.runtime.sampling.host import SequenceSampler
+from vtool.runtime.sampling.params import SamplingParams
+from vtool.runtime.sampling.stop_strings import StopStringMatcher
+from vtool.runtime.text.tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: never None, never past the context
+    sampler: SequenceSampler
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher | None
+    priority: int = 0
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[Any] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[Any] | None = None
+    prompt_logit_chunks: list[Any] = dataclasses.field(default_factory=list)  # until the prompt is through
+    text: str = ""
+    num_computed: int = 0  # tokens whose K/V is in the cache
+    seq_id: int | None = None  # the KV-cache sequence while scheduled
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    num_preemptions: int = 0
+    cached_prompt_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_tokens - self.num_computed > 1
+
+    def sort_key(self) -> tuple:
+        """Scheduling order: lower priority value first (vLLM), then arrival."""
+        return (self.priority, self.arrival_time)
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one engine step produced for one request (deltas since the last report)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[Any]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    prompt_logprobs: list[Any] | None = None
+    cumulative_logprob: float = 0.0

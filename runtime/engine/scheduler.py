@@ -1,0 +1,184 @@
+"""Which requests run in the next step, and how many of their tokens.
+
+vLLM v1's shape: one token budget per step (max_num_batched_tokens) shared by decodes
+and prefill chunks; running requests first, then waiting ones while the budget, the
+sequence limit and the KV blocks last. When blocks run out, prefix-cache entries are
+evicted first, then the lowest-priority running request is preempted: its sequence is
+handed to the prefix cache (or dropped) and it goes back to the queue to be recomputed,
+so nothing is ever corrupted and no request fails for lack of memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from vtool.runtime.engine.kv_cache import PagedKVCache
+from vtool.runtime.engine.prefix_cache import PrefixCache
+from vtool.runtime.engine.request import Request, Status
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    policy: str = "fcfs"
+
+
+@dataclasses.dataclass
+class ScheduledStep:
+    items: list[tuple[Request, int]]  # (request, tokens computed for it this step)
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: PagedKVCache, prefix_cache: PrefixCache | None):
+        self.config = config
+        self.kv = kv
+        self.prefix_cache = prefix_cache
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._seq_ids = itertools.count()
+        self._reserved = 0  # blocks promised to items already scheduled in this step
+        self.num_preemptions = 0
+
+    # -- queue management -----------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.status = Status.WAITING
+        self.waiting.append(request)
+        self._order(self.waiting)
+
+    def _order(self, queue: list[Request]) -> None:
+        if self.config.policy == "priority":
+            queue.sort(key=Request.sort_key)
+
+    def release(self, request: Request, keep_cached: bool = True) -> None:
+        """Take a finished or aborted request off the queues and let go of its sequence."""
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._drop_sequence(request, keep_cached)
+
+    def _drop_sequence(self, request: Request, keep_cached: bool) -> None:
+        if request.seq_id is None:
+            return
+        if keep_cached and self.prefix_cache is not None and request.num_computed > 0:
+            # Its K/V stays for later prompts sharing the prefix; evicted only under pressure.
+            self.prefix_cache.insert(request.seq_id, request.all_ids[: request.num_computed])
+        else:
+            self.kv.remove(request.seq_id)
+        request.seq_id = None
+
+    # -- block budget -----------------------------------------------------------------
+    def _ensure_free(self, blocks: int, keep: int | None = None) -> bool:
+        """Evict prefix-cache entries (never `keep`) until `blocks` are free; False if even
+        that is not enough."""
+        while self.kv.blocks.num_free_blocks - self._reserved < blocks:
+            victim = self.prefix_cache.pop_lru(exclude=keep) if self.prefix_cache is not None else None
+            if victim is None:
+                return False
+            self.kv.remove(victim)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._drop_sequence(request, keep_cached=True)
+        request.num_computed = 0
+        request.num_preemptions += 1
+        request.status = Status.WAITING
+        self.num_preemptions += 1
+        self.waiting.insert(0, request)
+        self._order(self.waiting)
+
+    # -- the step -------------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep:
+        budget = self.config.max_num_batched_tokens
+        items: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        scheduled: set[int] = set()
+        self._reserved = 0
+        self._order(self.running)
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted below as someone's victim
+                continue
+            n = min(request.num_tokens - request.num_computed, budget)
+            while not self._ensure_free(self.kv.blocks.blocks_needed(request.seq_id, n)):
+                victim = self._lowest_priority_unscheduled(scheduled)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request in self.running:
+                items.append((request, n))
+                scheduled.add(id(request))
+                self._reserved += self.kv.blocks.blocks_needed(request.seq_id, n)
+                budget -= n
+
+        if not preempted:  # as vLLM: no new admissions in a step that had to preempt
+            self._admit(items, budget)
+        return ScheduledStep(items, preempted)
+
+    def _lowest_priority_unscheduled(self, scheduled: set[int]) -> Request:
+        candidates = [r for r in self.running if id(r) not in scheduled] or self.running
+        return max(candidates, key=lambda r: (r.priority, r.arrival_time)) if self.config.policy == "priority" \
+            else candidates[-1]
+
+    def _admit(self, items: list[tuple[Request, int]], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.seq_id is None and not self._start_sequence(request):
+                break
+            n = min(request.num_tokens - request.num_computed, budget)
+            if not self._ensure_free(self.kv.blocks.blocks_needed(request.seq_id, n)):
+                if self.running:
+                    break  # wait for running requests to finish and free their blocks
+                # Alone in the engine: run the largest chunk that fits (admission already
+                # refused prompts larger than the whole cache, so this makes progress).
+                n = self._largest_fitting_chunk(request, n)
+                if n == 0:
+                    break
+            self.waiting.pop(0)
+            request.status = Status.RUNNING
+            self.running.append(request)
+            items.append((request, n))
+            self._reserved += self.kv.blocks.blocks_needed(request.seq_id, n)
+            budget -= n
+
+    def _largest_fitting_chunk(self, request: Request, n: int) -> int:
+        while n > 0 and self.kv.blocks.blocks_needed(request.seq_id, n) > self.kv.blocks.num_free_blocks - self._reserved:
+            n -= 1
+        return n
+
+    def _start_sequence(self, request: Request) -> bool:
+        """Give the request a KV sequence, forked from the longest cached prefix if any."""
+        seq_id = next(self._seq_ids)
+        # prompt_logprobs needs the logits of every prompt position, so such a request
+        # computes its whole prompt (as vLLM, which skips the cache for it).
+        wants_all_logits = request.params.prompt_logprobs is not None and request.prompt_logprobs is None
+        hit = self.prefix_cache.lookup(request.all_ids) \
+            if self.prefix_cache is not None and not wants_all_logits else None
+        if hit is not None:
+            if not self._ensure_free(self.kv.blocks.blocks_for_fork(hit.num_tokens), keep=hit.seq_id):
+                return False
+            self.kv.fork(hit.seq_id, seq_id, hit.num_tokens)
+            request.num_computed = hit.num_tokens
+            if request.num_preemptions == 0:
+                request.cached_prompt_tokens = min(hit.num_tokens, len(request.prompt_ids))
+        else:
+            self.kv.add(seq_id)
+            request.num_computed = 0
+        request.seq_id = seq_id
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+

@@ -1,0 +1,184 @@
+"""Sampling on the model's device: call the compiled sampling functions (models/sampler.py)
+on device-resident logits and copy back only the token ids and their logprobs (issue #4).
+
+Same tokens as the host sampler (runtime/sampling/host.py) for the same per-request Generator,
+except at float near-ties: each random row draws its one uniform from its request's
+Generator here, exactly as the host does, and the device applies the host's temperature,
+min_p, top_k, top_p and inverse-CDF draw to it (models/sampler.py says how, and why the
+draw and top_p travel as float64). Greedy rows draw nothing, as on the host.
+
+Requests that need per-request logit processing or reporting stay on the host path:
+can_sample_on_device says which.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from vtool import VtoolError
+from vtool.runtime.sampling.host import SampleResult, SequenceSampler
+from vtool.runtime.sampling.params import SamplingParams, SamplingParamsError
+from vtool.runtime.artifact.tvm_runtime import global_func
+
+# The compiled functions' names (models/sampler.py builds them under these names).
+ARGMAX = "sample_argmax"
+TEMPERATURE = "sample_temperature"
+TOP_P_TOP_K = "sample_top_p_top_k"
+FUNCTIONS = (ARGMAX, TEMPERATURE, TOP_P_TOP_K)
+
+
+def can_sample_on_device(params: SamplingParams, num_generated: int | None = None) -> bool:
+    """Whether a request's next token can be drawn by the device functions; False means
+    the host sampler (runtime/sampling/host.py) must see its logits row:
+
+    - logprobs (top-N and rank; the chosen token's own logprob is computed on the device),
+    - logit_bias, repetition/frequency/presence penalties (per-request logit edits),
+    - min_tokens while fewer than min_tokens are generated (eos/stop ids are masked then;
+      num_generated None: assume not yet).
+
+    prompt_logprobs does not matter here (the engine computes it from prompt rows, apart
+    from sampling). SamplingParams has no guided-decoding/structured-output field; one
+    added later must return False here too.
+    """
+    p = params
+    if p.logprobs is not None or p.logit_bias:
+        return False
+    if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        return False
+    if p.min_tokens > 0 and (num_generated is None or num_generated < p.min_tokens):
+        return False
+    return True
+
+
+def sequence_on_device(seq: SequenceSampler) -> bool:
+    """can_sample_on_device for a sequence at its current step."""
+    return can_sample_on_device(seq.params, seq.num_generated)
+
+
+class DeviceSampler:
+    """The compiled sampling functions of one loaded library.
+
+    `model` is a vtool.runtime.artifact.library.CompiledModel (or anything with its `vm`, `upload`,
+    `to_numpy` and `ffi`): the library must hold FUNCTIONS, built by
+    models/sampler.sampler_module(vocab_size) for the model's vocabulary.
+    """
+
+    def __init__(self, model: Any, vocab_size: int | None = None):
+        self.model = model
+        self.vocab_size = int(vocab_size if vocab_size is not None else model.vocab_size)
+        self._fns: dict[str, Any] = {}
+        missing = []
+        for name in FUNCTIONS:
+            try:
+                self._fns[name] = model.vm[name]
+            except Exception:  # noqa: BLE001 - the VM answers a missing name with an FFI error
+                missing.append(name)
+        if missing:
+            raise VtoolError(f"the library has no device sampling functions ({', '.join(missing)}); "
+                             "rebuild it with a vtool that compiles them")
+        self._create_view = global_func("runtime.TVMTensorCreateView")
+
+    # -- the calls ------------------------------------------------------------------------
+    def sample(self, logits: Any, params: Sequence[SamplingParams],
+               rngs: Sequence[np.random.Generator | None]) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids int32 [b], raw logprobs of those tokens float64 [b]) for the first b =
+        len(params) rows of `logits`: a device tensor holding b or more rows of vocab_size
+        float32 (any shape, e.g. batch_decode's [b, 1, V]), or a numpy array (uploaded).
+
+        rngs[i] is row i's request Generator; random rows draw one uniform from it (greedy
+        rows none, and may pass None). Refuses a row whose parameters are outside the
+        ranges SamplingParams.validate accepts (the same SamplingParamsError); top_k past
+        the vocabulary is off, as on the host. A row whose logits hold a NaN or no finite
+        maximum raises VtoolError, as the host sampler does.
+        """
+        b = len(params)
+        if len(rngs) != b:
+            raise VtoolError(f"DeviceSampler.sample: {b} params but {len(rngs)} generators")
+        if b == 0:
+            return np.zeros(0, np.int32), np.zeros(0, np.float64)
+        view = self._rows(logits, b)
+        greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=b)
+        temperature, top_p, top_k, min_p = self._parameters(params, greedy)  # refuses, whatever the batch
+        if greedy.all():
+            out = self._fns[ARGMAX](view)
+        else:
+            uniform = np.zeros(b, np.float64)
+            for i in np.flatnonzero(~greedy):
+                rng = rngs[i]
+                if rng is None:
+                    raise VtoolError(f"DeviceSampler.sample: row {i} samples at random but has no Generator")
+                uniform[i] = rng.random()  # one per random step, as the host's _sample_filtered
+            m, V = self.model, self.vocab_size
+            args_t = m.upload(temperature, "float32", slot="sampler.temperature")
+            args_m = m.upload(min_p, "float32", slot="sampler.min_p")
+            args_u = m.upload(uniform, "float64", slot="sampler.uniform")
+            filtered = (top_p < 1.0) | ((top_k > 0) & (top_k < V))
+            if filtered[~greedy].any():
+                out = self._fns[TOP_P_TOP_K](
+                    view, args_t, m.upload(top_p, "float64", slot="sampler.top_p"),
+                    m.upload(top_k, "int32", slot="sampler.top_k"), args_m, args_u)
+            else:  # no sort needed
+                out = self._fns[TEMPERATURE](view, args_t, args_m, args_u)
+        tokens = np.array(self.model.to_numpy(out[0]), dtype=np.int32, copy=True)
+        logprobs = np.array(self.model.to_numpy(out[1]), dtype=np.float64, copy=True)
+        bad = np.flatnonzero(tokens < 0)
+        if bad.size:
+            raise VtoolError(f"logits row {int(bad[0])} has no finite maximum (NaN/inf in the row): "
+                             "the model produced NaN/inf")
+        return tokens, logprobs
+
+    def sample_batch(self, logits: Any, seqs: Sequence[SequenceSampler]) -> list[SampleResult]:
+        """runtime.sampling.sample_batch on the device: one token per row for seqs[i], which
+        records it. Every sequence must pass sequence_on_device (else the host must sample
+        it: a ValueError, a caller's mistake)."""
+        for i, seq in enumerate(seqs):
+            if not sequence_on_device(seq):
+                raise ValueError(f"sequence {i} needs the host sampler (logprobs, penalties, logit_bias "
+                                 "or min_tokens); check sequence_on_device first")
+            seq._check_vocab(self.vocab_size)  # the host's per-vocabulary validation
+        tokens, logprobs = self.sample(logits, [s.params for s in seqs], [s.rng for s in seqs])
+        results = []
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            seq.append_token(token)
+            results.append(SampleResult(token_id=token, logprob=logprob))
+        return results
+
+    # -- helpers --------------------------------------------------------------------------
+    def _parameters(self, params: Sequence[SamplingParams],
+                    greedy: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        b = len(params)
+        t = np.fromiter((p.temperature for p in params), dtype=np.float64, count=b)
+        top_p = np.fromiter((p.top_p for p in params), dtype=np.float64, count=b)
+        min_p = np.fromiter((p.min_p for p in params), dtype=np.float64, count=b)
+        top_k = np.fromiter((p.top_k for p in params), dtype=np.int64, count=b)
+        # SamplingParams.validate's ranges; NaN fails every comparison.
+        ok = ((t >= 0) & (t <= 2) & (top_p > 0) & (top_p <= 1) & (min_p >= 0) & (min_p <= 1)
+              & (top_k >= -1))
+        ok &= np.fromiter((isinstance(p.top_k, (int, np.integer)) and not isinstance(p.top_k, bool)
+                           for p in params), dtype=bool, count=b)
+        for i in np.flatnonzero(~ok):
+            params[i].validate(self.vocab_size)  # raises SamplingParamsError naming the field
+            raise SamplingParamsError("sampling parameters", params[i], "inside SamplingParams' ranges")
+        temperature = np.where(greedy, 0.0, np.maximum(t, 0.01)).astype(np.float32)  # sampling_temperature
+        # top_k past the vocabulary is off, as the host's `0 < top_k < V`; the device treats
+        # k <= 0 and k >= V alike, so clip into int32 range.
+        top_k32 = np.clip(top_k, -1, self.vocab_size).astype(np.int32)
+        return temperature, top_p, top_k32, min_p.astype(np.float32)
+
+    def _rows(self, logits: Any, b: int) -> Any:
+        """A [b, V] float32 view of the first b rows of `logits`."""
+        V, m = self.vocab_size, self.model
+        if isinstance(logits, np.ndarray):
+            array = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1, V)
+            if array.shape[0] < b:
+                raise VtoolError(f"logits hold {array.shape[0]} rows of {V}, {b} needed")
+            return m.upload(array[:b], "float32")
+        shape = [int(d) for d in logits.shape]
+        size = int(np.prod(shape)) if shape else 1
+        if str(logits.dtype) != "float32" or size % V or size // V < b:
+            raise VtoolError(f"logits tensor {shape} {logits.dtype} does not hold {b} float32 rows of {V}")
+        if shape == [b, V]:
+            return logits
+        return self._create_view(logits, m.ffi.Shape([b, V]), "float32", 0)

@@ -1,0 +1,118 @@
+"""The OpenAI-compatible HTTP server (FastAPI): routes, authentication, small endpoints.
+
+The model work happens on the engine thread (AsyncEngine); handlers here only parse,
+validate, tokenize and format.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hmac
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import vtool
+from vtool.runtime.serving.errors import BadRequestError, error_json, install_error_handlers
+from vtool.runtime.serving.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+    TokenizeRequest, TokenizeResponse)
+from vtool.runtime.serving.completions import ServingState, create_chat_completion, create_completion
+
+
+@dataclasses.dataclass
+class ServerInfo:
+    """What GET /server_info reports: how this server was configured."""
+
+    model_path: str
+    artifact: str
+    target: str
+    dtype: str
+    engine: dict[str, Any]
+    served_model_names: list[str]
+
+
+def create_app(state: ServingState, info: ServerInfo, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="vtool", version=vtool.__version__)
+    install_error_handlers(app)
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next: Any) -> Response:
+            # As vLLM: the OpenAI routes need the key; health and metrics stay open.
+            if request.url.path.startswith("/v1") and request.method != "OPTIONS":
+                given = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return JSONResponse(error_json(401, "Unauthorized: a valid Bearer API key is required"),
+                                        status_code=401)
+            return await call_next(request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(body, raw, state)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(body, raw, state)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        cards = [ModelCard(id=name, root=info.model_path, max_model_len=state.max_model_len)
+                 for name in state.served_names]
+        return ModelList(data=cards).model_dump()
+
+    @app.get("/health")
+    async def health() -> Response:
+        await state.engine.call(lambda engine: None)  # answers only while the engine thread is alive
+        return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": vtool.__version__}
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        return dataclasses.asdict(info)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        await state.engine.call(lambda engine: engine.reset_prefix_cache())
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.metrics is None:
+            return JSONResponse(error_json(404, "metrics are disabled (--disable-metrics)"), status_code=404)
+        state.metrics.update_from_engine(await state.engine.call(lambda engine: engine.stats()))
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        state.check_model(body.model)
+        tok = state.tokenizer
+        if body.messages is not None:
+            text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
+                                           **dict(body.chat_template_kwargs or {}))
+        else:
+            text = body.prompt or ""
+        ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        strs = [tok.id_to_token(t) or "" for t in ids] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
+                                token_strs=strs).model_dump(exclude_none=True)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        state.check_model(body.model)
+        vocab = state.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise BadRequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens)).model_dump()
+
+    return app

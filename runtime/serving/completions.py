@@ -1,0 +1,367 @@
+"""POST /v1/completions and /v1/chat/completions: prompts in, choices out (JSON or SSE).
+
+Each prompt x n becomes one engine request per choice (n > 1 uses SamplingParams.for_child,
+so seeded choices differ yet reproduce). Outputs of all choices are merged as they come.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vtool.runtime.engine.async_engine import AsyncEngine, RequestStream
+from vtool.runtime.serving.errors import NotFoundError
+from vtool.runtime.serving.protocol import (
+    SSE_DONE, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest,
+    ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse, ChatResponseMessage, CompletionLogProbs, CompletionRequest, CompletionResponse,
+    CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse, DeltaMessage,
+    PromptTokenUsageInfo, UsageInfo, chat_completion_id, completion_id, sse_event)
+from vtool.runtime.engine.request import StepOutput
+from vtool.runtime.sampling.params import SamplingParams
+from vtool.runtime.serving.metrics import ServerMetrics
+from vtool.runtime.text.tokenizer import Tokenizer
+
+log = logging.getLogger("vtool.server")
+
+
+class ClientDisconnected(Exception):
+    """The client of a non-streaming request left; its requests were aborted."""
+
+
+@dataclasses.dataclass
+class ServingState:
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    served_names: list[str]
+    max_model_len: int
+    metrics: ServerMetrics | None
+    sampling_defaults: dict[str, Any]
+    enable_log_requests: bool = False
+    enable_log_outputs: bool = False
+    max_log_len: int | None = None
+    force_include_usage: bool = False
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.served_names:
+            return self.served_names[0]
+        raise NotFoundError(f"The model `{model}` does not exist; this server serves {', '.join(self.served_names)}",
+                            param="model")
+
+    def clip(self, text: Any) -> str:
+        text = str(text)
+        return text if self.max_log_len is None else text[: self.max_log_len]
+
+
+@dataclasses.dataclass
+class Choice:
+    """Accumulated state of one choice while its request runs."""
+
+    index: int
+    prompt_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[Any] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    cached_tokens: int = 0
+    started: bool = False
+
+
+async def _admit(state: ServingState, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 priority: int) -> tuple[list[RequestStream], list[Choice]]:
+    streams, choices = [], []
+    try:
+        for p, prompt_ids in enumerate(prompts):
+            for j in range(params.n):
+                child = params.for_child(j) if params.n > 1 else params
+                streams.append(await state.engine.add(f"{request_id}-{p}-{j}", prompt_ids, child, priority))
+                choices.append(Choice(len(choices), prompt_ids))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    if state.enable_log_requests:
+        log.info("Received request %s: prompt_token_ids=%s, params=%s", request_id,
+                 state.clip(prompts[0] if len(prompts) == 1 else prompts), state.clip(params))
+    return streams, choices
+
+
+async def _merged(state: ServingState, streams: list[RequestStream]) -> AsyncIterator[tuple[int, StepOutput]]:
+    """(choice index, output) from every stream as it arrives; records latency metrics."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await q.put((i, out))
+        except BaseException as err:  # surfaced to the consumer
+            await q.put((i, err))
+            return
+        await q.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    last_time = [s.arrival for s in streams]
+    seen_first = [False] * len(streams)
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, item = await q.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            now = time.monotonic()
+            if state.metrics is not None:
+                if not seen_first[i]:
+                    state.metrics.observe_first_token(now - streams[i].arrival)
+                else:
+                    state.metrics.observe_inter_token(now - last_time[i])
+                if item.finished:
+                    state.metrics.observe_finished(item.finish_reason or "stop", now - streams[i].arrival)
+            seen_first[i], last_time[i] = True, now
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()  # aborts whatever has not finished: a client that left frees its blocks
+
+
+def _apply(choice: Choice, out: StepOutput) -> None:
+    choice.text += out.new_text
+    choice.token_ids.extend(out.new_token_ids)
+    choice.logprobs.extend(out.new_logprobs)
+    if out.prompt_logprobs is not None:
+        choice.prompt_logprobs = out.prompt_logprobs
+    choice.cached_tokens = out.num_cached_tokens
+    if out.finished:
+        choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+
+
+def _usage(prompts: list[list[int]], choices: list[Choice]) -> UsageInfo:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(c.token_ids) for c in choices)
+    cached = sum(c.cached_tokens for c in choices[:: max(1, len(choices) // max(1, len(prompts)))])
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached) if cached else None)
+
+
+async def _collect(raw: Request, state: ServingState, streams: list[RequestStream], choices: list[Choice]) -> None:
+    """Run every choice to the end; stop (and abort) if the client disconnects."""
+
+    async def consume() -> None:
+        async for i, out in _merged(state, streams):
+            _apply(choices[i], out)
+
+    task = asyncio.create_task(consume())
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.25)
+        if not task.done() and await raw.is_disconnected():
+            task.cancel()  # _merged's cleanup aborts the requests
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            raise ClientDisconnected("client went away; request aborted")
+    task.result()  # re-raise an engine failure
+
+
+def _log_outputs(state: ServingState, request_id: str, choices: list[Choice]) -> None:
+    if state.enable_log_outputs:
+        for c in choices:
+            log.info("Finished request %s choice %d (%s): %s", request_id, c.index, c.finish_reason, state.clip(c.text))
+
+
+# ------------------------------------------------------------------------------ logprobs shapes
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[Any], offset: int,
+                         num: int) -> CompletionLogProbs:
+    result = CompletionLogProbs()
+    for token_id, entry in zip(token_ids, entries):
+        text = _token_text(tokenizer, token_id)
+        result.tokens.append(text)
+        result.text_offset.append(offset)
+        offset += len(text)
+        if entry is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(entry[token_id].logprob)
+        top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: max(num, 0)]
+        result.top_logprobs.append({_token_text(tokenizer, t): lp.logprob for t, lp in top})
+    return result
+
+
+def _chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[Any], num: int) -> ChatCompletionLogProbs:
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        text = _token_text(tokenizer, token_id)
+        top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: max(num, 0)]
+        content.append(ChatCompletionLogProbsContent(
+            token=text, logprob=max(entry[token_id].logprob, -9999.0), bytes=list(text.encode()),
+            top_logprobs=[ChatCompletionLogProb(token=(t_text := _token_text(tokenizer, t)),
+                                                logprob=max(lp.logprob, -9999.0), bytes=list(t_text.encode()))
+                          for t, lp in top]))
+    return ChatCompletionLogProbs(content=content)
+
+
+# ------------------------------------------------------------------------------ completions
+async def create_completion(req: CompletionRequest, raw: Request, state: ServingState):
+    model = state.check_model(req.model)
+    prompts = [state.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
+               if isinstance(p, str) else list(p) for p in req.prompts]
+    params = SamplingParams(**req.to_sampling_kwargs(state.sampling_defaults))
+    request_id = completion_id()
+    streams, choices = await _admit(state, request_id, prompts, params, req.priority or 0)
+    echo = bool(req.echo)
+    num_logprobs = params.logprobs if params.logprobs is not None else -1
+
+    def finish_choice(c: Choice) -> CompletionResponseChoice:
+        text = c.text
+        logprobs = None
+        if params.logprobs is not None:
+            ids, entries = c.token_ids, c.logprobs
+            if echo and c.prompt_logprobs is not None:
+                ids, entries = c.prompt_ids + ids, list(c.prompt_logprobs) + entries
+            logprobs = _completion_logprobs(state.tokenizer, ids, entries, 0, num_logprobs)
+        if req.echo_without_generation:
+            text = ""
+        if echo:
+            text = state.tokenizer.decode(c.prompt_ids, skip_special_tokens=False) + text
+        return CompletionResponseChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                        stop_reason=c.stop_reason, prompt_logprobs=_plain(c.prompt_logprobs))
+
+    if not req.stream:
+        await _collect(raw, state, streams, choices)
+        _log_outputs(state, request_id, choices)
+        return JSONResponse(CompletionResponse(id=request_id, model=model, choices=[finish_choice(c) for c in choices],
+                                               usage=_usage(prompts, choices)).model_dump())
+
+    include_usage = state.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+    async def events() -> AsyncIterator[str]:
+        created = int(time.time())
+        offsets = [0] * len(choices)
+        try:
+            async for i, out in _merged(state, streams):
+                c = choices[i]
+                prefix = ""
+                if echo and not c.started:
+                    prefix = state.tokenizer.decode(c.prompt_ids, skip_special_tokens=False)
+                c.started = True
+                _apply(c, out)
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = _completion_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs, offsets[i],
+                                                    num_logprobs)
+                    offsets[i] += sum(len(t) for t in logprobs.tokens)
+                chunk = CompletionStreamResponse(
+                    id=request_id, created=created, model=model,
+                    choices=[CompletionResponseStreamChoice(index=i, text=prefix + out.new_text, logprobs=logprobs,
+                                                            finish_reason=out.finish_reason,
+                                                            stop_reason=out.stop_reason)])
+                if continuous:
+                    chunk.usage = _usage(prompts, choices)
+                yield sse_event(chunk)
+            if include_usage:
+                yield sse_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                         usage=_usage(prompts, choices)))
+            _log_outputs(state, request_id, choices)
+        except Exception as err:  # mid-stream failure: report it in-band, as vLLM does
+            log.exception("stream %s failed", request_id)
+            yield sse_event({"error": {"message": str(err), "type": "InternalServerError", "code": 500}})
+        yield SSE_DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _plain(entries: list[Any] | None) -> list[Any] | None:
+    """prompt_logprobs as JSON: [None, {token_id: {logprob, rank, decoded_token}}, ...]."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): dataclasses.asdict(lp) for t, lp in e.items()} for e in entries]
+
+
+# ------------------------------------------------------------------------------ chat
+def render_chat_prompt(state: ServingState, req: ChatCompletionRequest) -> list[int]:
+    messages = req.template_messages()
+    text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                               **dict(req.chat_template_kwargs or {}))
+    if req.continue_final_message:
+        # As transformers: cut the render right after the final message's own text, so
+        # the model continues that message instead of closing the turn.
+        final = messages[-1].get("content") or ""
+        if isinstance(final, str) and final and final.strip() in text:
+            text = text[: text.rindex(final.strip()) + len(final.strip())]
+    return state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+
+
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServingState):
+    model = state.check_model(req.model)
+    prompt_ids = render_chat_prompt(state, req)
+    params = SamplingParams(**req.to_sampling_kwargs(state.sampling_defaults))
+    request_id = chat_completion_id()
+    streams, choices = await _admit(state, request_id, [prompt_ids], params, req.priority or 0)
+    num_top = req.top_logprobs or 0
+
+    if not req.stream:
+        await _collect(raw, state, streams, choices)
+        _log_outputs(state, request_id, choices)
+        result = [ChatCompletionResponseChoice(
+            index=c.index, message=ChatResponseMessage(content=c.text),
+            logprobs=_chat_logprobs(state.tokenizer, c.token_ids, c.logprobs, num_top) if req.logprobs else None,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in choices]
+        return JSONResponse(ChatCompletionResponse(
+            id=request_id, model=model, choices=result, usage=_usage([prompt_ids], choices),
+            prompt_logprobs=_plain(choices[0].prompt_logprobs)).model_dump())
+
+    include_usage = state.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+    async def events() -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+            body = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
+            if continuous:
+                body.usage = _usage([prompt_ids], choices)
+            return sse_event(body, exclude_unset=True)
+
+        try:
+            async for i, out in _merged(state, streams):
+                c = choices[i]
+                if not c.started:  # the role comes first, once the first output exists (as vLLM)
+                    c.started = True
+                    yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                                                content="")))
+                _apply(c, out)
+                logprobs = _chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs, num_top) \
+                    if req.logprobs else None
+                choice = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=out.new_text),
+                                                            logprobs=logprobs, finish_reason=out.finish_reason)
+                if out.finished:
+                    choice.stop_reason = out.stop_reason
+                yield chunk(choice)
+            if include_usage:
+                yield sse_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                             usage=_usage([prompt_ids], choices)), exclude_unset=True)
+            _log_outputs(state, request_id, choices)
+        except Exception as err:
+            log.exception("stream %s failed", request_id)
+            yield sse_event({"error": {"message": str(err), "type": "InternalServerError", "code": 500}})
+        yield SSE_DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+

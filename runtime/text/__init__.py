@@ -1,0 +1,1 @@
+"""Text: the tokenizer, chat templates, stop ids and incremental detokenization."""

@@ -1,0 +1,569 @@
+"""GGUF files (llama.cpp): metadata -> HF config dict, tensors -> HF names and layout.
+
+Three things differ from a Hugging Face checkpoint and are undone here:
+  * names: blk.N.attn_q.weight is model.layers.N.self_attn.q_proj.weight, and so on;
+  * shapes: GGUF lists dims innermost first (ne[0]), torch lists them outermost first;
+  * the `llama` converter permutes the rows of Q and K so that llama.cpp's rotary
+    pairs (2i, 2i+1) line up; HF pairs (i, i + d/2), so those rows are permuted back.
+Quantized blocks are expanded with gguf.quants.dequantize, the same code transformers uses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import mmap
+import re
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+
+from vtool.runtime.weights.checkpoint import Checkpoint, CheckpointError, TensorInfo
+
+# general.architecture -> HF architectures[0]
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# GGML tensor types load() can expand to floats
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# blk.N.<key> -> model.layers.N.<value>
+_PER_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_NORMS = {"attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"}  # RMSNorm: weight only
+_BLOCK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-frequency rope divisors, folded into config
+
+
+def hf_name(gguf_name: str, file: Path) -> str:
+    """The Hugging Face name of a GGUF tensor; unknown names are refused."""
+    if gguf_name in _TOP_LEVEL:
+        return _TOP_LEVEL[gguf_name]
+    m = _BLOCK.fullmatch(gguf_name)
+    if m and m[2] in _PER_LAYER and not (m[2] in _NORMS and m[3] == "bias"):
+        return f"model.layers.{int(m[1])}.{_PER_LAYER[m[2]]}.{m[3]}"
+    raise CheckpointError(
+        f"{file}: tensor {gguf_name!r} has no Hugging Face counterpart vtool knows "
+        f"(known: {', '.join(_TOP_LEVEL)}, blk.N.{{{','.join(_PER_LAYER)}}}.weight/.bias)"
+    )
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's convert_hf_to_gguf `permute` of Q/K rows (and biases).
+
+    Per head, llama.cpp stores row order (0, d/2, 1, d/2+1, ...); HF wants (0, 1, ..., d-1).
+    """
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _f32(v: float) -> float:
+    # GGUF stores float32: 1e-5 reads back as 9.999999747e-06; the shortest float32
+    # repr gives back the number the converter was handed.
+    return float(str(np.float32(v)))
+
+
+def llama3_rope_scaling(factors: np.ndarray, theta: float, rot_dim: int) -> dict[str, Any] | None:
+    """Recover HF llama3 rope_scaling from the per-frequency divisors llama.cpp precomputes.
+
+    convert_hf_to_gguf turns (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings) into rope_freqs.weight and stores no scaling keys;
+    the four numbers are found again by recomputing the divisors over the values every
+    Llama 3.x release uses and keeping the one that reproduces the stored array.
+    Returns None when the array is all ones (no scaling); raises ValueError if nothing fits.
+    """
+    factors = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if np.allclose(factors, 1.0):
+        return None
+    freqs = 1.0 / theta ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim)
+    if freqs.shape != factors.shape:
+        raise ValueError(f"{factors.size} factors for a rotary dimension of {rot_dim}")
+    factor = float(factors.max())
+    wavelen = 2 * math.pi / freqs
+    for orig in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
+        for low in (1.0, 2.0, 0.5):
+            for high in (4.0, 2.0, 8.0, 1.0):
+                if high <= low:
+                    continue
+                smooth = (orig / wavelen - low) / (high - low)
+                want = np.where(
+                    wavelen < orig / high, 1.0,
+                    np.where(wavelen > orig / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+                )
+                if np.allclose(want, factors, rtol=1e-4, atol=0):
+                    return {
+                        "rope_type": "llama3",
+                        "factor": _f32(factor),
+                        "low_freq_factor": low,
+                        "high_freq_factor": high,
+                        "original_max_position_embeddings": orig,
+                    }
+    raise ValueError("the divisors match no llama3 rope scaling")
+
+
+class _Truncated(Exception):
+    pass
+
+
+# --- a light GGUF reader -----------------------------------------------------------------------------
+# gguf.GGUFReader maps the whole file and builds numpy views for every part of every
+# metadata value: for a 49K-token vocabulary (tokens, token types, merges) that is ~175 MB
+# of Python objects and 2-3 s, held as long as the reader lives (and the runtime opened it
+# twice: once for the config, once for the tokenizer). This reads the same header into plain
+# Python values, in one pass over a temporary map of the file, and keeps per tensor only its
+# place in the file; a float tensor's bytes are mapped when asked for and unmapped with the
+# array. Same values as GGUFReader's field.contents() (tests hold the two equal).
+
+READER_VERSIONS = (2, 3)
+# What the checkpoint does not keep (the tokenizer reads them itself): ~10 MB of strings for 49K tokens
+TOKENIZER_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                              "tokenizer.ggml.scores"})
+DEFAULT_ALIGNMENT = 32
+_SCALARS: dict[int, str] = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+                            10: "<u8", 11: "<i8", 12: "<f8"}  # GGUFValueType -> numpy dtype
+_STRING, _ARRAY = 8, 9
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_FLOAT_ITEMS = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}
+
+
+GGUF_MAGIC = 0x46554747  # b"GGUF" read as a little-endian uint32
+# GGML type id -> (name, weights per block, bytes per block), as gguf.GGMLQuantizationType and
+# gguf.GGML_QUANT_SIZES (a test holds them equal); the gguf package itself (numpy + yaml + ...,
+# ~5 MB resident) is imported only to expand a tensor or for a type not listed here.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 30: ("BF16", 1, 2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GGMLType:
+    """A tensor's GGML type: `.name` and `.value` as gguf.GGMLQuantizationType's."""
+
+    value: int
+    name: str
+    block: int
+    type_size: int
+
+    @classmethod
+    def of(cls, raw: int) -> "GGMLType":
+        known = GGML_TYPES.get(raw)
+        if known is None:
+            import gguf
+
+            t = gguf.GGMLQuantizationType(raw)  # ValueError for an unknown id
+            known = (t.name, *gguf.GGML_QUANT_SIZES[t])
+        return cls(raw, *known)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor's entry (the subset of gguf.ReaderTensor vtool reads)."""
+
+    name: str
+    tensor_type: GGMLType
+    shape: np.ndarray  # GGUF order (ne[0] = innermost), as gguf.ReaderTensor.shape
+    n_elements: int
+    n_bytes: int
+    data_offset: int  # absolute byte offset in the file
+    path: Path
+
+    @property
+    def data(self) -> np.ndarray:
+        """The bytes in the file, mapped read-only, shaped as gguf.ReaderTensor.data: float and
+        integer types as their dtype, block types as uint8 [..., bytes per row]."""
+        dims = tuple(reversed([int(d) for d in self.shape]))
+        item = _FLOAT_ITEMS.get(self.tensor_type.name)
+        if item is None:
+            t = self.tensor_type
+            item, dims = np.uint8, (*dims[:-1], dims[-1] // t.block * t.type_size)
+        return np.memmap(self.path, dtype=item, mode="r", offset=self.data_offset, shape=dims)
+
+
+class _Cursor:
+    def __init__(self, buf: Any):
+        self.buf, self.pos, self.size = buf, 0, len(buf)
+
+    def _need(self, n: int) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise ValueError(f"the header runs past the end of the file ({self.size} bytes) at byte {self.pos}")
+
+    def u32(self) -> int:
+        self._need(4)
+        (v,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return v
+
+    def u64(self) -> int:
+        self._need(8)
+        (v,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def string(self) -> str:
+        n = self.u64()
+        self._need(n)
+        v = str(self.buf[self.pos:self.pos + n], encoding="utf-8")
+        self.pos += n
+        return v
+
+    def scalars(self, vtype: int, count: int) -> list[Any]:
+        dtype = np.dtype(_SCALARS[vtype])
+        self._need(count * dtype.itemsize)
+        v = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
+        self.pos += count * dtype.itemsize
+        return v
+
+    def value(self, vtype: int, keep: bool) -> Any:
+        """One value of type `vtype`; with keep False it is skipped (None)."""
+        if vtype == _STRING:
+            if keep:
+                return self.string()
+            n = self.u64()
+            self._need(n)
+            self.pos += n
+            return None
+        if vtype in _SCALARS:
+            if not keep:
+                size = np.dtype(_SCALARS[vtype]).itemsize
+                self._need(size)
+                self.pos += size
+                return None
+            return self.scalars(vtype, 1)[0]
+        if vtype == _ARRAY:
+            sub, count = self.u32(), self.u64()
+            if sub in _SCALARS:
+                if keep:
+                    return self.scalars(sub, count)
+                size = count * np.dtype(_SCALARS[sub]).itemsize
+                self._need(size)
+                self.pos += size
+                return None
+            if sub == _STRING and keep:
+                return [self.string() for _ in range(count)]
+            items = [self.value(sub, keep) for _ in range(count)]
+            return items if keep else None
+        raise ValueError(f"unknown GGUF value type {vtype} at byte {self.pos}")
+
+
+class GGUFFile:
+    """A GGUF file's header: `fields` (key -> Python value, as gguf's field.contents()),
+    `tensors` (GGUFTensor, in file order), `version`, `byte_order` ("I" native little-endian,
+    "S" swapped: refused by the callers). `keep(key)` False skips a value (it is not decoded).
+    Raises ValueError (bad magic, version, duplicate key or tensor, bad alignment), KeyError
+    (an unknown tensor type) or _Truncated."""
+
+    def __init__(self, path: str | Path, keep: Callable[[str], bool] | None = None):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            size = f.seek(0, 2)
+            if size < 8:
+                raise ValueError(f"{size} bytes: too short for a GGUF header")
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                self._parse(m, size, keep)
+            finally:
+                try:
+                    m.close()
+                except BufferError:  # a numpy view still alive in an exception's traceback
+                    pass
+
+    def _parse(self, buf: mmap.mmap, size: int, keep: Callable[[str], bool] | None) -> None:
+        c = _Cursor(buf)
+        if c.u32() != GGUF_MAGIC:
+            raise ValueError("GGUF magic invalid")
+        version = c.u32()
+        self.byte_order = "I"
+        if version & 0xFFFF == 0:  # written for the other byte order
+            self.byte_order, self.version, self.fields, self.tensors, self.array_lengths = "S", version, {}, [], {}
+            return
+        if version not in READER_VERSIONS:
+            raise ValueError(f"GGUF version {version}; readable: {', '.join(map(str, READER_VERSIONS))}")
+        self.version = version
+        self.array_lengths: dict[str, int] = {}  # key -> items, for the arrays `keep` skipped
+        n_tensors, n_kv = c.u64(), c.u64()
+        fields: dict[str, Any] = {}
+        skipped: set[str] = set()
+        for _ in range(n_kv):
+            key = c.string()
+            if key in fields or key in skipped:
+                raise KeyError(f"Duplicate {key} already in list at offset {c.pos}")
+            vtype = c.u32()
+            if keep is None or keep(key) or key == "general.alignment":
+                fields[key] = c.value(vtype, True)
+            else:
+                if vtype == _ARRAY:  # its length, for free
+                    self.array_lengths[key] = _U64.unpack_from(buf, c.pos + 4)[0] if c.pos + 12 <= size else 0
+                c.value(vtype, False)
+                skipped.add(key)
+        entries = []
+        for _ in range(n_tensors):
+            name = c.string()
+            dims = [c.u64() for _ in range(c.u32())]
+            entries.append((name, dims, c.u32(), c.u64()))
+        alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"Invalid alignment {alignment!r}: must be a non-zero power of two")
+        start = -(-c.pos // alignment) * alignment
+        self.fields = {k: v for k, v in fields.items() if keep is None or keep(k)}
+        tensors, names = [], set()
+        for name, dims, raw_type, offset in entries:
+            if name in names:
+                raise ValueError(f"Found duplicated tensor with name {name}")
+            names.add(name)
+            ttype = GGMLType.of(raw_type)
+            block, type_size = ttype.block, ttype.type_size
+            n = math.prod(dims)
+            n_bytes = n * type_size // block
+            end = start + offset + n_bytes
+            if end > size:
+                raise _Truncated(f"truncated: tensor {name!r} ends at byte {end} but the file has {size} bytes")
+            tensors.append(GGUFTensor(name, ttype, np.asarray(dims, dtype=np.uint64), n, n_bytes, start + offset,
+                                      self.path))
+        self.tensors = tensors
+
+
+class GGUFCheckpoint(Checkpoint):
+    format = "gguf"
+
+    def __init__(self, file: Path):
+        self.path = file
+        with open(file, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise CheckpointError(f"{file}: not a GGUF file (no GGUF magic)")
+        self._reader_obj: GGUFFile | None = None  # the header, read on first use
+        self._config: dict[str, Any] | None = None
+        self._infos: dict[str, TensorInfo] | None = None
+        self._raw: dict[str, Any] = {}  # HF name -> gguf ReaderTensor
+        self._metadata: dict[str, Any] | None = None
+
+    # -- file access ----------------------------------------------------------------
+    @property
+    def _reader(self) -> GGUFFile:
+        """The header without the tokenizer's big arrays (the tokenizer reads those itself);
+        metadata() reads the whole header again."""
+        if self._reader_obj is None:
+            reader = self._open(keep=lambda key: key not in TOKENIZER_ARRAYS)
+            self._reader_obj = reader
+        return self._reader_obj
+
+    def _open(self, keep: Callable[[str], bool] | None) -> GGUFFile:
+        try:
+            reader = GGUFFile(self.path, keep)
+        except _Truncated as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
+        except Exception as e:  # the reader reports truncation/corruption as assorted errors
+            raise CheckpointError(
+                f"{self.path}: unreadable GGUF file (truncated or corrupt): {type(e).__name__}: {e}"
+            ) from None
+        if reader.byte_order != "I":
+            raise CheckpointError(f"{self.path}: big-endian GGUF files are not supported")
+        return reader
+
+    def _get(self, key: str, default: Any = KeyError) -> Any:
+        fields = self._reader.fields
+        if key not in fields:
+            if default is KeyError:
+                raise CheckpointError(f"{self.path}: GGUF metadata lacks required key {key!r}")
+            return default
+        return fields[key]
+
+    def _scalar(self, key: str, default: Any = KeyError) -> Any:
+        v = self._get(key, default)
+        if isinstance(v, list):  # some models vary this per layer; vtool's models do not
+            raise CheckpointError(f"{self.path}: GGUF key {key!r} is a per-layer list {v[:8]}...; expected one value")
+        return v
+
+    def metadata(self) -> dict[str, Any]:
+        """Every GGUF key-value as Python values (arrays as lists), header fields excluded."""
+        if self._metadata is None:
+            self._metadata = dict(self._open(keep=None).fields)  # GGUF.* header fields are not in it
+        return dict(self._metadata)
+
+    # -- config ---------------------------------------------------------------------
+    def _arch(self) -> str:
+        arch = self._scalar("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise CheckpointError(
+                f"{self.path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+            )
+        return arch
+
+    def config(self) -> dict[str, Any]:
+        if self._config is None:
+            self._config = self._build_config()
+        return dict(self._config)
+
+    def _build_config(self) -> dict[str, Any]:
+        arch = self._arch()
+        k = lambda suffix: f"{arch}.{suffix}"  # noqa: E731
+        names = {t.name: t for t in self._reader.tensors}
+        hidden = int(self._scalar(k("embedding_length")))
+        heads = int(self._scalar(k("attention.head_count")))
+        kv_heads = int(self._scalar(k("attention.head_count_kv"), heads))
+        head_dim = self._scalar(k("attention.key_length"), None) or self._scalar(k("rope.dimension_count"), None)
+        head_dim = int(head_dim or hidden // heads)
+        value_dim = self._scalar(k("attention.value_length"), head_dim)
+        if value_dim != head_dim:
+            raise CheckpointError(
+                f"{self.path}: {k('attention.value_length')}={value_dim} differs from the key length {head_dim}; "
+                "vtool supports equal key and value head sizes only"
+            )
+        vocab = self._scalar(k("vocab_size"), None)
+        if vocab is None and "token_embd.weight" in names:
+            vocab = int(names["token_embd.weight"].shape[1])  # ne[1] = rows of the embedding
+        if vocab is None:
+            vocab = self._reader.array_lengths.get("tokenizer.ggml.tokens")
+        theta = _f32(self._scalar(k("rope.freq_base"), 10000.0))
+        cfg: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[arch]],
+            "model_type": arch,
+            "vocab_size": None if vocab is None else int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(self._scalar(k("feed_forward_length"))),
+            "num_hidden_layers": int(self._scalar(k("block_count"))),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": _f32(self._scalar(k("attention.layer_norm_rms_epsilon"), 1e-6)),
+            "rope_theta": theta,
+            "rope_scaling": self._rope_scaling(arch, theta, head_dim, names),
+            "max_position_embeddings": int(self._scalar(k("context_length"), 2048)),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names,
+        }
+        if arch == "llama":
+            cfg["mlp_bias"] = "blk.0.ffn_gate.bias" in names
+        for hf_key, gguf_key in (
+            ("bos_token_id", "bos_token_id"),
+            ("eos_token_id", "eos_token_id"),
+            ("pad_token_id", "padding_token_id"),
+        ):
+            v = self._scalar(f"tokenizer.ggml.{gguf_key}", None)
+            if v is not None:
+                cfg[hf_key] = int(v)
+        return cfg
+
+    def _rope_scaling(self, arch: str, theta: float, head_dim: int, names: dict[str, Any]) -> dict[str, Any] | None:
+        kind_key = f"{arch}.rope.scaling.type"
+        kind = self._scalar(kind_key, None)
+        factor = self._scalar(f"{arch}.rope.scaling.factor", None)
+        if factor is None:
+            factor = self._scalar(f"{arch}.rope.scale_linear", None)  # pre-2024 spelling of linear scaling
+            if kind is None and factor not in (None, 1.0):
+                kind = "linear"
+        scaling: dict[str, Any] | None
+        if kind in (None, "none"):
+            scaling = None
+        elif kind == "linear":
+            scaling = {"rope_type": "linear", "factor": _f32(factor if factor is not None else 1.0)}
+        else:
+            raise CheckpointError(
+                f"{self.path}: rope scaling {kind!r} ({kind_key}) is not supported; "
+                "supported: none, linear, llama3 (as rope_freqs.weight)"
+            )
+        if ROPE_FREQS in names:
+            if scaling is not None:
+                raise CheckpointError(f"{self.path}: both {kind_key}={kind!r} and {ROPE_FREQS}; expected one")
+            rot_dim = int(self._scalar(f"{arch}.rope.dimension_count", head_dim))
+            try:
+                scaling = llama3_rope_scaling(self._expand(names[ROPE_FREQS]), theta, rot_dim)
+            except ValueError as e:
+                raise CheckpointError(
+                    f"{self.path}: tensor {ROPE_FREQS!r} holds per-frequency rope divisors vtool cannot map "
+                    f"to a supported rope scaling (none, linear, llama3): {e}"
+                ) from None
+        return scaling
+
+    def generation_config(self) -> dict[str, Any] | None:
+        return None  # GGUF carries no generation defaults
+
+    # -- tensors --------------------------------------------------------------------
+    def tensors(self) -> dict[str, TensorInfo]:
+        if self._infos is None:
+            infos: dict[str, TensorInfo] = {}
+            for t in self._reader.tensors:
+                if t.name == ROPE_FREQS:
+                    continue  # not a weight in HF: config()'s rope_scaling carries it
+                name = hf_name(t.name, self.path)
+                kind = t.tensor_type.name
+                if kind not in SUPPORTED_TYPES:
+                    raise CheckpointError(
+                        f"{self.path}: tensor {t.name!r} has GGML type {kind}; supported: {', '.join(SUPPORTED_TYPES)}"
+                    )
+                self._raw[name] = t
+                infos[name] = TensorInfo(name, tuple(int(d) for d in reversed(t.shape.tolist())), kind)
+            self._infos = infos
+        return self._infos
+
+    def _expand(self, t: Any) -> np.ndarray:
+        """A GGUF tensor as floats in torch dim order; F16/BF16 stay in their own dtype."""
+        kind = t.tensor_type.name
+        data = t.data.view(np.ndarray)  # drop np.memmap: a plain view of the mapped bytes
+        if kind in ("F32", "F16"):
+            arr = data
+        elif kind == "BF16":
+            arr = data.view(ml_dtypes.bfloat16)  # stored as raw bytes, 2 per element
+        else:
+            import gguf  # only here: see GGML_TYPES
+
+            arr = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.tensor_type.value))
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        return arr.reshape(shape)
+
+    def _load_raw(self, name: str) -> np.ndarray:
+        t = self._raw[name]
+        return self._hf_rows(t, self._expand(t))
+
+    def load_blocks(self, name: str) -> tuple[str, np.ndarray]:
+        if name not in self.tensors():
+            raise CheckpointError(f"{self.path}: no tensor named {name!r}")
+        t = self._raw[name]
+        kind = t.tensor_type.name
+        if kind in ("F32", "F16", "BF16"):
+            raise CheckpointError(f"{self.path}: tensor {t.name!r} is {kind}, not quantized blocks")
+        row_bytes = int(t.data.shape[-1])  # uint8 [rows, row_bytes]: blocks never straddle rows
+        # Read, not mapped: a mapped page counts in this process's resident memory until the
+        # mapping goes, and the bytes are only passing through on their way to being repacked.
+        data = np.empty((int(t.n_bytes) // row_bytes, row_bytes), np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(int(t.data_offset))
+            if f.readinto(memoryview(data).cast("B")) != data.nbytes:
+                raise CheckpointError(f"{self.path}: tensor {t.name!r} is cut short")
+        return kind, self._hf_rows(t, data)
+
+    def _hf_rows(self, t: Any, arr: np.ndarray) -> np.ndarray:
+        """Q/K rows of the `llama` converter back in HF order (floats or block rows alike)."""
+        if self._arch() == "llama" and re.search(r"\.attn_[qk]\.", t.name):
+            cfg = self.config()
+            n_head = cfg["num_attention_heads"] if ".attn_q." in t.name else cfg["num_key_value_heads"]
+            if arr.shape[0] % (2 * n_head):
+                raise CheckpointError(
+                    f"{self.path}: tensor {t.name!r} has {arr.shape[0]} rows, not a multiple of 2 x {n_head} heads"
+                )
+            arr = unpermute_rows(arr, n_head)
+        return arr
