@@ -13,7 +13,7 @@ import pytest
 import tvm
 
 from vtool.models.int8_gemv import FORMATS, gemm_func, gemv_func, isa_for
-from vtool.runtime import quant_blocks
+from vtool.runtime.weights import quant_blocks
 from vtool.targets.host import host_cpu_features
 
 Q = gguf.GGMLQuantizationType

@@ -18,7 +18,7 @@ from quant_gguf import QK_K, encode_q4_k, encode_q6_k, quantize
 from vtool.models import quant_formats
 from vtool.models.config import parse_hf_config
 from vtool.models.weights import expected_source_shapes, kept_formats, plan_parameters, weight_modules
-from vtool.runtime import quant_blocks
+from vtool.runtime.weights import quant_blocks
 from vtool.runtime.weights.quant_blocks import QuantFormatError, dequantize, repack
 
 Q = gguf.GGMLQuantizationType
