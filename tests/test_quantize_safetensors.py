@@ -218,7 +218,7 @@ def test_refusals(tmp_path):
 
 def test_cli_offers_exactly_the_build_choices():
     from vtool.toolchain.build import QUANTIZATIONS
-    from vtool.toolchain.cli import QUANTIZATION_CHOICES
+    from vtool.runtime.cli import QUANTIZATION_CHOICES
 
     assert QUANTIZATION_CHOICES == QUANTIZATIONS
 

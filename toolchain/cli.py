@@ -1,124 +1,43 @@
-"""The `vtool` command (click + rich). Flags mirror vllm-cli / vLLM where they have a name."""
+"""The full `vtool` command: the runtime's commands (vtool.runtime.cli: run, serve, bench,
+tokenize) plus the compiler's (build, tune, targets, dist). Loading this module registers
+the builder that lets run/serve/bench compile a model on first use."""
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import click
-from rich.console import Console
 
-from vtool import VtoolError, __version__
-
-console = Console(stderr=True)
-out = Console()
-
-
-def _fail(err: Exception) -> None:
-    console.print(f"[bold red]error:[/] {err}", highlight=False)
-    sys.exit(2)
-
-
-class VtoolGroup(click.Group):
-    """Turns VtoolError (and the target table's refusals) into one clear line and exit 2."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except VtoolError as err:
-            _fail(err)
-
-
-@click.group(cls=VtoolGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="vtool")
-def main() -> None:
-    """vtool: compile LLMs ahead of time with Apache TVM, then run and serve them."""
-
-
-def resolve_model(model: str | None) -> Path:
-    """--model, or the embedded default (SmolLM2-135M-Instruct Q4_1), fetched on first use."""
-    if model:
-        return Path(model)
-    from vtool.runtime.weights.default_model import default_model_path
-
-    with console.status("fetching the default model (SmolLM2-135M-Instruct Q4_1, 98 MB)"):
-        return default_model_path()
+from vtool.runtime.cli import (activations_option, console, main, model_options, out, quantization_option,
+                               register_builder, resolve_model)
 
 
 def build_with_progress(model_path: Path, target: str, dtype: str, output: str | None = None,
                         force: bool = False, gemm: str = "auto", quantization: str = "auto",
                         attention: str = "auto", activations: str = "auto") -> Path:
+    """Build with vtool's own progress line; what TVM's C++ side prints while compiling goes to
+    a log file (named on failure) instead of the terminal."""
     from vtool.toolchain.build import build_artifact
+    from vtool.toolchain.native_log import native_output_to_log
 
-    with console.status("building") as status:
-        def report(msg: str) -> None:
-            status.update(msg)
-            if msg.startswith(("built", "using cached", "tuning")):  # "tuning ...": records used / ignored
-                console.print(f"[dim]{msg}[/]", highlight=False)
+    with native_output_to_log("build") as (terminal, log_path):
+        with terminal.status("building") as status:
+            def report(msg: str) -> None:
+                status.update(msg)
+                if msg.startswith(("built", "using cached", "tuning")):  # "tuning ...": records used / ignored
+                    terminal.print(f"[dim]{msg}[/]", highlight=False)
 
-        return build_artifact(model_path, target, dtype, output=output, progress=report, force=force, gemm=gemm,
-                              quantization=quantization, attention=attention, activations=activations)
-
-
-def _artifact_option(fn: Callable) -> Callable:
-    return click.option("--artifact", default=None, type=click.Path(exists=True, file_okay=False),
-                        help="run this prebuilt artifact folder instead of building (a machine with only the "
-                             "TVM runtime); --model still names the weights")(fn)
+            return build_artifact(model_path, target, dtype, output=output, progress=report, force=force, gemm=gemm,
+                                  quantization=quantization, attention=attention, activations=activations)
 
 
-def artifact_for(model_path: Path, artifact: str | None, target: str, dtype: str,
-                 quantization: str = "auto", activations: str = "auto") -> Path:
-    """The prebuilt artifact when given (nothing is compiled, so no compiler is needed),
-    else the cached or fresh build."""
-    return Path(artifact) if artifact else build_with_progress(model_path, target, dtype,
-                                                               quantization=quantization, activations=activations)
+def _builder(model_path: Path, target: str, dtype: str, *, quantization: str = "auto",
+             activations: str = "auto") -> Path:
+    return build_with_progress(model_path, target, dtype, quantization=quantization, activations=activations)
 
 
-# toolchain/build.py QUANTIZATIONS (not imported here: it would load the compiler for `vtool --help`)
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q4_0", "q4_1", "q8_0")
-
-
-def _quantization_option(fn: Callable) -> Callable:
-    return click.option(
-        "--quantization", default="auto", show_default=True, type=click.Choice(QUANTIZATION_CHOICES),
-        help="gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights quantized in memory (CPU kernels dequantize "
-             "inside the matmul; other types are dequantized at load); q4_1 (recommended), q4_0, q8_0: "
-             "quantize a safetensors checkpoint's weights at build time into the artifact (GGML's 32-weight "
-             "groups; q4_1 is int4 with a per-group scale and min); none: dequantize every weight to "
-             "--dtype at load; auto: gguf for a GGUF file on a CPU target, else none")(fn)
-
-
-def _activations_option(fn: Callable) -> Callable:
-    return click.option(
-        "--activations", default="auto", show_default=True, type=click.Choice(["auto", "decode", "q8_0", "none"]),
-        help="CPU, weights kept as Q8_0/Q4_0/Q4_1: decode quantizes the activation rows of the decode matmuls "
-             "to Q8_0 blocks and multiplies integers (AVX2 / AVX-512 VNNI), prompts stay float32; q8_0 does "
-             "so in every matmul, as llama.cpp does (faster prompts; greedy text can leave float's at "
-             "near-ties); none keeps float32 everywhere (exact); auto: decode where the target has integer "
-             "dot products")(fn)
-
-
-# --- CPU threads and the runtime-only process setup (run / serve / bench) ------------------------
-
-def _threads_option(fn: Callable) -> Callable:
-    return click.option(
-        "--threads", default=None, type=click.IntRange(min=1), envvar="VTOOL_CPU_THREADS",
-        help="CPU kernels' threads (env VTOOL_CPU_THREADS; default: the physical cores this process may "
-             "run on). Sets TVM_NUM_THREADS for the TVM runtime")(fn)
-
-
-def _runtime_process(threads: int | None) -> None:
-    """Setup for the commands that run models: the thread count, set before the TVM runtime
-    loads; and torch kept out of the process. tvm_ffi imports torch whenever it is installed
-    (`import torch` in its __init__, guarded by ImportError), which costs ~200 MB of resident
-    memory and seconds of start-up that running a compiled model never uses: a None entry in
-    sys.modules makes that import fail fast. Only when torch is not imported already (the
-    Python API inside a torch program keeps it)."""
-    from vtool.runtime.artifact.tvm_runtime import apply_cpu_threads, block_torch_import
-
-    apply_cpu_threads(threads)
-    block_torch_import()
+register_builder(_builder)
 
 
 def _gemm_option(fn: Callable) -> Callable:
@@ -136,30 +55,21 @@ def _attention_option(fn: Callable) -> Callable:
              "auto: flashinfer when a fitting one is importable and the model's shape suits it, else tir)")(fn)
 
 
-def _model_options(fn: Callable) -> Callable:
-    fn = click.option("--dtype", default="float32", show_default=True,
-                      type=click.Choice(["float32", "float16", "bfloat16"]), help="compute dtype")(fn)
-    fn = click.option("--target", default="host", show_default=True,
-                      help="target name (see `vtool targets`); host = best tier this CPU runs")(fn)
-    fn = click.option("--model", default=None,
-                      help="model folder (config.json + safetensors) or .gguf file; default: SmolLM2-135M-Instruct")(fn)
-    return fn
-
-
 @main.command()
-@_model_options
+@model_options
 @click.option("--output", default=None, help="artifact folder (default: the user build cache)")
 @click.option("--force", is_flag=True, help="rebuild even when the cache has this build")
 @_gemm_option
 @_attention_option
-@_quantization_option
-@_activations_option
-def build(model: str | None, target: str, dtype: str, output: str | None, force: bool, gemm: str,
+@quantization_option
+@activations_option
+def build(model: str | None, revision: str | None, target: str, dtype: str, output: str | None, force: bool, gemm: str,
           attention: str, quantization: str, activations: str) -> None:
     """Compile a model into an artifact folder (model.so + manifest.json)."""
-    folder = build_with_progress(resolve_model(model), target, dtype, output, force, gemm, quantization, attention,
+    folder = build_with_progress(resolve_model(model, revision), target, dtype, output, force, gemm, quantization, attention,
                                  activations)
     out.print(str(folder), highlight=False)
+
 
 
 @main.command()
@@ -178,162 +88,6 @@ def targets() -> None:
     out.print(table)
 
 
-@main.command()
-@_model_options
-@click.option("--prompt", default="The capital of France is", show_default=True, help="prompt text")
-@click.option("--tokenizer-config", default=None, help="override tokenizer_config.json")
-@click.option("--max-tokens", default=16, show_default=True, type=int, help="tokens to generate (<= 0: up to the context)")
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="<= 0 means greedy")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 means all")
-@click.option("--seed", default=None, type=int, help="RNG seed for sampling")
-@click.option("--stream", is_flag=True, help="print tokens as they are generated")
-@click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1),
-              help="load once, run N times, report warm decode tok/s")
-@click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
-@click.option("--max-model-len", default=None, type=int, help="context length (default: model's, capped at 4096)")
-@_quantization_option
-@_activations_option
-@_artifact_option
-@_threads_option
-def run(model: str | None, target: str, dtype: str, prompt: str, tokenizer_config: str | None, max_tokens: int,
-        temperature: float, top_p: float, top_k: int, seed: int | None, stream: bool, repeat: int, chat: bool,
-        max_model_len: int | None, artifact: str | None, quantization: str, activations: str,
-        threads: int | None) -> None:
-    """Generate text from a prompt (builds the model on first use)."""
-    _runtime_process(threads)
-    from vtool.runtime.weights.checkpoint import open_checkpoint
-    from vtool.runtime.run_cmd import RunOptions, run_completion
-
-    model_path = resolve_model(model)
-    checkpoint = open_checkpoint(model_path)
-    artifact_dir = artifact_for(model_path, artifact, target, dtype, quantization, activations)
-    options = RunOptions(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                         seed=seed, stream=stream, repeat=repeat, chat=chat, tokenizer_config=tokenizer_config,
-                         max_model_len=max_model_len)
-    run_completion(artifact_dir, checkpoint, options, out, console)
-
-
-@main.command()
-@_model_options
-@click.option("--host", default="0.0.0.0", show_default=True, help="bind address")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--served-model-name", multiple=True, help="model id(s) in /v1/models and responses (default: --model)")
-@click.option("--tokenizer-config", default=None, help="override tokenizer_config.json (chat template)")
-@click.option("--block-size", default=16, show_default=True, type=int, help="KV block size in tokens (16 only)")
-@click.option("--num-blocks", default=None, type=click.IntRange(min=1),
-              help="KV blocks (default: sized by --kv-cache-memory-bytes)")
-@click.option("--kv-cache-memory-bytes", default=None, type=click.IntRange(min=1),
-              help="KV-cache budget when --num-blocks is not given (default: 1 GiB on CPU; on GPU, "
-                   "--gpu-memory-utilization of the memory left after the weights)")
-@click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0.0, 1.0,
-              min_open=True), help="GPU only: the fraction of free device memory the KV cache may take")
-@click.option("--max-model-len", default=None, type=click.IntRange(min=1),
-              help="context length (default: the model's, capped at 4096, fitted to the KV cache)")
-@click.option("--max-num-seqs", default=32, show_default=True, type=click.IntRange(min=1))
-@click.option("--max-num-batched-tokens", default=1024, show_default=True, type=click.IntRange(min=1),
-              help="tokens per engine step (prefill chunks + decodes)")
-@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True)
-@click.option("--scheduling-policy", default="fcfs", show_default=True, type=click.Choice(["fcfs", "priority"]))
-@click.option("--enable-log-requests/--disable-log-requests", default=True, show_default=True)
-@click.option("--enable-log-outputs", is_flag=True)
-@click.option("--max-log-len", default=256, show_default=True, type=click.IntRange(min=0))
-@click.option("--disable-metrics", is_flag=True)
-@click.option("--enable-force-include-usage", is_flag=True)
-@click.option("--api-key", default=None, envvar="VLLM_API_KEY", help="require this Bearer key on /v1 routes")
-@click.option("--trust-remote-code", is_flag=True, help="accepted for vLLM recipes; no effect")
-@click.option("--enable-auto-tool-choice", is_flag=True, help="accepted for vLLM recipes; no effect")
-@_quantization_option
-@_activations_option
-@_artifact_option
-@_threads_option
-def serve(model: str | None, target: str, dtype: str, host: str, port: int, served_model_name: tuple[str, ...],
-          tokenizer_config: str | None, block_size: int, num_blocks: int | None, kv_cache_memory_bytes: int | None,
-          gpu_memory_utilization: float,
-          max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
-          scheduling_policy: str, enable_log_requests: bool, enable_log_outputs: bool, max_log_len: int,
-          disable_metrics: bool, enable_force_include_usage: bool, api_key: str | None, trust_remote_code: bool,
-          enable_auto_tool_choice: bool, quantization: str, activations: str, artifact: str | None,
-          threads: int | None) -> None:
-    """Serve an OpenAI-compatible API (builds the model on first use)."""
-    _runtime_process(threads)
-    from vtool.runtime.weights.checkpoint import open_checkpoint
-    from vtool.runtime.engine.engine import EngineConfig
-    from vtool.runtime.serving.serve_cmd import ServeOptions
-    from vtool.runtime.serving.serve_cmd import serve as run_server
-
-    for flag, on, why in (("--trust-remote-code", trust_remote_code, "vtool runs no code from checkpoints"),
-                          ("--enable-auto-tool-choice", enable_auto_tool_choice, "tool calling is not served yet")):
-        if on:
-            console.print(f"server: accepted '{flag}' for vLLM-recipe compatibility; it has no effect here: {why}",
-                          highlight=False)
-    engine_config = EngineConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-        num_blocks=num_blocks, kv_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
-        enable_prefix_caching=enable_prefix_caching,
-        scheduling_policy=scheduling_policy, max_model_len=max_model_len)
-    opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, tokenizer_config=tokenizer_config,
-                        max_model_len=max_model_len, api_key=api_key, disable_metrics=disable_metrics,
-                        enable_log_requests=enable_log_requests, enable_log_outputs=enable_log_outputs,
-                        max_log_len=max_log_len, enable_force_include_usage=enable_force_include_usage)
-    model_path = resolve_model(model)
-    checkpoint = open_checkpoint(model_path)
-    run_server(artifact_for(model_path, artifact, target, dtype, quantization, activations), checkpoint,
-               engine_config, opts,
-               console)
-
-
-@main.command()
-@click.option("--model", default=None, help="model to serve and measure (default: SmolLM2-135M-Instruct); "
-                                            "with --url, the served model id (default: the first in /v1/models)")
-@click.option("--url", default=None, help="measure this running OpenAI server instead of starting one")
-@click.option("--endpoint", default="completions", show_default=True, type=click.Choice(["completions", "chat"]))
-@click.option("--dataset-path", default=None, help="ShareGPT .json, .jsonl or .txt prompts (default: synthetic)")
-@click.option("--num-prompts", default=32, show_default=True, type=click.IntRange(min=1))
-@click.option("--input-len", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--output-len", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--concurrency", default="1,4,8", show_default=True, help="comma list of concurrency levels")
-@click.option("--max-num-batched-tokens", default=1024, show_default=True, type=click.IntRange(min=1))
-@click.option("--num-blocks", default=None, type=click.IntRange(min=1))
-@click.option("--max-num-seqs", default=None, type=click.IntRange(min=1),
-              help="server batch limit (default: the largest --concurrency level)")
-@click.option("--target", default="host", show_default=True)
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "bfloat16"]))
-@click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
-              help="generate exactly --output-len tokens per request")
-@click.option("--api-key", default=None)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--result-json", default=None, help="write the report here as JSON")
-@_threads_option
-def bench(model: str | None, url: str | None, endpoint: str, dataset_path: str | None, num_prompts: int,
-          input_len: int, output_len: int, concurrency: str, max_num_batched_tokens: int, num_blocks: int | None,
-          max_num_seqs: int | None, target: str, dtype: str, ignore_eos: bool, api_key: str | None, seed: int,
-          result_json: str | None, threads: int | None) -> None:
-    """Measure serving throughput and latency (TTFT, TPOT, ITL, E2EL) as vLLM defines them.
-    --threads applies to the local server it starts (passed on as VTOOL_CPU_THREADS)."""
-    if threads is not None:
-        from vtool.runtime.artifact.tvm_runtime import apply_cpu_threads
-
-        apply_cpu_threads(threads)  # the local server process inherits VTOOL_CPU_THREADS
-    from vtool.runtime.bench.command import BenchOptions, bench_main, parse_concurrency
-    from vtool.runtime.bench.local_server import local_server
-
-    levels = parse_concurrency(concurrency)
-    opts = BenchOptions(model=model if url else None, url=url or "", endpoint=endpoint, dataset_path=dataset_path,
-                        num_prompts=num_prompts, input_len=input_len, output_len=output_len, concurrency=levels,
-                        ignore_eos=ignore_eos, api_key=api_key, seed=seed, result_json=result_json)
-    if url:
-        bench_main(opts, None, out)
-        return
-    model_path = resolve_model(model)
-    build_with_progress(model_path, target, dtype)  # build here, with progress, before the server starts
-    limited = [x for x in levels if x > 0]
-    seqs = max_num_seqs or (max(limited) if limited else 32)
-    with local_server(model_path, target, dtype, max_num_seqs=seqs, max_num_batched_tokens=max_num_batched_tokens,
-                      num_blocks=num_blocks, console=console) as (server_url, tokenizer):
-        bench_main(dataclasses.replace(opts, url=server_url), tokenizer, out)
-
-
 def _bucket_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(x) for x in value.split(",") if x.strip())
@@ -345,7 +99,7 @@ def _bucket_list(ctx: click.Context, param: click.Parameter, value: str) -> tupl
 
 
 @main.command()
-@_model_options
+@model_options
 @click.option("--trials", default=64, show_default=True, type=click.IntRange(min=1),
               help="MetaSchedule candidates measured per task (kernel x bucket)")
 @click.option("--budget-minutes", default=None, type=click.FloatRange(min=0, min_open=True),
@@ -363,9 +117,9 @@ def _bucket_list(ctx: click.Context, param: click.Parameter, value: str) -> tupl
                                               "rules (alternately) and rewrite which ones a build uses")
 @_gemm_option
 @_attention_option
-@_quantization_option
-@_activations_option
-def tune(model: str | None, target: str, dtype: str, trials: int, budget_minutes: float | None, pattern: str | None,
+@quantization_option
+@activations_option
+def tune(model: str | None, revision: str | None, target: str, dtype: str, trials: int, budget_minutes: float | None, pattern: str | None,
          prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...], output: str | None, force: bool,
          list_only: bool, recheck: bool, gemm: str, attention: str, quantization: str, activations: str) -> None:
     """Tune the model's kernels with MetaSchedule and write tuning records (interrupt with
@@ -379,18 +133,21 @@ def tune(model: str | None, target: str, dtype: str, trials: int, budget_minutes
                        decode_buckets=decode_buckets, output=Path(output) if output else None, force=force,
                        dtype=dtype, quantization=quantization, gemm=gemm, attention=attention,
                        activations=activations)
-    sys.exit(run_tune(resolve_model(model), target, opts, list_only, console, out, recheck))
+    sys.exit(run_tune(resolve_model(model, revision), target, opts, list_only, console, out, recheck))
 
 
-@main.command()
-@click.argument("tokenizer", type=click.Path(exists=True, dir_okay=True))
-@click.argument("corpus", type=click.Path(exists=True, dir_okay=False))
-def tokenize(tokenizer: str, corpus: str) -> None:
-    """Tokenize CORPUS with TOKENIZER (tokenizer.json, a model folder, or model.gguf): counts and ids."""
-    from vtool.runtime.text.tokenize_cmd import run_tokenize
 
-    sys.exit(run_tokenize(tokenizer, corpus, out))
 
+def _register_dist() -> None:
+    from vtool.toolchain.dist_cli import dist
+
+    main.add_command(dist)
+
+
+try:
+    _register_dist()
+except ImportError:  # written alongside; absent only in a partial checkout
+    pass
 
 if __name__ == "__main__":
     main()

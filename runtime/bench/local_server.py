@@ -27,11 +27,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_server(model_path: Path, target: str, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
+def local_server(model_path: Path, artifact_dir: Path, max_num_seqs: int, max_num_batched_tokens: int,
                  num_blocks: int | None, console: Console) -> Iterator[tuple[str, Tokenizer]]:
+    """A `vtool serve` of an artifact already built (the runtime's own command, so this works in a
+    runtime-only install and never compiles while the clock runs)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "vtool.toolchain.cli", "serve", "--model", str(model_path), "--target", target,
-           "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
+    cmd = [sys.executable, "-m", "vtool.runtime.cli", "serve", "--model", str(model_path), "--artifact",
+           str(artifact_dir), "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
            "--max-num-batched-tokens", str(max_num_batched_tokens), "--disable-log-requests"]
     if num_blocks:
         cmd += ["--num-blocks", str(num_blocks)]
