@@ -2,8 +2,12 @@
 CUDA artifacts libtvm_runtime_cuda.so (TVM's CUDA device API and cubin loader).
 
 The shared libraries come from VTOOL_TVM_LIBRARY_DIR when set (a machine that has only
-apache-tvm-ffi and the runtime libraries), else from the installed apache-tvm package,
-found without importing it (importing `tvm` loads the 260 MB compiler).
+apache-tvm-ffi and the runtime libraries), else from the copies bundled in this package
+(BUNDLED_LIBRARY_DIR: the vtool-runtime wheel puts them there, `vtool dist runtime-wheel`),
+else from the installed apache-tvm package, found without importing it (importing `tvm`
+loads the 260 MB compiler). libtvm_runtime.so needs libtvm_ffi.so, which its RUNPATH
+($ORIGIN) does not find: `import tvm_ffi` loads it first, and the loader then matches the
+dependency by soname.
 """
 from __future__ import annotations
 
@@ -26,17 +30,25 @@ class RuntimeLoadError(VtoolError):
     pass
 
 
+# Where the vtool-runtime wheel places TVM's runtime libraries (absent in a source checkout).
+BUNDLED_LIBRARY_DIR = Path(__file__).resolve().parent / "lib"
+
+
 def runtime_library_dir() -> Path:
+    """VTOOL_TVM_LIBRARY_DIR, else the libraries bundled in this package, else apache-tvm's."""
     explicit = os.environ.get("VTOOL_TVM_LIBRARY_DIR")
     if explicit:
         folder = Path(explicit)
         if not (folder / RUNTIME_LIBRARY).exists():
             raise RuntimeLoadError(f"VTOOL_TVM_LIBRARY_DIR={explicit} has no {RUNTIME_LIBRARY}")
         return folder
+    if (BUNDLED_LIBRARY_DIR / RUNTIME_LIBRARY).exists():
+        return BUNDLED_LIBRARY_DIR
     spec = importlib.util.find_spec("tvm")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeLoadError(
-            f"cannot find {RUNTIME_LIBRARY}: install apache-tvm or set VTOOL_TVM_LIBRARY_DIR to a folder holding it"
+            f"cannot find {RUNTIME_LIBRARY}: install apache-tvm (or the vtool-runtime wheel) or set "
+            "VTOOL_TVM_LIBRARY_DIR to a folder holding it"
         )
     folder = Path(list(spec.submodule_search_locations)[0]) / "lib"
     if not (folder / RUNTIME_LIBRARY).exists():
@@ -116,21 +128,40 @@ def global_func(name: str) -> Any:
     return ffi().get_global_func(name)
 
 
+def _wheel_libraries(soname: str) -> list[str]:
+    """Copies of `soname` installed by NVIDIA's wheels on sys.path (nvidia/<cu13>/lib/)."""
+    import sys
+
+    found = []
+    for entry in sys.path:
+        base = Path(entry or ".") / "nvidia"
+        if base.is_dir():
+            found += [str(p) for p in sorted(base.glob(f"*/lib/{soname}"))]
+    return found
+
+
 def _load_cudart(folder: Path) -> ctypes.CDLL:
     """The process's libcudart.so.13 if one is loaded already (torch brings its own: two
     copies in one process would each keep their own state), else the one beside the TVM
-    runtime libraries, else the system's."""
+    runtime libraries, else the nvidia-cuda-runtime wheel's (`vtool-runtime[cuda]`), else
+    the system's. TVM's libtvm_runtime_cuda.so looks only beside itself ($ORIGIN), so it is
+    loaded here first and then matched by soname."""
     try:
         return ctypes.CDLL(CUDART, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
     except OSError:
         pass
     local = folder / CUDART
-    try:
-        return ctypes.CDLL(str(local) if local.exists() else CUDART, ctypes.RTLD_GLOBAL)
-    except OSError as e:
-        raise RuntimeLoadError(
-            f"cannot load the CUDA runtime {CUDART} ({e}); put it beside {RUNTIME_LIBRARY} "
-            f"(VTOOL_TVM_LIBRARY_DIR) or on LD_LIBRARY_PATH") from None
+    candidates = ([str(local)] if local.exists() else []) + _wheel_libraries(CUDART) + [CUDART]
+    errors = []
+    for candidate in candidates:
+        try:
+            return ctypes.CDLL(candidate, ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            errors.append(f"{candidate}: {e}")
+    raise RuntimeLoadError(
+        f"cannot load the CUDA runtime {CUDART} ({'; '.join(errors)}); install it with "
+        f"`pip install nvidia-cuda-runtime` (or vtool-runtime[cuda]), put it beside {RUNTIME_LIBRARY} "
+        "(VTOOL_TVM_LIBRARY_DIR) or on LD_LIBRARY_PATH") from None
 
 
 @functools.lru_cache(maxsize=1)
@@ -164,13 +195,7 @@ CUBLAS = "libcublas.so.13"  # CUDA 13, as the TVM runtime's libcudart
 def _cublas_candidates() -> list[str]:
     """VTOOL_CUBLAS_LIBRARY, then the nvidia-cublas wheel's copy on sys.path (torch's CUDA 13
     wheels install the same one), then the loader's own search."""
-    import sys
-
-    found = [os.environ.get("VTOOL_CUBLAS_LIBRARY", "")]
-    for entry in sys.path:
-        base = Path(entry or ".") / "nvidia"
-        if base.is_dir():
-            found += [str(p) for p in sorted(base.glob(f"*/lib/{CUBLAS}"))]
+    found = [os.environ.get("VTOOL_CUBLAS_LIBRARY", "")] + _wheel_libraries(CUBLAS)
     return [c for c in found if c] + [CUBLAS]
 
 
