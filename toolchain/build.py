@@ -362,6 +362,9 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
     gemm: "auto" | "tir" | "cublas" (toolchain/gemm_offload.py): which kernels run the
     prefill and batched-decode matmuls of a CUDA build."""
     progress = progress or (lambda _msg: None)
+    # The options as asked, for the manifest's provenance (several are resolved below).
+    requested = {"target": target_name, "dtype": dtype, "quantization": quantization, "gemm": gemm,
+                 "attention": attention, "activations": activations}
     _validate_dtype(dtype)
     target_spec = buildable(target_name)
     ckpt = checkpoint or open_checkpoint(model_path)
@@ -409,6 +412,9 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
         build_info: dict[str, Any] = {"seconds": round(time.perf_counter() - t0, 2), "host": platform.machine(),
                                       "compiler_digest": compiler_source_digest(),
                                       "pipeline": compiled["pipeline"]}
+        from vtool.toolchain.provenance import build_record
+
+        build_info["provenance"] = build_record(ckpt, requested)  # checkpoint digest, host, time
         if "cuda" in compiled:
             build_info["cuda"] = compiled["cuda"]
         if "sampler" in compiled:
