@@ -15,7 +15,7 @@ offset terms of Q4_0 (q - 8) and Q4_1 (+ m), and the +128 bias that makes Q8_0's
 signed activations usable as vpdpbusd's unsigned operand, are folded through per-block
 sums of the quantized activation, computed with the quantization, so the inner loop
 only touches the weights. Output rows go in tiles of TILE_ROWS (the weight layout of
-vtool.models.quant_formats: [tile, block, row in tile, bytes], one tile's block is one
+vtool.runtime.weights.ggml_blocks: [tile, block, row in tile, bytes], one tile's block is one
 contiguous run), tiles run in parallel.
 
 The result differs from the float path by the activation rounding (as llama.cpp's
@@ -27,7 +27,8 @@ from tvm import tirx
 from tvm.target import Target
 from tvm.script import tirx as T
 
-from vtool.models.quant_formats import BLOCK, INT8_FORMATS, TILE_ROWS, int8_isa
+from vtool.models.int8_activations import INT8_FORMATS, int8_isa
+from vtool.runtime.weights.ggml_blocks import BLOCK, TILE_ROWS
 
 FORMATS = INT8_FORMATS
 isa_for = int8_isa  # re-exported: the kernels' callers and tests name it here

@@ -27,8 +27,8 @@ from tvm.relax.frontend.nn import Tensor, op
 
 from vtool.models.int8_gemv import FORMATS as INT8_FORMATS
 from vtool.models.int8_gemv import gemm_func, gemv_func
-from vtool.models.quant_formats import (BLOCK, KERNEL_FORMATS, SUPER_BLOCK, TILE_ROWS, block_cols, keepable, part_dtype,
-                                         part_shape, parts)
+from vtool.runtime.weights.ggml_blocks import (BLOCK, FORMATS, SUPER_BLOCK, TILE_ROWS, block_cols, keepable, part_dtype,
+                                              part_shape, parts)
 
 CHUNK = 16  # weights per vtool_dequant chunk: half a block
 DEQUANT_BLOCK = "vtool_dequant"
@@ -47,7 +47,7 @@ def _f32(v: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def _weight(fmt: str, w: list[te.Tensor], n, c, j) -> tirx.PrimExpr:
-    """weight[n, CHUNK*c + j] as float32, from the tiled parts `w` (in quant_formats.parts order).
+    """weight[n, CHUNK*c + j] as float32, from the tiled parts `w` (in ggml_blocks.parts order).
     Every product below is exact in float32 (at most 24 significant bits), so the one rounding
     is Q4_1's and Q4_K's add, as in gguf-py: the result is gguf.quants.dequantize's, bit for bit."""
     qweight = w[0]
@@ -103,7 +103,7 @@ class _QuantizedWeight(nn.Module):
     def __init__(self, fmt: str, rows: int, cols: int):
         if not keepable(fmt, rows, cols):
             raise ValueError(f"a [{rows}, {cols}] weight cannot stay in {fmt} blocks (formats with kernels: "
-                             f"{', '.join(KERNEL_FORMATS)}; rows % {TILE_ROWS} == 0, cols % {block_cols(fmt)} == 0)")
+                             f"{', '.join(FORMATS)}; rows % {TILE_ROWS} == 0, cols % {block_cols(fmt)} == 0)")
         self.fmt, self.rows, self.cols = fmt, rows, cols
         for part in parts(fmt):
             setattr(self, part, nn.Parameter(part_shape(fmt, part, rows, cols), part_dtype(fmt, part)))

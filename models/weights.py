@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping
 
 from vtool import VtoolError
 from vtool.models.config import ModelConfig
-from vtool.models.quant_formats import QUANT_PARTS, keepable
+from vtool.runtime.weights.ggml_blocks import QUANT_PARTS, keepable
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # stored types that are plain floats
 

@@ -15,10 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quant_gguf import QK_K, encode_q4_k, encode_q6_k, quantize
-from vtool.models import quant_formats
 from vtool.models.config import parse_hf_config
 from vtool.models.weights import expected_source_shapes, kept_formats, plan_parameters, weight_modules
-from vtool.runtime.weights import quant_blocks
+from vtool.runtime.weights import ggml_blocks
 from vtool.runtime.weights.quant_blocks import QuantFormatError, dequantize, repack
 
 Q = gguf.GGMLQuantizationType
@@ -30,14 +29,14 @@ F16_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K
 @given(fmt=st.sampled_from(FORMATS), tiles=st.integers(1, 6), blocks=st.integers(1, 3),
        scale=st.sampled_from([1e-3, 0.1, 3.0, 200.0]), seed=st.integers(0, 2**31 - 1))
 def test_repack_dequantizes_like_gguf(fmt, tiles, blocks, scale, seed):
-    rows, cols = tiles * quant_formats.TILE_ROWS, blocks * quant_formats.block_cols(fmt)
+    rows, cols = tiles * ggml_blocks.TILE_ROWS, blocks * ggml_blocks.block_cols(fmt)
     w = (np.random.default_rng(seed).standard_normal((rows, cols)) * scale).astype(np.float32)
     raw = quantize(w, Q[fmt])
     parts = repack(fmt, raw, cols)
-    assert tuple(parts) == quant_formats.parts(fmt)
+    assert tuple(parts) == ggml_blocks.parts(fmt)
     for name, arr in parts.items():
-        assert arr.shape == quant_formats.part_shape(fmt, name, rows, cols)
-        assert str(arr.dtype) == quant_formats.part_dtype(fmt, name)
+        assert arr.shape == ggml_blocks.part_shape(fmt, name, rows, cols)
+        assert str(arr.dtype) == ggml_blocks.part_dtype(fmt, name)
         assert arr.flags.c_contiguous
     want = gguf.quants.dequantize(raw, Q[fmt]).reshape(rows, cols)
     np.testing.assert_array_equal(dequantize(fmt, parts), want)
@@ -57,16 +56,14 @@ def test_repack_of_random_bytes_matches_gguf(fmt, seed):
     np.testing.assert_array_equal(dequantize(fmt, repack(fmt, raw, 2 * block)), want)
 
 
-def test_runtime_and_model_tables_agree():
-    """The compiled parameters the model declares are the arrays the runtime makes."""
-    assert set(quant_blocks.FORMATS) == set(quant_formats.KERNEL_FORMATS)
-    assert quant_blocks.TILE_ROWS == quant_formats.TILE_ROWS and quant_blocks.BLOCK == quant_formats.BLOCK
-    assert set(quant_formats.QUANT_PARTS) == {p for f in FORMATS for p in quant_formats.parts(f)}
-    for name, fmt in quant_blocks.FORMATS.items():
-        parts, dtype, per_block = quant_formats.KERNEL_FORMATS[name]
-        assert fmt.parts == parts and fmt.qweight_dtype == dtype and fmt.qweight_per_block == per_block
+def test_block_table_agrees_with_gguf():
+    """ggml_blocks (the one table the runtime and the models read) against gguf-py's sizes."""
+    assert set(ggml_blocks.FORMATS) == set(FORMATS)
+    assert set(ggml_blocks.QUANT_PARTS) == {p for f in FORMATS for p in ggml_blocks.parts(f)}
+    for name, fmt in ggml_blocks.FORMATS.items():
         assert (fmt.block_weights, fmt.block_bytes) == gguf.GGML_QUANT_SIZES[Q[name]]
-        assert fmt.block_weights == quant_formats.block_cols(name)
+        assert fmt.block_weights == ggml_blocks.block_cols(name)
+        assert ggml_blocks.part_dtype(name, "qweight") == fmt.qweight_dtype
 
 
 @pytest.mark.parametrize("fmt, most", [("Q8_0", 1.0), ("Q4_0", 1.0), ("Q4_1", 1.0), ("Q4_K", 148 / 144),
@@ -198,7 +195,8 @@ def test_light_gguf_reader_matches_gguf_package():
     import gguf
 
     from vtool.runtime.weights.default_model import default_model_path
-    from vtool.runtime.weights.gguf_reader import GGML_TYPES, GGUFFile
+    from vtool.runtime.weights.ggml_blocks import GGML_TYPES
+    from vtool.runtime.weights.gguf_reader import GGUFFile
 
     for raw, (name, block, size) in GGML_TYPES.items():
         t = gguf.GGMLQuantizationType(raw)

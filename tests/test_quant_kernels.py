@@ -20,7 +20,7 @@ tvm = pytest.importorskip("tvm")
 from tvm import te, tirx  # noqa: E402
 
 from quant_gguf import quantize  # noqa: E402
-from vtool.models.quant_formats import part_dtype, part_shape, parts  # noqa: E402
+from vtool.runtime.weights.ggml_blocks import part_dtype, part_shape, parts  # noqa: E402
 from vtool.models.quantized_linear import matmul_te, take_te  # noqa: E402
 from vtool.runtime.weights.quant_blocks import repack  # noqa: E402
 from vtool.schedules.cpu import vector_lanes  # noqa: E402

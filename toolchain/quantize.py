@@ -35,7 +35,7 @@ import numpy as np
 
 from vtool import VtoolError
 from vtool.models.config import ModelConfig
-from vtool.models.quant_formats import keepable
+from vtool.runtime.weights.ggml_blocks import keepable
 from vtool.models.weights import weight_modules
 from vtool.runtime.weights.checkpoint import Checkpoint
 from vtool.runtime.weights.default_model import sha256_of

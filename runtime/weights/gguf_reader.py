@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from vtool.runtime.weights.checkpoint import Checkpoint, CheckpointError, TensorInfo
+from vtool.runtime.weights.ggml_blocks import GGML_TYPES
 
 # general.architecture -> HF architectures[0]
 ARCHITECTURES: dict[str, str] = {
@@ -148,17 +149,10 @@ _FLOAT_ITEMS = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": n
 
 
 GGUF_MAGIC = 0x46554747  # b"GGUF" read as a little-endian uint32
-# GGML type id -> (name, weights per block, bytes per block), as gguf.GGMLQuantizationType and
-# gguf.GGML_QUANT_SIZES (a test holds them equal); the gguf package itself (numpy + yaml + ...,
-# ~5 MB resident) is imported only to expand a tensor or for a type not listed here.
-GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
-    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
-    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 30: ("BF16", 1, 2),
-}
 
 
+# GGML_TYPES (ggml_blocks) names the types vtool meets; the gguf package itself (numpy + yaml + ...,
+# ~5 MB resident) is imported only to expand a tensor or for a type not listed there.
 @dataclasses.dataclass(frozen=True)
 class GGMLType:
     """A tensor's GGML type: `.name` and `.value` as gguf.GGMLQuantizationType's."""
@@ -529,7 +523,7 @@ class GGUFCheckpoint(Checkpoint):
         elif kind == "BF16":
             arr = data.view(ml_dtypes.bfloat16)  # stored as raw bytes, 2 per element
         else:
-            import gguf  # only here: see GGML_TYPES
+            import gguf  # only here: see GGMLType
 
             arr = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.tensor_type.value))
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))

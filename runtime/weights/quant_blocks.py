@@ -1,77 +1,23 @@
 """GGUF quantized blocks, repacked at load into the arrays vtool's quantized kernels read.
 
-A compiled quantized weight [rows, cols] is two to five parameters ("parts"). Rows are
-grouped in tiles of TILE_ROWS = 4, block-major inside a tile ([tile, block, row in tile,
-...]), so a kernel computing one tile of output rows reads each part sequentially:
-
-  format  part      dtype    shape                      holds, per (tile, block, row)
-  Q8_0    qweight   int8     [rows/4, cols/32, 4, 32]   the block's 32 signed quants
-          scale     float16  [rows/4, cols/32, 4]       d;  w = d * q
-  Q4_0    qweight   uint8    [rows/4, cols/32, 4, 16]   GGUF's 16 bytes as they are: byte j =
-                                                        element j (low nibble) | element j+16 (high)
-          scale     float16  [rows/4, cols/32, 4]       d;  w = d * (q - 8)
-  Q4_1    qweight   uint8    [rows/4, cols/32, 4, 16]   as Q4_0
-          scale     float16  [rows/4, cols/32, 4]       d;  w = d * q + m
-          min       float16  [rows/4, cols/32, 4]       m
-  Q4_K    qweight   uint8    [rows/4, cols/32, 4, 16]   the 4-bit quants of each 32 weights, in
-                                                        Q4_0's order (GGUF pairs sub-blocks 2i and
-                                                        2i+1 in one byte's nibbles; regrouped here)
-          scale     float16  [rows/4, cols/256, 4]      d of the 256-weight super-block
-          min       float16  [rows/4, cols/256, 4]      dmin of the super-block
-          sub_scale uint8    [rows/4, cols/32, 4]       sc, the 6-bit scale of each 32 (unpacked)
-          sub_min   uint8    [rows/4, cols/32, 4]       m, the 6-bit min of each 32 (unpacked)
-                                                        w = (d * sc) * q - dmin * m
-  Q6_K    qweight   uint8    [rows/4, cols/32, 4, 16]   the low 4 bits of each quant, Q4_0's order
-          qhigh     uint8    [rows/4, cols/64, 4, 16]   the high 2 bits: byte j of 64 weights holds
-                                                        element 16k + j at bits 2k..2k+1 (k < 4)
-          sub_scale int8     [rows/4, cols/16, 4]       sc, the scale of each 16 weights
-          scale     float16  [rows/4, cols/256, 4]      d;  w = (d * sc) * (q - 32)
-
-So one 16-byte load of qweight feeds two 16-lane vectors (low nibbles, then high nibbles),
-one 16-byte load of qhigh four, and every quant of a chunk of 16 weights shares one scale.
-Scales stay GGUF's float16 (the kernels widen them, exactly, to float32), so Q8_0/Q4_*/Q6_K
-bind exactly the file's bytes and Q4_K 148 per 144 (its 6-bit scales and mins take a byte
-each): decode reads every weight byte once per token, and fewer bytes is faster. Every
-dequantization above is exact in float32 up to gguf-py's own one rounding (Q4_1's and
-Q4_K's subtraction or addition), so the kernels reproduce gguf.quants.dequantize bit for bit.
-No float copy of a weight is ever made.
+The formats, their parts and the parts' layout are defined once, in
+vtool.runtime.weights.ggml_blocks (its docstring draws them). This module turns a GGUF
+tensor's block bytes into those arrays (`repack`) and back into floats (`dequantize`, what
+the kernels compute, in numpy). Every dequantization is exact in float32 up to gguf-py's own
+one rounding (Q4_1's and Q4_K's subtraction or addition), so the kernels reproduce
+gguf.quants.dequantize bit for bit. No float copy of a weight is ever made.
 
 Nothing here imports TVM: the runtime binds weights with it, following the manifest.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from vtool import VtoolError
-
-BLOCK = 32  # weights per qweight block in every format here
-TILE_ROWS = 4
-
+from vtool.runtime.weights.ggml_blocks import BLOCK, FORMATS, TILE_ROWS, BlockFormat
 
 class QuantFormatError(VtoolError):
     """A quantized tensor vtool cannot repack (unknown format, wrong byte count)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockFormat:
-    name: str  # GGML type name: "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"
-    block_bytes: int  # bytes per GGUF block (of `block_weights` weights) in the file
-    parts: tuple[str, ...]  # compiled parameters, in this order
-    qweight_dtype: str  # "int8" | "uint8"
-    qweight_per_block: int  # qweight bytes per 32 weights (32 for int8, 16 for packed nibbles)
-    header: int  # bytes of float16 d (and m) before the quants (32-weight formats)
-    block_weights: int = BLOCK  # weights per GGUF block: 32, or 256 for the K-quants
-
-
-FORMATS: dict[str, BlockFormat] = {
-    "Q8_0": BlockFormat("Q8_0", 34, ("qweight", "scale"), "int8", 32, 2),
-    "Q4_0": BlockFormat("Q4_0", 18, ("qweight", "scale"), "uint8", 16, 2),
-    "Q4_1": BlockFormat("Q4_1", 20, ("qweight", "scale", "min"), "uint8", 16, 4),
-    "Q4_K": BlockFormat("Q4_K", 144, ("qweight", "scale", "min", "sub_scale", "sub_min"), "uint8", 16, 0, 256),
-    "Q6_K": BlockFormat("Q6_K", 210, ("qweight", "qhigh", "scale", "sub_scale"), "uint8", 16, 0, 256),
-}
 
 
 def block_format(name: str) -> BlockFormat:

@@ -1,0 +1,35 @@
+"""Q8_0 activation rows (llama.cpp's integer-dot scheme): which kept formats and targets take them.
+
+The build decides `--activations` with these before it compiles anything, so this module is
+pure Python (no TVM). The kernels themselves are schedules/cpu/int8_gemv.py; the toolchain
+hands them to the model (models/quantized_linear.py `use_int8_gemv`), and a test holds that
+file's FORMATS equal to INT8_FORMATS.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# The kept formats with integer-dot kernels.
+INT8_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+
+_VNNI_CPUS = {"cascadelake", "cooperlake", "icelake-server", "icelake-client", "tigerlake", "sapphirerapids",
+              "emeraldrapids", "graniterapids", "znver4", "znver5"}
+_AVX2_CPUS = {"haswell", "broadwell", "skylake", "skylake-avx512", "znver1", "znver2", "znver3", "alderlake",
+              "raptorlake", "meteorlake"}
+
+
+def int8_isa(mcpu: str, mattr: list[str]) -> str | None:
+    """The integer-dot ISA an x86 `mcpu` (LLVM's name) with `mattr` may use: "avx512vnni",
+    "avx2", or None (the float kernels)."""
+    if mcpu in _VNNI_CPUS or "+avx512vnni" in mattr:
+        return "avx512vnni"
+    if mcpu in _AVX2_CPUS or "+avx2" in mattr:
+        return "avx2"
+    return None
+
+
+def isa_for_target(target: Any) -> str | None:
+    """int8_isa of a tvm.target.Target; None for other kinds and non-x86 triples."""
+    if target.kind.name != "llvm" or not str(target.attrs.get("mtriple", "x86_64")).startswith("x86_64"):
+        return None
+    return int8_isa(str(target.attrs.get("mcpu", "")), [str(a) for a in target.attrs.get("mattr", [])])
