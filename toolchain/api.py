@@ -6,6 +6,7 @@ from typing import Any
 
 from vtool.runtime.weights.checkpoint import open_checkpoint
 from vtool.runtime.weights.default_model import default_model_path
+from vtool.runtime.weights.hub import resolve_model_path
 from vtool.runtime.engine.engine import EngineConfig
 from vtool.runtime.engine.offline import OfflineLLM
 from vtool.runtime.session import open_session
@@ -13,12 +14,13 @@ from vtool.toolchain.build import build_artifact
 
 
 class LLM(OfflineLLM):
-    """LLM(model=None) uses the embedded default model (SmolLM2-135M-Instruct)."""
+    """LLM(model=None) uses the embedded default model (SmolLM2-135M-Instruct). `model` is a local
+    folder or .gguf file, or a Hugging Face hub id (org/name, at `revision`; see hub.py)."""
 
     def __init__(self, model: str | Path | None = None, target: str = "host", dtype: str = "float32",
                  max_model_len: int | None = None, tokenizer_config: str | Path | None = None,
-                 **engine_kwargs: Any):
-        path = Path(model) if model else default_model_path()
+                 revision: str | None = None, **engine_kwargs: Any):
+        path = resolve_model_path(str(model), revision) if model else default_model_path()
         checkpoint = open_checkpoint(path)
         artifact = build_artifact(path, target, dtype, checkpoint=checkpoint)
         session = open_session(artifact, checkpoint, tokenizer_config, max_model_len)
