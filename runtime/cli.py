@@ -63,10 +63,8 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
     """--model: a local folder or .gguf file, a Hugging Face hub id (through the hub's cache),
     or the embedded default (SmolLM2-135M-Instruct Q4_1), fetched on first use."""
     if model:
-        try:  # INTERIM until runtime/weights/hub.py lands
-            from vtool.runtime.weights.hub import resolve_model_path
-        except ImportError:
-            return Path(model)
+        from vtool.runtime.weights.hub import resolve_model_path
+
         return resolve_model_path(model, revision)
     if revision:
         raise VtoolError("--revision names a revision of a hub model: give --model too")

@@ -14,8 +14,9 @@ import numpy as np
 from vtool import VtoolError
 from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.sampling.host import SequenceSampler, sample_batch
-from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.artifact.tvm_runtime import global_func
+from vtool.runtime.engine.validation import RequestLimits
+from vtool.runtime.sampling.params import SamplingParams, check_token_ids
 
 PAGE_SIZE = 16
 PREFILL_CHUNK = 512
@@ -67,11 +68,7 @@ class Generator:
         through the host)."""
         m = self.model
         array = np.asarray(ids, dtype=np.int64)
-        if array.size and (array.min() < 0 or array.max() >= m.vocab_size):
-            # The compiled gather does no bounds check: an id past the table would read
-            # (or crash on) memory outside it, so refuse it here by value.
-            bad = int(array[(array < 0) | (array >= m.vocab_size)][0])
-            raise VtoolError(f"token id {bad} is outside the vocabulary (0..{m.vocab_size - 1})")
+        check_token_ids(array, m.vocab_size)
         flat = m.function("embed")(m.upload(array.astype(np.int32), slot="ids"), m.params)
         return global_func("runtime.TVMTensorCreateView")(flat, m.ffi.Shape([1, len(ids), m.hidden_size]), m.dtype, 0)
 
@@ -109,13 +106,9 @@ class Generator:
                  on_token: Callable[[int], None] | None = None,
                  on_logits: Callable[[np.ndarray], None] | None = None) -> GenerationResult:
         """Run one sequence to a stop id or params.max_tokens (None or <= 0: to the context)."""
-        if not prompt_ids:
-            raise VtoolError("the prompt is empty: at least one token is needed")
-        if len(prompt_ids) >= self.max_model_len:
-            raise VtoolError(
-                f"the prompt has {len(prompt_ids)} tokens, at or past max_model_len={self.max_model_len}")
-        room = self.max_model_len - len(prompt_ids)
-        max_tokens = min(params.max_tokens, room) if params.max_tokens and params.max_tokens > 0 else room
+        # `vtool run` semantics: a max_tokens past the context is cut to it, not refused.
+        max_tokens = RequestLimits(self.model.vocab_size, self.max_model_len).check_request(
+            prompt_ids, params, strict=False)
         sampler = SequenceSampler(params, prompt_ids, tuple(stop_ids), self.model.vocab_size)
         self._fresh_sequence(len(prompt_ids) + max_tokens)
 

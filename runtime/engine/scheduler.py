@@ -1,4 +1,4 @@
-"""Which requests run in the next step, and how many of their tokens.
+"""Which requests run in the next step, and how many of their tokens: a SchedulerOutput.
 
 vLLM v1's shape: one token budget per step (max_num_batched_tokens) shared by decodes
 and prefill chunks; running requests first, then waiting ones while the budget, the
@@ -15,6 +15,7 @@ import itertools
 from vtool.runtime.engine.kv_cache import PagedKVCache
 from vtool.runtime.engine.prefix_cache import PrefixCache
 from vtool.runtime.engine.request import Request, Status
+from vtool.runtime.engine.step_types import ScheduledSequence, SchedulerOutput
 
 POLICIES = ("fcfs", "priority")
 
@@ -24,16 +25,6 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     policy: str = "fcfs"
-
-
-@dataclasses.dataclass
-class ScheduledStep:
-    items: list[tuple[Request, int]]  # (request, tokens computed for it this step)
-    preempted: list[Request]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.items)
 
 
 class Scheduler:
@@ -97,7 +88,7 @@ class Scheduler:
         self._order(self.waiting)
 
     # -- the step -------------------------------------------------------------------------
-    def schedule(self) -> ScheduledStep:
+    def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         items: list[tuple[Request, int]] = []
         preempted: list[Request] = []
@@ -125,7 +116,21 @@ class Scheduler:
 
         if not preempted:  # as vLLM: no new admissions in a step that had to preempt
             self._admit(items, budget)
-        return ScheduledStep(items, preempted)
+        return SchedulerOutput(tuple(self._scheduled(request, n) for request, n in items),
+                               tuple(r.request_id for r in preempted))
+
+    @staticmethod
+    def _scheduled(request: Request, n: int) -> ScheduledSequence:
+        """The request's share of this step, as the model runner sees it."""
+        start = request.num_computed
+        completes = start + n == request.num_tokens
+        # prompt_logprobs needs the logits at every prompt position it computes.
+        wants_prompt = request.params.prompt_logprobs is not None and request.prompt_logprobs is None
+        return ScheduledSequence(
+            request_id=request.request_id, seq_id=request.seq_id, token_ids=tuple(request.all_ids[start:start + n]),
+            num_computed=start, num_logit_rows=n if wants_prompt else int(completes), sample=completes,
+            sampler=request.sampler if completes else None, return_logits=wants_prompt,
+            logits_processors=request.sampler.logits_processors)
 
     def _lowest_priority_unscheduled(self, scheduled: set[int]) -> Request:
         candidates = [r for r in self.running if id(r) not in scheduled] or self.running

@@ -53,8 +53,8 @@ def can_sample_on_device(params: SamplingParams, num_generated: int | None = Non
 
 
 def sequence_on_device(seq: SequenceSampler) -> bool:
-    """can_sample_on_device for a sequence at its current step."""
-    return can_sample_on_device(seq.params, seq.num_generated)
+    """can_sample_on_device for a sequence at its current step (logits processors run on the host)."""
+    return not seq.logits_processors and can_sample_on_device(seq.params, seq.num_generated)
 
 
 class DeviceSampler:

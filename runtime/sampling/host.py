@@ -21,7 +21,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from vtool import VtoolError
-from vtool.runtime.sampling.params import SamplingParams
+from vtool.runtime.sampling.logits_processors import LogitsProcessor
+from vtool.runtime.sampling.params import SamplingParams, check_token_ids
 
 # Unseeded requests draw their streams from one process-level SeedSequence, so two of
 # them never share a stream; spawn() mutates it, hence the lock.
@@ -68,8 +69,10 @@ class SequenceSampler:
     """The sampling state of one sequence: params, Generator, prompt and output tokens."""
 
     def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int] = (),
-                 eos_token_ids: Iterable[int] | int | None = None, vocab_size: int | None = None):
+                 eos_token_ids: Iterable[int] | int | None = None, vocab_size: int | None = None,
+                 logits_processors: Sequence[LogitsProcessor] = ()):
         self.params = params
+        self.logits_processors = tuple(logits_processors)
         self.rng = make_generator(params.seed)
         self.prompt_token_ids = np.asarray(prompt_token_ids, dtype=np.int64).reshape(-1)
         self.output_token_ids: list[int] = []
@@ -101,6 +104,8 @@ class SequenceSampler:
     def append_token(self, token_id: int) -> None:
         """Record a generated token (sample_batch does this for the tokens it draws)."""
         token_id = int(token_id)
+        for processor in self.logits_processors:
+            processor.accept(token_id)
         self.output_token_ids.append(token_id)
         self._counts[token_id] = self._counts.get(token_id, 0) + 1
         if token_id not in self._seen:
@@ -116,10 +121,7 @@ class SequenceSampler:
         if self.vocab_size == vocab_size:
             return
         self.params.validate(vocab_size)
-        ids = self.prompt_token_ids
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-            bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
-            raise VtoolError(f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+        check_token_ids(self.prompt_token_ids, vocab_size, "prompt token id")
         self.vocab_size = vocab_size
 
     def process_logits(self, raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -130,6 +132,8 @@ class SequenceSampler:
         else:
             x = out
             np.copyto(x, raw)
+        for processor in self.logits_processors:
+            processor.apply(x, self.output_token_ids)
         if self._bias_ids.size:
             x[self._bias_ids] += self._bias_values
         if self.num_generated < p.min_tokens and self._min_tokens_ids.size:

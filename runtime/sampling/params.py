@@ -208,3 +208,15 @@ def _token_id(name: str, token: Any, vocab_size: int | None) -> None:
         accepted = ("integer token ids >= 0" if vocab_size is None
                     else f"token ids inside the vocabulary [0, {vocab_size - 1}]")
         raise SamplingParamsError(name, token, accepted, seen=f"{name} holds token id {token!r}")
+
+
+def check_token_ids(ids: Any, vocab_size: int, what: str = "token id", error: type[VtoolError] = VtoolError) -> None:
+    """Every id inside 0..vocab_size-1, else `error` naming the first one outside. The compiled
+    embedding gather does no bounds check (an id past the table would read, or crash on,
+    memory outside it) and the sampler indexes rows by these ids, so they are checked by value."""
+    import numpy as np
+
+    array = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if array.size and (array.min() < 0 or array.max() >= vocab_size):
+        bad = int(array[(array < 0) | (array >= vocab_size)][0])
+        raise error(f"{what} {bad} is outside the vocabulary (0..{vocab_size - 1})")

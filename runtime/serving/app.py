@@ -13,6 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import vtool
+from vtool import VtoolError
+from vtool.runtime.sampling.params import check_token_ids
 from vtool.runtime.serving.errors import BadRequestError, error_json, install_error_handlers
 from vtool.runtime.serving.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
@@ -109,10 +111,10 @@ def create_app(state: ServingState, info: ServerInfo, api_key: str | None = None
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.check_model(body.model)
-        vocab = state.tokenizer.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise BadRequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        try:
+            check_token_ids(body.tokens, state.tokenizer.vocab_size)
+        except VtoolError as err:
+            raise BadRequestError(str(err), param="tokens") from None
         return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens)).model_dump()
 
     return app

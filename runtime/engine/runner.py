@@ -1,0 +1,123 @@
+"""The model runner: one SchedulerOutput in, one ModelRunnerOutput out.
+
+It turns the scheduled sequences into device calls (embed, then `decode` / `batch_decode`
+when every sequence computes one token, else `batch_prefill` over the packed tokens with the
+positions whose logits are wanted), and samples the sequences that asked for it: on the
+device with the library's compiled sampler when every such sequence allows it, else on the
+host. It knows nothing of queues, requests' text or stop strings.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from vtool import VtoolError
+from vtool.runtime.artifact.tvm_runtime import global_func
+from vtool.runtime.engine.kv_cache import PagedKVCache
+from vtool.runtime.engine.step_types import ModelRunnerOutput, SchedulerOutput, SequenceResult
+from vtool.runtime.sampling.device import DeviceSampler, sequence_on_device
+from vtool.runtime.sampling.host import sample_batch
+
+log = logging.getLogger("vtool.engine")
+
+
+class StepLogits:
+    """One step's logits, left where the model wrote them (rows [n, V] of float32), with
+    the sequence each row belongs to (owners[r]; -1 for a row no sequence needs). They come
+    to the host once, and only if a host sampler or returned rows ask for them."""
+
+    def __init__(self, model: Any, tensor: Any, vocab_size: int, owners: list[int]):
+        self.model, self.tensor, self.vocab_size = model, tensor, vocab_size
+        self.owners = np.asarray(owners)
+        self._host: np.ndarray | None = None
+
+    def rows_are(self, items: list[int]) -> bool:
+        """Whether the rows are exactly these sequences' rows, one each, in this order (then
+        the tensor itself can be sampled on the device)."""
+        return self.owners.tolist() == list(items)
+
+    def rows(self, item: int) -> np.ndarray | None:
+        """A sequence's rows on the host, [k, V], or None when the step computed none for it."""
+        if not (self.owners == item).any():
+            return None
+        if self._host is None:
+            self._host = self.model.to_numpy(self.tensor).reshape(len(self.owners), self.vocab_size)
+        return self._host[self.owners == item]
+
+
+class ModelRunner:
+    def __init__(self, model: Any, kv: PagedKVCache, device_sampling: bool = True):
+        self.model = model
+        self.kv = kv
+        self.vocab_size = model.vocab_size
+        self._create_view = global_func("runtime.TVMTensorCreateView")
+        self.device_sampler = self._make_device_sampler() if device_sampling else None
+
+    def _make_device_sampler(self) -> DeviceSampler | None:
+        """The library's sampling functions on a GPU (the full logits then stay there), or
+        None: on the CPU the host sampler reads the logits in place anyway, and a library
+        built without the functions samples on the host too."""
+        if not getattr(self.model, "on_gpu", False):
+            return None
+        try:
+            return DeviceSampler(self.model)
+        except VtoolError as err:
+            log.warning("sampling on the host: %s", err)
+            return None
+
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        logits = self._forward(step)
+        sequences = step.sequences
+        results = [SequenceResult(s.request_id) for s in sequences]
+        for i, s in enumerate(sequences):
+            if s.return_logits:
+                results[i].logits = logits.rows(i)
+        to_sample = [i for i, s in enumerate(sequences) if s.sample]
+        if to_sample:
+            samplers = [sequences[i].sampler for i in to_sample]
+            if (self.device_sampler is not None and logits.rows_are(to_sample)
+                    and all(sequence_on_device(s) for s in samplers)):
+                drawn = self.device_sampler.sample_batch(logits.tensor, samplers)
+            else:
+                drawn = sample_batch(np.stack([logits.rows(i)[-1] for i in to_sample]), samplers)
+            for i, result in zip(to_sample, drawn):
+                results[i].sampled = result
+        return ModelRunnerOutput(results)
+
+    def _forward(self, step: SchedulerOutput) -> StepLogits:
+        """Run the batch; the logits of the rows the sequences want, left on the device."""
+        m = self.model
+        sequences = step.sequences
+        tokens = [t for s in sequences for t in s.token_ids]
+        seq_ids = [s.seq_id for s in sequences]
+        lengths = [s.num_tokens for s in sequences]
+        flat = m.function("embed")(m.upload(np.asarray(tokens, dtype=np.int32), slot="ids"), m.params)
+        self.kv.begin_forward(seq_ids, lengths)
+        try:
+            if step.all_decode:
+                embeds = self._create_view(flat, m.ffi.Shape([len(sequences), 1, m.hidden_size]), m.dtype, 0)
+                # One sequence takes the static-shape `decode`: on CUDA it is a captured graph
+                # of GEMV kernels, where batch_decode's symbolic batch runs uncaptured matmuls.
+                entry = "decode" if len(sequences) == 1 else "batch_decode"
+                logits, _ = m.function(entry)(embeds, self.kv.tvm, m.params)
+                owners = [i if s.num_logit_rows else -1 for i, s in enumerate(sequences)]
+                return StepLogits(m, logits, self.vocab_size, owners)
+            positions: list[int] = []
+            owners: list[int] = []
+            offset = 0
+            for i, s in enumerate(sequences):
+                end = offset + s.num_tokens
+                picked = range(end - s.num_logit_rows, end)
+                positions.extend(picked)
+                owners.extend([i] * len(picked))
+                offset = end
+            if not positions:
+                positions, owners = [offset - 1], [-1]  # the entry point needs one; its row is dropped
+            embeds = self._create_view(flat, m.ffi.Shape([1, len(tokens), m.hidden_size]), m.dtype, 0)
+            logits, _ = m.function("batch_prefill")(
+                embeds, m.upload(np.asarray(positions, dtype=np.int32), slot="positions"), self.kv.tvm, m.params)
+            return StepLogits(m, logits, self.vocab_size, owners)
+        finally:
+            self.kv.end_forward()

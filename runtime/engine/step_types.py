@@ -1,0 +1,88 @@
+"""The named types one engine step passes between its rooms, as vLLM v1's SchedulerOutput
+and ModelRunnerOutput: the scheduler decides, the model runner computes, output processing
+turns results into per-request deltas. None of them holds another's state.
+
+A scheduled sequence may carry several tokens (a prefill chunk today; speculative drafts
+or tokens forced by a grammar later) and asks for logits at as many trailing positions as
+it needs; per-request logits processors (e.g. grammar masks) travel with it to the sampler.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from vtool.runtime.sampling.host import SampleResult, SequenceSampler
+    from vtool.runtime.sampling.logits_processors import LogitsProcessor
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's share of a step."""
+
+    request_id: str
+    seq_id: int  # the KV-cache sequence
+    token_ids: tuple[int, ...]  # the tokens whose K/V this step computes, in order
+    num_computed: int  # tokens already in the KV cache before this step
+    # Logits wanted at the last `num_logit_rows` of token_ids (0: none, e.g. a middle prefill
+    # chunk; len(token_ids): every position, e.g. for prompt logprobs).
+    num_logit_rows: int
+    sample: bool  # draw the next token from the last row (the sequence is complete after this step)
+    return_logits: bool = False  # hand the wanted rows back to the host (prompt logprobs, verification)
+    sampler: "SequenceSampler | None" = None  # the request's sampling state when `sample`
+    logits_processors: tuple["LogitsProcessor", ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError(f"request {self.request_id}: a scheduled sequence needs at least one token")
+        if not 0 <= self.num_logit_rows <= len(self.token_ids):
+            raise ValueError(f"request {self.request_id}: num_logit_rows {self.num_logit_rows} is outside "
+                             f"0..{len(self.token_ids)}")
+        if self.sample and (self.num_logit_rows == 0 or self.sampler is None):
+            raise ValueError(f"request {self.request_id}: sampling needs the last row's logits and a sampler")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    """What runs in one step: the sequences in batch order, and who was preempted to make room."""
+
+    sequences: tuple[ScheduledSequence, ...]
+    preempted_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+    @property
+    def all_decode(self) -> bool:
+        """Every sequence computes exactly one token (the decode entry points serve it)."""
+        return all(s.num_tokens == 1 for s in self.sequences)
+
+
+@dataclasses.dataclass
+class SequenceResult:
+    """The runner's result for one scheduled sequence."""
+
+    request_id: str
+    sampled: "SampleResult | None" = None  # the drawn token when the sequence asked to sample
+    logits: np.ndarray | None = None  # [num_logit_rows, vocab] float32 on the host, when return_logits
+
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    """What the runner hands back, one entry per scheduled sequence, in the same order."""
+
+    results: list[SequenceResult]
+
+    def by_request(self) -> dict[str, SequenceResult]:
+        return {r.request_id: r for r in self.results}
