@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,7 +29,9 @@ from vtool.runtime.sampling.host import SequenceSampler, prompt_logprobs
 from vtool.runtime.sampling.logits_processors import LogitsProcessor
 from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.sampling.stop_strings import StopStringMatcher
-from vtool.runtime.session import Session
+
+if TYPE_CHECKING:  # the session composes an engine's parts; the engine only reads it
+    from vtool.runtime.session import Session
 
 log = logging.getLogger("vtool.engine")
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from vtool import VtoolError
 from vtool.runtime.engine.engine import Engine, EngineConfig
 from vtool.runtime.sampling.params import SamplingParams
-from vtool.runtime.session import Session
+
+if TYPE_CHECKING:  # the session composes an engine's parts; the engine only reads it
+    from vtool.runtime.session import Session
 
 
 @dataclasses.dataclass
