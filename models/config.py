@@ -1,7 +1,9 @@
 """One normalized ModelConfig for every supported decoder family.
 
 Input is a Hugging Face config.json dict (the GGUF reader in vtool.runtime turns GGUF
-metadata into the same shape), so there is one parser and one set of refusals.
+metadata into the same shape). parse_hf_config picks the family by its architecture
+(models/registry.py) and the family normalizes the dict, most of it with parse_decoder here,
+so there is one parser and one set of refusals.
 """
 from __future__ import annotations
 
@@ -12,14 +14,6 @@ import math
 from typing import Any
 
 from vtool import VtoolError
-
-# architecture name -> family module under vtool.models
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 
 # rope_type values the paged KV cache can apply (tvm.relax.frontend.nn.llm.position_embedding)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -63,7 +57,10 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        return SUPPORTED_ARCHITECTURES[self.architecture]
+        """The family's name (models/registry.py)."""
+        from vtool.models.registry import model_family  # the registry imports this module
+
+        return model_family(self.architecture).name
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -135,19 +132,22 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def parse_hf_config(cfg: dict[str, Any]) -> ModelConfig:
-    """Normalize a transformers config.json dict; refuse what vtool cannot build, by name."""
+    """Normalize a transformers config.json dict by its family; refuse what vtool cannot build, by name."""
+    from vtool.models.registry import ARCHITECTURES, model_family  # the registry imports this module
+
     archs = cfg.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ConfigError(f"config field 'architectures' must be a list of names, got {archs!r}")
     if not archs:
-        raise ConfigError(
-            "config has no 'architectures' entry; supported: " + ", ".join(SUPPORTED_ARCHITECTURES)
-        )
+        raise ConfigError("config has no 'architectures' entry; supported: " + ", ".join(ARCHITECTURES))
     arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(
-            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    return model_family(arch).normalize(cfg, arch)
+
+
+def parse_decoder(cfg: dict[str, Any], arch: str, attention_bias: bool | None = None,
+                  qk_norm: bool = False) -> ModelConfig:
+    """The Llama-style decoder's config (the families' shared normalisation). attention_bias:
+    the family's q/k/v always carry a bias (True), or as config.json says (None)."""
     hidden = _positive_int(cfg, "hidden_size")
     heads = _positive_int(cfg, "num_attention_heads")
     kv_heads = _positive_int(cfg, "num_key_value_heads", cfg.get("num_key_value_heads", heads))
@@ -162,10 +162,6 @@ def parse_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         raise ConfigError(f"hidden_act {act!r} is not supported; supported: silu")
     theta, scaling = _rope(cfg)
     max_pos = _positive_int(cfg, "max_position_embeddings", cfg.get("max_position_embeddings", 2048))
-    if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
-        # Sliding-window attention only differs past the window: cap the context to it.
-        max_pos = min(max_pos, int(cfg["sliding_window"]))
-    family = SUPPORTED_ARCHITECTURES[arch]
     return ModelConfig(
         architecture=arch,
         vocab_size=_positive_int(cfg, "vocab_size"),
@@ -180,6 +176,6 @@ def parse_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=max_pos,
-        attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
+        attention_bias=bool(cfg.get("attention_bias", False)) if attention_bias is None else attention_bias,
+        qk_norm=qk_norm,
     )

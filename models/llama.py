@@ -1,211 +1,35 @@
-"""The Llama-style decoder in tvm.relax.frontend.nn, on TVM's paged KV cache.
+"""Llama: LlamaForCausalLM (SmolLM2's too) and MistralForCausalLM checkpoints.
 
-Llama, Mistral, SmolLM2, Qwen2 and Qwen3 share this graph; the differences are config
-flags (ModelConfig.attention_bias for Qwen2's q/k/v bias, ModelConfig.qk_norm for
-Qwen3's per-head RMSNorm on q and k). q/k/v and gate/up are fused into one projection
-each, so attention and the MLP cost one GEMV launch apiece instead of three and two.
-
-Entry points (the runtime calls these by name; the manifest lists them):
-  embed(input_ids[n]) -> [n, H]
-  prefill(embeds[1, n, H], kv) -> logits[1, 1, V] of the last position
-  decode(embeds[1, 1, H], kv) -> logits[1, 1, V]
-  batch_prefill(embeds[1, n, H], logit_positions[b], kv) -> logits[1, b, V]
-  batch_decode(embeds[b, 1, H], kv) -> logits[b, 1, V]
-  create_tir_paged_kv_cache(max_batch, max_total_len, prefill_chunk, page_size, sliding)
+config   models/config.py parse_decoder; Mistral's context is capped to its sliding window
+         (sliding-window attention only differs past the window)
+module   models/decoder.py DecoderForCausalLM (fused q|k|v and gate|up, TVM's paged KV cache)
+weights  models/weights.py DECODER_WEIGHTS
+GGUF     llama.cpp's "llama" (its converter permutes Q/K rows; the reader puts them back)
 """
 from __future__ import annotations
 
-from typing import Mapping
+import dataclasses
+from typing import Any, Mapping
 
-from tvm import relax as rx
-from tvm import te
-from tvm import tirx
-from tvm.relax.frontend import nn
-from tvm.relax.frontend.nn import Tensor, op
-from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
-from tvm.target import Target
-
-from vtool.models.config import ModelConfig
-from vtool.models.int8_gemv import isa_for_target as int8_isa_for
-from vtool.models.quantized_linear import QuantizedEmbedding, QuantizedLinear, use_int8_gemv
-
-# compiled module path ("model.layers.0.mlp.down_proj") -> GGML block format kept in memory
-Formats = Mapping[str, str]
-
-class Linear(nn.Module):
-    """y = x W^T (+ b), accumulated in float32 whatever the weight dtype.
-
-    nn.Linear in bf16/fp16 accumulates in the output dtype, which loses real precision
-    over K in the thousands; here the matmul writes float32 and is cast once.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str):
-        self.out_features = out_features
-        self.weight = nn.Parameter((out_features, in_features), dtype)
-        self.bias = nn.Parameter((out_features,), dtype) if bias else None
-        self.compute_dtype = dtype
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = op.matmul(x, op.permute_dims(self.weight), out_dtype="float32")
-        if self.compute_dtype != "float32":
-            y = y.astype(self.compute_dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+from vtool.models.config import ModelConfig, parse_decoder
+from vtool.models.family import ModelFamily
+from vtool.models.weights import DECODER_WEIGHTS
 
 
-def make_linear(path: str, in_features: int, out_features: int, bias: bool, dtype: str,
-                formats: Formats) -> Linear | QuantizedLinear:
-    """A QuantizedLinear where the build keeps `path`'s weight in blocks, else a Linear."""
-    fmt = formats.get(path)
-    if fmt is None:
-        return Linear(in_features, out_features, bias, dtype)
-    return QuantizedLinear(in_features, out_features, bias, dtype, fmt)
+def normalize(cfg: dict[str, Any], arch: str) -> ModelConfig:
+    c = parse_decoder(cfg, arch)
+    if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
+        c = dataclasses.replace(c, max_position_embeddings=min(c.max_position_embeddings, int(cfg["sliding_window"])))
+    return c
 
 
-class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: str, formats: Formats, prefix: str):
-        self.head_dim, self.hq, self.hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        self.qkv_proj = make_linear(prefix + "qkv_proj", c.hidden_size, (self.hq + 2 * self.hkv) * self.head_dim,
-                                    c.attention_bias, dtype, formats)
-        self.o_proj = make_linear(prefix + "o_proj", self.hq * self.head_dim, c.hidden_size, False, dtype, formats)
-        self.qk_norm = c.qk_norm
-        if c.qk_norm:
-            self.q_norm = nn.RMSNorm(self.head_dim, -1, c.rms_norm_eps, bias=False, dtype=dtype)
-            self.k_norm = nn.RMSNorm(self.head_dim, -1, c.rms_norm_eps, bias=False, dtype=dtype)
+def module(c: ModelConfig, dtype: str, target: Any, formats: Mapping[str, str] | None = None,
+           **int8: Any) -> Any:
+    """The decoder; `int8`: its int8_activations and int8_kernels."""
+    from vtool.models.decoder import DecoderForCausalLM  # TVM: only when a build exports the module
 
-    def forward(self, x: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
-        b, s, _ = x.shape
-        qkv = op.reshape(self.qkv_proj(x), (b, s, self.hq + 2 * self.hkv, self.head_dim))
-        if self.qk_norm:
-            q, k, v = op.split(qkv, [self.hq, self.hq + self.hkv], axis=2)
-            qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
-        # RoPE and paged attention both happen inside the KV-cache builtin.
-        o = kv.attention_with_fused_qkv(layer_id, qkv, self.hq, sm_scale=self.head_dim**-0.5)
-        return self.o_proj(op.reshape(o, (b, s, self.hq * self.head_dim)))
+    return DecoderForCausalLM(c, dtype, target, formats, **int8)
 
 
-class MLP(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: str, formats: Formats, prefix: str):
-        self.gate_up_proj = make_linear(prefix + "gate_up_proj", c.hidden_size, 2 * c.intermediate_size, False,
-                                        dtype, formats)
-        self.down_proj = make_linear(prefix + "down_proj", c.intermediate_size, c.hidden_size, False, dtype, formats)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: str, formats: Formats, prefix: str):
-        self.self_attn = Attention(c, dtype, formats, prefix + "self_attn.")
-        self.mlp = MLP(c, dtype, formats, prefix + "mlp.")
-        self.input_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
-        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
-
-    def forward(self, h: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), kv, layer_id)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Backbone(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: str, formats: Formats):
-        embed_fmt = formats.get("model.embed_tokens")
-        self.embed_tokens = (nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype) if embed_fmt is None
-                             else QuantizedEmbedding(c.vocab_size, c.hidden_size, dtype, embed_fmt))
-        self.layers = nn.ModuleList([DecoderLayer(c, dtype, formats, f"model.layers.{i}.")
-                                     for i in range(c.num_hidden_layers)])
-        self.norm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
-
-
-class DecoderForCausalLM(nn.Module):
-    """`formats` names the weights kept in GGUF blocks (QuantizedLinear / QuantizedEmbedding);
-    every other weight is a dense parameter of `dtype`."""
-
-    def __init__(self, c: ModelConfig, dtype: str, target: Target, formats: Formats | None = None,
-                 int8_activations: str = "decode"):
-        formats = formats or {}
-        self.config, self.dtype, self.target = c, dtype, target
-        self.model = Backbone(c, dtype, formats)
-        if not c.tie_word_embeddings:
-            self.lm_head = make_linear("lm_head", c.hidden_size, c.vocab_size, False, dtype, formats)
-        if formats and int8_activations != "none":  # Q8_0 activation rows (models/int8_gemv.py)
-            use_int8_gemv(self, int8_isa_for(target), "all" if int8_activations == "q8_0" else "decode")
-
-    def _logits(self, h: Tensor, prompt: bool = False) -> Tensor:
-        """`prompt`: the logits of a prompt's last position (a quantized lm_head then keeps
-        float activations unless the build quantizes every row)."""
-        h = self.model.norm(h)
-        if self.config.tie_word_embeddings:
-            if isinstance(self.model.embed_tokens, QuantizedEmbedding):
-                return self.model.embed_tokens.lm_head(h, prompt)
-            w = self.model.embed_tokens.weight
-            return op.matmul(h, op.permute_dims(w), out_dtype="float32")
-        logits = self.lm_head(h, prompt) if isinstance(self.lm_head, QuantizedLinear) else self.lm_head(h)
-        return logits if logits.dtype == "float32" else logits.astype("float32")
-
-    def _layers(self, h: Tensor, kv: PagedKVCache) -> Tensor:
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, kv, i)
-        return h
-
-    def embed(self, input_ids: Tensor) -> Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def prefill(self, input_embed: Tensor, kv: PagedKVCache):
-        h = self._layers(input_embed, kv)
-
-        def last_position(x: te.Tensor) -> te.Tensor:
-            b, n, d = x.shape
-            return te.compute((b, 1, d), lambda i, _, k: x[i, n - 1, k], name="last_position")
-
-        last = op.tensor_expr_op(last_position, name_hint="last_position", args=[h])
-        return self._logits(last, prompt=True), kv
-
-    def decode(self, input_embed: Tensor, kv: PagedKVCache):
-        return self._logits(self._layers(input_embed, kv)), kv
-
-    def batch_prefill(self, input_embeds: Tensor, logit_positions: Tensor, kv: PagedKVCache):
-        h = self._layers(input_embeds, kv)
-        return self._logits(op.take(h, logit_positions, axis=1)), kv
-
-    def batch_decode(self, input_embeds: Tensor, kv: PagedKVCache):
-        return self._logits(self._layers(input_embeds, kv)), kv
-
-    def create_tir_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
-                                  prefill_chunk_size: tirx.Var, page_size: tirx.Var,
-                                  support_sliding_window: tirx.Var) -> PagedKVCache:
-        c = self.config
-        # vtool.toolchain.flashinfer_attention.use_attention may set another cache class.
-        return getattr(self, "kv_cache_class", TIRPagedKVCache)(
-            attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-            support_sliding_window=support_sliding_window,
-            layer_partition=rx.ShapeExpr([0, c.num_hidden_layers]),
-            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads, qk_head_dim=c.head_dim, v_head_dim=c.head_dim,
-            mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL, rope_scale=1, rope_theta=c.rope_theta,
-            rope_scaling=dict(c.rope_scaling or {}), rope_ext_factors=rx.prim_value(0),
-            rotary_dim=c.head_dim, enable_disaggregation=False, dtype=self.dtype, target=self.target)
-
-    def get_default_spec(self) -> dict:
-        hidden, dt = self.config.hidden_size, self.dtype
-        packed = {"param_mode": "packed", "effect_mode": "none"}
-        kv = nn.spec.Object(object_type=PagedKVCache)
-        return {
-            "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": packed},
-            "prefill": {"input_embed": nn.spec.Tensor([1, "seq_len", hidden], dt), "kv": kv, "$": packed},
-            "decode": {"input_embed": nn.spec.Tensor([1, 1, hidden], dt), "kv": kv, "$": packed},
-            "batch_prefill": {
-                "input_embeds": nn.spec.Tensor([1, "seq_len", hidden], dt),
-                "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
-                "kv": kv, "$": packed,
-            },
-            "batch_decode": {"input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], dt), "kv": kv, "$": packed},
-            "create_tir_paged_kv_cache": {
-                "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
-                "page_size": int, "support_sliding_window": int,
-                "$": {"param_mode": "none", "effect_mode": "none"},
-            },
-        }
+FAMILY = ModelFamily(name="llama", architectures=("LlamaForCausalLM", "MistralForCausalLM"), normalize=normalize,
+                     module=module, weights=DECODER_WEIGHTS, gguf_architecture="llama")

@@ -20,13 +20,12 @@ rows into a scratch buffer reused by every row of x (prefill).
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from vtool.models.int8_gemv import FORMATS as INT8_FORMATS
-from vtool.models.int8_gemv import gemm_func, gemv_func
 from vtool.runtime.weights.ggml_blocks import (BLOCK, FORMATS, SUPER_BLOCK, TILE_ROWS, block_cols, keepable, part_dtype,
                                               part_shape, parts)
 
@@ -97,6 +96,17 @@ def take_te(fmt: str, dtype: str, ids: te.Tensor, *w: te.Tensor) -> te.Tensor:
         name=TAKE_BLOCK)
 
 
+class Int8Kernels(Protocol):
+    """Integer-dot matmuls over kept blocks with Q8_0 activation rows, for the formats in
+    `formats`. The toolchain hands them in (vtool.schedules.cpu.int8_gemv.Int8GemvKernels):
+    models/ does not import schedules/."""
+
+    formats: tuple[str, ...]
+
+    def matmul(self, fmt: str, rows: int, cols: int, lead: tuple[int | None, ...]) -> tirx.PrimFunc:
+        """x of shape `lead` + [cols] (None: a symbolic dim), float32 -> `lead` + [rows] float32."""
+
+
 class _QuantizedWeight(nn.Module):
     """The parts of one quantized [rows, cols] weight, as parameters named after them."""
 
@@ -111,10 +121,10 @@ class _QuantizedWeight(nn.Module):
     def _parts(self) -> list[Tensor]:
         return [getattr(self, part) for part in parts(self.fmt)]
 
-    # The integer-dot ISA of the Q8_0-activation matmuls (models/int8_gemv.py) and where they
-    # run ("decode": one new position per sequence; "all"), set for the whole model by
-    # use_int8_gemv; None keeps every matmul on the float path.
-    int8_isa: str | None = None
+    # The integer-dot kernels of the Q8_0-activation matmuls and where they run ("decode": one
+    # new position per sequence; "all"), set for the whole model by use_int8_gemv; None keeps
+    # every matmul on the float path.
+    int8_kernels: Int8Kernels | None = None
     int8_rows: str = "decode"
 
     def _matmul(self, x: Tensor, prompt: bool = False) -> Tensor:
@@ -122,38 +132,28 @@ class _QuantizedWeight(nn.Module):
         even when it is one row (the logits of its last position)."""
         lead = x.shape[:-1]
         decode_rows = not prompt and isinstance(lead[-1], int) and lead[-1] == 1  # [1, 1] or [batch, 1]
-        if self.int8_isa and self.fmt in INT8_FORMATS and x.dtype == "float32" and (
+        kernels = self.int8_kernels
+        if kernels is not None and self.fmt in kernels.formats and x.dtype == "float32" and (
                 self.int8_rows == "all" or decode_rows):
             # Activation rows quantized to Q8_0 blocks, quants multiplied by quants (llama.cpp's
             # scheme): one row a GEMV, symbolic rows (batches, prompts) a GEMM.
-            func = _int8_kernel(self.fmt, self.int8_isa, self.rows, self.cols,
-                                tuple(d if isinstance(d, int) else None for d in lead))
+            dims = tuple(d if isinstance(d, int) else None for d in lead)
+            func = kernels.matmul(self.fmt, self.rows, self.cols, dims)
             return op.tensor_ir_op(func, f"{self.fmt.lower()}_int8_matmul", [x, *self._parts()],
                                    Tensor.placeholder([*lead, self.rows], "float32"))
         return op.tensor_expr_op(functools.partial(matmul_te, self.fmt), f"{self.fmt.lower()}_matmul",
                                  [x, *self._parts()])
 
 
-@functools.lru_cache(maxsize=None)
-def _int8_kernel(fmt: str, isa: str, rows: int, cols: int, lead: tuple[int | None, ...]) -> tirx.PrimFunc:
-    """The integer-dot kernel for x of shape `lead` + [cols] (None: a symbolic dim), built
-    once per shape: a model asks for the same few kernels in every layer and entry point
-    (242 calls, 8 kernels on the default model), and parsing one takes ~0.15 s."""
-    if all(d == 1 for d in lead):
-        return gemv_func(fmt, isa, rows, cols, len(lead))
-    dims = tuple(d if d is not None else tirx.Var(f"m{i}", "int64") for i, d in enumerate(lead))
-    return gemm_func(fmt, isa, rows, cols, dims)
-
-
-def use_int8_gemv(model: nn.Module, isa: str | None, rows: str = "decode") -> int:
-    """Route the quantized layers' matmuls in `model` to the integer-dot kernels of `isa`
-    (None: the float path): those over decode rows (one new position per sequence) or, with
-    rows="all", every one. Returns how many layers can take them."""
+def use_int8_gemv(model: nn.Module, kernels: Int8Kernels | None, rows: str = "decode") -> int:
+    """Route the quantized layers' matmuls in `model` to integer-dot `kernels` (None: the float
+    path): those over decode rows (one new position per sequence) or, with rows="all", every
+    one. Returns how many layers can take them."""
     count = 0
     for module in _modules(model):
         if isinstance(module, _QuantizedWeight):
-            module.int8_isa, module.int8_rows = isa, rows
-            count += module.fmt in INT8_FORMATS
+            module.int8_kernels, module.int8_rows = kernels, rows
+            count += kernels is not None and module.fmt in kernels.formats
     return count
 
 

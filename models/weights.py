@@ -1,12 +1,16 @@
 """How each compiled parameter is made from checkpoint tensors (Hugging Face names).
 
-The plan is written into manifest.json, so the runtime binds weights by following it
-and never needs this module: each entry names its source tensors and one transform
-from the runtime's registry (vtool.runtime.weights.transforms).
+A family's WeightPlan (its registry entry's `weights`) says it; DECODER_WEIGHTS is the plan
+of models/decoder.py, which every family shares today. The plan is written into
+manifest.json, so the runtime binds weights by following it and never needs this module:
+each entry names its source tensors and one transform from the runtime's registry
+(vtool.runtime.weights.transforms). weight_modules, expected_source_shapes, kept_formats and
+check_checkpoint_shapes take a config and follow its family's plan.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+import dataclasses
+from typing import Any, Callable, Iterable, Mapping
 
 from vtool import VtoolError
 from vtool.models.config import ModelConfig
@@ -25,9 +29,29 @@ class WeightPlanError(VtoolError):
     """The checkpoint does not provide what the config says the model needs."""
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightPlan:
+    """HF tensor names -> compiled parameters, for one module layout."""
+
+    # (the module's named parameters, kept formats) -> the manifest's params: name, shape,
+    # dtype, sources and transform, in library order
+    parameters: Callable[[Iterable[tuple[str, Any]], Mapping[str, str] | None], list[dict[str, Any]]]
+    # config -> every HF tensor the model needs, with the shape the config implies
+    source_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
+    # config -> each compiled module whose weight may stay in blocks -> the HF weights it is made of
+    modules: Callable[[ModelConfig], dict[str, tuple[str, ...]]]
+
+
+def _plan(c: ModelConfig) -> WeightPlan:
+    from vtool.models.registry import model_family  # the registry imports this module
+
+    return model_family(c.architecture).weights
+
+
 def plan_parameters(named_params: Iterable[tuple[str, Any]],
                     formats: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-    """One manifest entry per compiled parameter, in the order the library expects them.
+    """The decoder's parameters: one manifest entry per compiled parameter, in the order the
+    library expects them.
 
     A part of a weight kept in blocks (module path in `formats`) carries
     `quant: {format, part}`: the runtime repacks its source tensors' blocks and binds that
@@ -54,6 +78,10 @@ def plan_parameters(named_params: Iterable[tuple[str, Any]],
 
 def weight_modules(c: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Each compiled module whose weight may stay quantized -> the HF weights it is made of."""
+    return _plan(c).modules(c)
+
+
+def _decoder_modules(c: ModelConfig) -> dict[str, tuple[str, ...]]:
     modules: dict[str, tuple[str, ...]] = {"model.embed_tokens": ("model.embed_tokens.weight",)}
     if not c.tie_word_embeddings:
         modules["lm_head"] = ("lm_head.weight",)
@@ -88,6 +116,10 @@ def kept_formats(c: ModelConfig, stored: Mapping[str, tuple[str, tuple[int, ...]
 def expected_source_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shape the config implies for each HF tensor name; used to refuse a checkpoint
     that disagrees with its own config before anything is compiled or bound."""
+    return _plan(c).source_shapes(c)
+
+
+def _decoder_source_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
@@ -111,6 +143,10 @@ def expected_source_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
     return shapes
+
+
+DECODER_WEIGHTS = WeightPlan(parameters=plan_parameters, source_shapes=_decoder_source_shapes,
+                             modules=_decoder_modules)
 
 
 def check_checkpoint_shapes(c: ModelConfig, available: dict[str, tuple[int, ...]], where: str) -> None:

@@ -46,7 +46,7 @@ def greedy(model: Any, prompt: list[int], steps: int) -> tuple[np.ndarray, list[
 def q8_0_activations(model: Any, only: Callable[[str], bool] = lambda name: True, rows: str = "all"):
     """Within the block, the nn.Linear modules of `model` whose names pass `only` see their
     input rows as GGML Q8_0 blocks (gguf-py's reference quantizer, then its dequantizer), as
-    vtool's Q8_0-activation matmuls (models/int8_gemv.py) and llama.cpp take them: in every
+    vtool's Q8_0-activation matmuls (schedules/cpu/int8_gemv.py) and llama.cpp take them: in every
     call (rows="all", `--activations q8_0`) or only in single-position calls, the decode
     steps (rows="decode", `--activations decode`; the prompt must be longer than one token)."""
     import gguf

@@ -85,7 +85,7 @@ def _decode_gemvs(model_dir: Path, target_name: str) -> dict:
     from tvm import tirx
 
     from vtool.models.config import parse_hf_config
-    from vtool.models.llama import DecoderForCausalLM
+    from vtool.models.decoder import DecoderForCausalLM
     from vtool.toolchain.pipeline import build_pipeline
 
     spec = lookup(target_name)

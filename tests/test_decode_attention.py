@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from vtool.models.config import parse_hf_config
-from vtool.models.decode_attention import DECODE_SYMBOL, TARGET_BLOCKS, num_splits, replace_decode_attention
+from vtool.schedules.cuda.decode_attention import DECODE_SYMBOL, TARGET_BLOCKS, num_splits, replace_decode_attention
 
 RAW = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 128,
        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
@@ -19,7 +19,7 @@ RAW = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_siz
 def _export(head_dim: int):
     import tvm
 
-    from vtool.models.llama import DecoderForCausalLM
+    from vtool.models.decoder import DecoderForCausalLM
     from vtool.targets import lookup
 
     raw = {**RAW, "head_dim": head_dim}

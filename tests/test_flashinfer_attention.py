@@ -64,7 +64,7 @@ def test_flashinfer_kv_cache_export():
     import tvm
     from tvm.relax.backend.cuda import flashinfer as tvm_flashinfer
 
-    from vtool.models.llama import DecoderForCausalLM
+    from vtool.models.decoder import DecoderForCausalLM
     from vtool.targets import lookup
 
     before = tvm_flashinfer.gen_flashinfer_prefill_module

@@ -26,7 +26,7 @@ RAW = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_siz
 def exported():
     import tvm
 
-    from vtool.models.llama import DecoderForCausalLM
+    from vtool.models.decoder import DecoderForCausalLM
     from vtool.targets import lookup
 
     def export(dtype: str, tied: bool = False):

@@ -1,4 +1,4 @@
-"""Device sampling (models/sampler.py + runtime/sampling/device.py) against the host sampler.
+"""Device sampling (schedules/cuda/sampler.py + runtime/sampling/device.py) against the host sampler.
 
 CPU: the sampling functions built for the host through vtool's x86 pipeline, run through the
 vtool runtime (tvm_ffi + libtvm_runtime, CompiledModel's own upload/to_numpy):
@@ -75,7 +75,7 @@ class Library:
 
 def build_cpu_library(vocab: int, folder: Path) -> Path:
     tvm = pytest.importorskip("tvm")  # the compiler; it also registers the CPU sort kernel's runtime
-    from vtool.models.sampler import sampler_module
+    from vtool.schedules.cuda.sampler import sampler_module
     from vtool.targets import buildable
     from vtool.toolchain.pipeline import build_pipeline
 
@@ -428,7 +428,7 @@ def test_can_sample_on_device():
 # schedules/cuda/__init__.py uses sampling_rules, the script puts them in itself.
 _CUDA_BUILD = textwrap.dedent("""
     import sys, tvm
-    from vtool.models.sampler import sampler_module
+    from vtool.schedules.cuda.sampler import sampler_module
     from vtool.targets import buildable
     from vtool.toolchain import cuda
     from vtool.toolchain.cuda_worker import _light_inspect_stack

@@ -1,4 +1,4 @@
-"""The integer-dot decode GEMVs (models/int8_gemv.py) against an oracle nobody here wrote:
+"""The integer-dot decode GEMVs (schedules/cpu/int8_gemv.py) against an oracle nobody here wrote:
 gguf-py quantizes random weights (Q8_0, Q4_0, Q4_1) and the activation row (Q8_0, as
 llama.cpp's dot products take it) and dequantizes both; the product of the two
 dequantized operands is what the kernel must compute, up to float32 summation order.
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import tvm
 
-from vtool.models.int8_gemv import FORMATS, gemm_func, gemv_func, isa_for
+from vtool.models.int8_activations import int8_isa as isa_for
+from vtool.schedules.cpu.int8_gemv import FORMATS, gemm_func, gemv_func
 from vtool.runtime.weights import quant_blocks
 from vtool.targets.host import host_cpu_features
 

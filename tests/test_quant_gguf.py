@@ -7,7 +7,7 @@ of 256, the K-quants' block.
 
 Tolerance: logits within 1e-4 of transformers (as the float32 parity tests): the weights
 are dequantized exactly in both, only summation order differs. Where vtool's decode GEMVs
-quantize the activation row (models/int8_gemv.py), the oracle quantizes the same inputs
+quantize the activation row (schedules/cpu/int8_gemv.py), the oracle quantizes the same inputs
 with gguf-py's Q8_0 quantizer.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ import tvm
 from hf_oracle import greedy, q8_0_activations
 from quant_gguf import K_SHAPE, SHAPE, Q, gguf_name, write_tiny_gguf
 from vtool import VtoolError
-from vtool.models.int8_gemv import FORMATS as INT8_FORMATS
-from vtool.models.int8_gemv import isa_for_target as int8_isa_for
+from vtool.models.int8_activations import INT8_FORMATS
+from vtool.models.int8_activations import isa_for_target as int8_isa_for
 from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.weights.checkpoint import open_checkpoint
 from vtool.runtime.engine.generate import Generator
@@ -93,7 +93,7 @@ def test_manifest_records_the_kept_formats(variant):
 
 def _int8_gemv_modules(name: str) -> Callable[[str], bool]:
     """Which of transformers' Linear modules vtool runs through its Q8_0-activation matmuls
-    on this host (models/int8_gemv.py), for the oracle to quantize their inputs as those
+    on this host (schedules/cpu/int8_gemv.py), for the oracle to quantize their inputs as those
     kernels do: a weight kept in Q8_0/Q4_0/Q4_1 (the fused q|k|v and gate|up only when
     their parts share the format), on a CPU with an integer-dot tier."""
     if int8_isa_for(tvm.target.Target(buildable("host").tvm)) is None:

@@ -5,7 +5,7 @@ at load (`none`), against transformers running the same GGUF through its own loa
 - Blocks kept, float32 activations (`--activations none`) and dequantized weights: greedy
   tokens equal to transformers, logits within 2e-3 (as test_smollm2.py).
 - Blocks kept, Q8_0 activations in decode (`--activations decode`, what auto picks where
-  the CPU has integer dot products; llama.cpp's scheme, models/int8_gemv.py): the oracle
+  the CPU has integer dot products; llama.cpp's scheme, schedules/cpu/int8_gemv.py): the oracle
   is transformers with every Linear input of its decode steps put through gguf-py's Q8_0
   quantizer (hf_oracle.q8_0_activations). Through 30 layers a last-bit difference upstream moves some
   elements across a rounding step, so tokens agree until the oracle itself is at a near-tie

@@ -11,7 +11,7 @@ q4_0|q4_1|q8_0`), on tiny transformers checkpoints stored as float32, bfloat16 a
 
 The parity variants are built for x86-portable, whose decode GEMVs run the float path, so
 the check holds the bound weights exactly. The AVX2/VNNI targets' decode GEMVs quantize the
-activations to int8 (models/int8_gemv.py, as llama.cpp), a rounding of their own that the
+activations to int8 (schedules/cpu/int8_gemv.py, as llama.cpp), a rounding of their own that the
 kernels' and the GGUF tests bound; the `vtool run` test below runs the host's kernels.
 """
 from __future__ import annotations

@@ -12,7 +12,8 @@ from safetensors.numpy import load_file, save_file
 
 from tiny_models import make_tiny_model
 from vtool import VtoolError
-from vtool.models.config import SUPPORTED_ARCHITECTURES, ConfigError, parse_hf_config
+from vtool.models.config import ConfigError, parse_hf_config
+from vtool.models.registry import ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from vtool.models.weights import WeightPlanError
 from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.weights.checkpoint import open_checkpoint

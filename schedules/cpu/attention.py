@@ -15,7 +15,7 @@ replaces that PrimFunc, same name and signature, by:
   * the q.k dot products and the p.v updates vectorized over the head dimension.
 
 Only `rotary_mode == 0` is handled: vtool's KV cache is made with RopeMode.NORMAL
-(models/llama.py), so the rotary embedding is applied before the cache and the attention
+(models/decoder.py), so the rotary embedding is applied before the cache and the attention
 kernels are always called with rotary_mode 0. Any other value fails loudly (a TIR assert),
 never silently without the rotation. The replacement is identified by its global name and
 its exact parameter layout; anything else is left alone.

@@ -1,4 +1,4 @@
-"""CUDA schedule rules for the sampling kernels (models/sampler.py): per-row reductions.
+"""CUDA schedule rules for the sampling kernels (schedules/cuda/sampler.py): per-row reductions.
 
 The sampler's kernels reduce each row of a [batch, vocab] tensor, often reading per-row
 scalars too (the row's maximum, threshold or target: `count(cdf <= u * total)`). Two

@@ -37,14 +37,22 @@ On the CPU, sample_top_p_top_k calls tvm.contrib.sort.sort, which lives in
 libtvm_runtime_extra.so, not in the libtvm_runtime.so the vtool runtime loads (importing
 tvm registers it). The CPU needs no device sampling (its logits are read in place), so
 build these functions into CUDA libraries; the CPU build is for testing them.
+
+They live with the CUDA schedules, not with the models: they hold no weights and depend on a
+model only through its vocabulary size; schedules/cuda/sampling_rules.py schedules their
+kernels, and the toolchain adds them to every CUDA library (toolchain/families.py).
 """
 from __future__ import annotations
 
 import tvm
 from tvm import relax, te, tirx
 
-# The function names, shared with the runtime wrapper (which must not import tvm).
-from vtool.runtime.sampling.device import ARGMAX, FUNCTIONS, TEMPERATURE, TOP_P_TOP_K
+# The functions' names: runtime/sampling/device.py calls them by these names (it cannot import
+# this package; tests/test_gpu_sampler.py calls a library built here through it).
+ARGMAX = "sample_argmax"
+TEMPERATURE = "sample_temperature"
+TOP_P_TOP_K = "sample_top_p_top_k"
+FUNCTIONS = (ARGMAX, TEMPERATURE, TOP_P_TOP_K)
 
 BATCH_VAR = "sample_batch"
 _F32_MAX = 3.4028234663852886e38

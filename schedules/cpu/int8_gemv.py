@@ -23,16 +23,16 @@ does); the parity tests bound it against transformers.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from tvm import tirx
-from tvm.target import Target
 from tvm.script import tirx as T
 
-from vtool.models.int8_activations import INT8_FORMATS, int8_isa
+# The weight layout the kernels are compiled for: the contract module, shared with the runtime's repacker.
 from vtool.runtime.weights.ggml_blocks import BLOCK, TILE_ROWS
 
-FORMATS = INT8_FORMATS
-isa_for = int8_isa  # re-exported: the kernels' callers and tests name it here
-
+FORMATS = ("Q8_0", "Q4_0", "Q4_1")  # = vtool.models.int8_activations.INT8_FORMATS (a test holds them equal)
 ISAS = ("avx512vnni", "avx2")
 
 _VNNI = "llvm.x86.avx512.vpdpbusd.512"
@@ -41,11 +41,29 @@ _MADDWD = "llvm.x86.avx2.pmadd.wd"
 _PSIGN = "llvm.x86.avx2.psign.b"
 
 
-def isa_for_target(target: Target) -> str | None:
-    """isa_for a TVM llvm target; None for other kinds and non-x86 triples."""
-    if target.kind.name != "llvm" or not str(target.attrs.get("mtriple", "x86_64")).startswith("x86_64"):
-        return None
-    return isa_for(str(target.attrs.get("mcpu", "")), [str(a) for a in target.attrs.get("mattr", [])])
+@dataclasses.dataclass(frozen=True)
+class Int8GemvKernels:
+    """The kernels of one ISA, as the toolchain hands them to a model (models/quantized_linear.py
+    `use_int8_gemv`): the model asks for a kernel per quantized matmul and never imports this
+    package."""
+
+    isa: str
+    formats: tuple[str, ...] = FORMATS
+
+    def matmul(self, fmt: str, rows: int, cols: int, lead: tuple[int | None, ...]) -> tirx.PrimFunc:
+        """The kernel for x of shape `lead` + [cols] (None: a symbolic dim) times a kept
+        [rows, cols] weight of `fmt`: a GEMV when every lead dim is 1, else a GEMM."""
+        return _kernel(fmt, self.isa, rows, cols, lead)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(fmt: str, isa: str, rows: int, cols: int, lead: tuple[int | None, ...]) -> tirx.PrimFunc:
+    """Built once per shape: a model asks for the same few kernels in every layer and entry
+    point (242 calls, 8 kernels on the default model), and parsing one takes ~0.15 s."""
+    if all(d == 1 for d in lead):
+        return gemv_func(fmt, isa, rows, cols, len(lead))
+    dims = tuple(d if d is not None else tirx.Var(f"m{i}", "int64") for i, d in enumerate(lead))
+    return gemm_func(fmt, isa, rows, cols, dims)
 
 
 def gemv_func(fmt: str, isa: str, n: int, k: int, lead: int) -> tirx.PrimFunc:
