@@ -80,10 +80,8 @@ def artifact_for(model_path: Path, artifact: str | None, target: str, dtype: str
     into the cache; nothing is compiled, so no compiler is needed), else the cached or fresh
     build when this install has the compiler."""
     if artifact:
-        try:  # INTERIM until runtime/artifact/archive.py lands
-            from vtool.runtime.artifact.archive import open_artifact
-        except ImportError:
-            return Path(artifact)
+        from vtool.runtime.artifact.archive import open_artifact
+
         return open_artifact(Path(artifact))
     if _builder is None:
         raise VtoolError("this vtool is the runtime only (no compiler): pass --artifact with a folder made by "

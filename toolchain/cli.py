@@ -11,6 +11,7 @@ import click
 
 from vtool.runtime.cli import (activations_option, console, main, model_options, out, quantization_option,
                                register_builder, resolve_model)
+from vtool.toolchain.dist_cli import dist
 
 
 def build_with_progress(model_path: Path, target: str, dtype: str, output: str | None = None,
@@ -138,16 +139,7 @@ def tune(model: str | None, revision: str | None, target: str, dtype: str, trial
 
 
 
-def _register_dist() -> None:
-    from vtool.toolchain.dist_cli import dist
-
-    main.add_command(dist)
-
-
-try:
-    _register_dist()
-except ImportError:  # written alongside; absent only in a partial checkout
-    pass
+main.add_command(dist)
 
 if __name__ == "__main__":
     main()
