@@ -192,8 +192,6 @@ def test_valid_ids_go_to_the_cache(cache, org, name):
 BAD_IDS = st.one_of(
     st.builds(lambda a, b, c: f"{a}/{b}/{c}", NAME, NAME, NAME),  # three parts (not .gguf)
     st.builds(lambda a, b: f"{a}/{b}", NAME, st.sampled_from(["x y", "a--b", "a..b", "-a", "a.", "é!", "x.git"])),
-    st.builds(lambda a: f"/no/such/{a}", NAME),
-    st.builds(lambda a: f"./{a}", NAME),
     st.text(alphabet=" !#$%&*?@[]{}", min_size=1, max_size=8),
 ).filter(lambda s: not s.lower().endswith(".gguf"))  # those read as a GGUF file name (test_gguf_selection)
 
@@ -204,6 +202,16 @@ def test_invalid_ids_refused(cache, model):
     with pytest.raises(VtoolError) as e:
         resolve_model_path(model)
     assert repr(model) in str(e.value) and "is neither an existing path nor a Hugging Face model id" in str(e.value)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(model=st.one_of(st.builds(lambda a: f"/no/such/{a}", NAME), st.builds(lambda a: f"./{a}", NAME),
+                       st.builds(lambda a: f"../{a}/x", NAME)))
+def test_missing_paths_refused_as_paths(cache, model):
+    # Written as a path (absolute, ./, ../, ~), so never read as a hub id.
+    with pytest.raises(VtoolError) as e:
+        resolve_model_path(model)
+    assert f"model path {model!r} does not exist" in str(e.value)
 
 
 def test_empty_model_refused(cache):

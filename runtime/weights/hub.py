@@ -143,6 +143,9 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
         local = Path(model)
     if local.exists():
         return local
+    if local.is_absolute() or model.startswith(("./", "../", "~")):
+        # Written as a path, so it cannot be a hub id: say what is missing.
+        raise VtoolError(f"model path {model!r} does not exist; accepted: {ACCEPTED}")
     spec = parse_model_id(model)
     rev = revision or DEFAULT_REVISION
     cache = hub_cache_dir()
