@@ -76,7 +76,7 @@ def test_the_cpu_pass_leaves_reshapes_alone(tmp_path):
                 if isinstance(func, tirx.PrimFunc) and becomes_view(func)}
     assert reshapes
     with target:
-        scheduled = rules_for("x86")(tvm.IRModule(dict(mod.functions_items())))
+        scheduled = rules_for("cpu")(tvm.IRModule(dict(mod.functions_items())))
     for name, func in reshapes.items():
         after = next(f for gv, f in scheduled.functions_items() if gv.name_hint == name)
         tvm.ir.assert_structural_equal(after, func)

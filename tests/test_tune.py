@@ -153,8 +153,8 @@ def test_build_applies_records_and_generates_the_same_tokens(tiny, kernels, kern
     from vtool.schedules import rules_for
 
     with target:
-        by_rules = rules_for("x86")(tvm.IRModule(dict(mod.functions_items())))
-        by_records = rules_for("x86", RecordSet.load(TARGET, _tvm_target()))(tvm.IRModule(dict(mod.functions_items())))
+        by_rules = rules_for("cpu")(tvm.IRModule(dict(mod.functions_items())))
+        by_records = rules_for("cpu", RecordSet.load(TARGET, _tvm_target()))(tvm.IRModule(dict(mod.functions_items())))
     assert _kernel(by_records, kernel).script() != _kernel(by_rules, kernel).script()
     assert _kernel(by_records, "rms_norm2").script() == _kernel(by_rules, "rms_norm2").script()
 
@@ -193,7 +193,7 @@ def test_records_for_another_target_or_tvm_are_ignored_with_a_notice(kernels, tu
 
     _, target, mod = kernels
     with tvm.target.Target(buildable("x86-avx512").tvm):
-        rules_for("x86", avx512)(tvm.IRModule(dict(mod.functions_items())))
+        rules_for("cpu", avx512)(tvm.IRModule(dict(mod.functions_items())))
     assert avx512.summary()["from_records"] == 0
 
     stale = json.loads(path.read_text())
@@ -243,7 +243,7 @@ def test_reshape_kernels_are_not_tuned_and_no_record_touches_them(kernels, tmp_p
     records = RecordSet.load(TARGET, _tvm_target(), root=tmp_path)
     assert records.by_hash
     with target:
-        rules_for("x86", records)(tvm.IRModule(dict(mod.functions_items())))
+        rules_for("cpu", records)(tvm.IRModule(dict(mod.functions_items())))
     assert records.summary()["from_records"] == 0
 
 

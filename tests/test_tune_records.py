@@ -40,15 +40,15 @@ def _applied_hashes(target_name: str, family: str, target, mod) -> set[str]:  # 
     that have a record only: the rules on a whole model take minutes here)."""
     import tvm
 
-    from vtool.schedules import rules_for
     from vtool.targets import buildable
+    from vtool.toolchain.families import family_named
 
     records = RecordSet.load(target_name, dict(buildable(target_name).tvm))
     assert not records.notices, records.notices
     kernels = _kernels(mod)
     subset = tvm.IRModule({gv: f for gv, f in mod.functions_items() if kernels.get(gv.name_hint) in records.by_hash})
     with target:
-        rules_for(family, records)(subset)
+        family_named(family).rules(records)(subset)
     return {kernels[name] for name in records.summary()["applied"]}
 
 

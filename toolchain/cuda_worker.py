@@ -79,7 +79,8 @@ def main(argv: list[str]) -> int:
         preload_tensor_intrinsics()
         result = compile_cuda_here(ModelConfig.from_dict(request["config"]), lookup(request["target"]),
                                    request["dtype"], Path(request["library"]), progress, in_subprocess=True,
-                                   gemm=request.get("gemm", "tir"), attention=request.get("attention", "tir"))
+                                   gemm=request.get("gemm", "tir"), attention=request.get("attention", "tir"),
+                                   records=request.get("records", True))
     except VtoolError as err:
         print("vtool-error: " + str(err).replace("\n", "\\n"), flush=True)
         return 2

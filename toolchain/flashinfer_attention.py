@@ -34,7 +34,7 @@ flashinfer-python==0.6.15.post1 --no-deps` plus nvidia-ml-py, einops, tabulate, 
 tqdm) and point VTOOL_FLASHINFER_PATH at DIR, or have it importable.
 
 Model side: `use_attention(model, "flashinfer")` makes DecoderForCausalLM's
-create_tir_paged_kv_cache build a FlashInferPagedKVCache (models/llama.py reads
+create_tir_paged_kv_cache build a FlashInferPagedKVCache (models/decoder.py reads
 `model.kv_cache_class`). TVM's constructor would compile FlashInfer itself through
 gen_flashinfer_*_module; `flashinfer_kv_cache` swaps those for empty lists while it runs,
 since this module builds and links the objects.
@@ -92,10 +92,12 @@ def resolve_attention(choice: str, family: str, dtype: str, cfg: Any,
 
     auto: flashinfer for a CUDA build it can serve when a fitting flashinfer-python is
     importable (it measured 7x faster on long prefills), else tir, saying why (`notice`)."""
+    from vtool.toolchain.families import family_named, offering
+
     if choice not in ATTENTIONS:
         raise FlashInferError(f"--attention {choice!r} is not one of {', '.join(ATTENTIONS)}")
     if choice == "auto":
-        if family != "cuda":
+        if "flashinfer" not in family_named(family).attention:
             return "tir"
         try:
             chosen = resolve_attention("flashinfer", family, dtype, cfg)
@@ -107,8 +109,9 @@ def resolve_attention(choice: str, family: str, dtype: str, cfg: Any,
             return "tir"
     if choice == "tir":
         return "tir"
-    if family != "cuda":
-        raise FlashInferError(f"--attention flashinfer needs a CUDA target; this build's target family is {family}")
+    if "flashinfer" not in family_named(family).attention:
+        raise FlashInferError(f"--attention flashinfer needs a {offering('attention', 'flashinfer')} target; "
+                              f"this build's target family is {family}")
     if dtype not in FLASHINFER_DTYPES:
         raise FlashInferError(f"--attention flashinfer has kernels for {', '.join(FLASHINFER_DTYPES)}, not {dtype}")
     if cfg.head_dim not in FLASHINFER_HEAD_DIMS:
@@ -149,7 +152,7 @@ def attention_key(attention: str) -> str:
 
 
 def use_attention(model: Any, attention: str) -> None:
-    """Point models/llama.py's KV-cache hook at the backend's cache class."""
+    """Point models/decoder.py's KV-cache hook at the backend's cache class."""
     if attention == "flashinfer":
         model.kv_cache_class = flashinfer_kv_cache
     elif attention != "tir":

@@ -37,15 +37,20 @@ class GemmChoiceError(VtoolError):
 
 
 def resolve_gemm(choice: str, family: str, dtype: str) -> GemmBackend:
-    """The backend a build uses: `auto` is cuBLAS for bf16/f16 CUDA builds (their prefill
-    is where tensor cores matter) and vtool's TIR kernels otherwise; float32 keeps TIR so
-    its parity with transformers stays bit-for-bit in reach."""
+    """The backend a build uses: `auto` is what the family's table entry picks for the dtype
+    (cuBLAS for bf16/f16 CUDA builds, whose prefill is where tensor cores matter; float32
+    keeps TIR so its parity with transformers stays bit-for-bit in reach), else vtool's TIR
+    kernels; a backend the family does not offer is refused."""
+    from vtool.toolchain.families import family_named, offering
+
     if choice not in GEMM_CHOICES:
         raise GemmChoiceError(f"--gemm {choice!r} is not one of {', '.join(GEMM_CHOICES)}")
+    entry = family_named(family)
     if choice == "auto":
-        return "cublas" if family == "cuda" and dtype in ("bfloat16", "float16") else "tir"
-    if choice == "cublas" and family != "cuda":
-        raise GemmChoiceError(f"--gemm cublas needs a CUDA target; this build's target family is {family}")
+        return entry.gemm_auto.get(dtype, "tir")  # type: ignore[return-value]
+    if choice not in entry.gemm:
+        raise GemmChoiceError(f"--gemm {choice} needs a {offering('gemm', choice)} target; "
+                              f"this build's target family is {family}")
     return choice  # type: ignore[return-value]
 
 

@@ -1,4 +1,5 @@
-"""vtool's Relax pipeline per target family.
+"""vtool's Relax pipeline per target family (what differs per family is its entry in
+toolchain/families.py: model passes, Relax backend, schedule rules, PassContext).
 
 TVM's "default" pipeline legalizes `x @ W.T` into a transpose of every weight on every
 call plus a matmul. FuseTransposeMatmul turns that into one NT_matmul kernel: decode on
@@ -16,62 +17,30 @@ so they stay uncaptured and unchanged.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import tvm
 from tvm import relax
 
-from vtool.schedules import rules_for
-
-# Explicit pipeline choices per family; the manifest records them (build.pipeline).
-CUDA_GRAPHS = True
-# models/decode_attention.py's split-KV kernel in place of TVM's decode attention.
-SPLIT_KV_DECODE = True
+from vtool.toolchain.families import family_named
 
 
 def pass_config(family: str) -> dict[str, Any]:
-    """The PassContext config tvm.compile runs under for this family."""
-    if family == "cuda":
-        # TIR's common-subexpression pass emits a use before its definition in the KV
-        # cache's llama3-rope kernels for CUDA ("cse_v18 has been used before definition").
-        return {"relax.backend.use_cuda_graph": CUDA_GRAPHS, "tirx.disable_cse_tir": True}
-    return {}
+    """The PassContext config tvm.compile runs under for this family (toolchain/families.py)."""
+    return dict(family_named(family).pass_config)
 
 
 def pass_context(family: str) -> Any:
     """The PassContext a build of this family compiles under (CPU builds: the ambient one).
     `vtool tune` extracts kernels under it too: passes and configs that differ would give
     kernels whose hashes no build looks up."""
-    if family == "cuda":
-        return tvm.transform.PassContext(opt_level=3, config=pass_config(family))
-    return contextlib.nullcontext()
+    return family_named(family).pass_context()
 
 
 def describe(family: str, gemm: str = "tir") -> dict[str, Any]:
     """The manifest's record of the pipeline a library was built with."""
-    if family == "cuda":
-        from vtool.schedules.cuda import describe as schedules
-
-        offload = ["VtoolOffloadGemmToCublas"] if gemm == "cublas" else []
-        decode = ["VtoolSplitKVDecodeAttention"] if SPLIT_KV_DECODE else []
-        return {"gemm": gemm, "passes": decode + offload + ["FuseTransposeMatmul", "cuda.library_dispatch", "LegalizeOps", "AnnotateTIROpPattern",
-                           "FoldConstant", "FuseOps", "FuseTIR", "vtool.schedules.cuda", "cuda.dataflow_lower",
-                           "cuda.finalize"],
-                "schedules": schedules(), "cuda_graph": CUDA_GRAPHS, "pass_config": pass_config(family),
-                "opt_level": 3}
-    return {"passes": ["FuseTransposeMatmul", "cpu.library_dispatch", "cpu.legalize", "vtool.schedules.cpu",
-                       "cpu.dataflow_lower", "cpu.finalize"]}
-
-
-def _backend(family: str):  # noqa: ANN202 - a TVM backend pipeline module
-    if family in ("x86", "arm"):  # cpu_generic's passes hold nothing x86-specific
-        from tvm.relax.backend.cpu_generic import pipeline as backend
-    elif family == "cuda":
-        from tvm.relax.backend.cuda import pipeline as backend
-    else:
-        raise NotImplementedError(f"no pipeline for target family {family!r} yet")
-    return backend
+    entry = family_named(family)
+    return entry.describe_pipeline(entry, gemm)
 
 
 def kernel_passes() -> list[tvm.transform.Pass]:
@@ -83,18 +52,17 @@ def kernel_passes() -> list[tvm.transform.Pass]:
 
 def build_pipeline(target: tvm.target.Target, family: str, gemm: str = "tir",
                    records: Any = None, until_schedules: bool = False) -> tvm.transform.Pass:
-    """(With gemm="cublas", the prefill/batched matmuls to cuBLAS,) FuseTransposeMatmul,
-    the backend's library dispatch, legalize + fuse, vtool's schedules for the family
-    (tuning records first when `records`, a vtool.toolchain.records.RecordSet, is given),
-    the backend's dataflow lowering and finalize passes. until_schedules: stop before the
-    schedule pass (`vtool tune` extracts the kernels there)."""
-    backend = _backend(family)
-    schedule_pass = rules_for(family, records)
-    offload: list[tvm.transform.Pass] = []
-    if family == "cuda" and SPLIT_KV_DECODE:
-        from vtool.models.decode_attention import decode_attention_pass
-
-        offload.append(decode_attention_pass())
+    """The family's model passes, (with gemm="cublas", the prefill/batched matmuls to
+    cuBLAS,) FuseTransposeMatmul, the family's Relax backend's library dispatch, legalize +
+    fuse, the family's schedule rules (tuning records first when `records`, a
+    vtool.toolchain.records.RecordSet, is given), the backend's dataflow lowering and
+    finalize passes. until_schedules: stop before the schedule pass (`vtool tune` extracts
+    the kernels there)."""
+    entry = family_named(family)
+    backend = entry.backend()
+    schedule_pass = entry.rules(records)
+    # the family's own Relax passes (CUDA: the split-KV decode attention), then the cuBLAS offload
+    offload: list[tvm.transform.Pass] = [make() for _name, make in entry.model_passes]
     if gemm == "cublas":
         from vtool.toolchain.gemm_offload import offload_pass
 

@@ -239,6 +239,11 @@ class RecordSet:
     kernels: int = 0  # PrimFuncs the schedule pass saw
 
     @classmethod
+    def empty(cls, target_name: str) -> "RecordSet":
+        """No records: a build whose plan applies none (BuildOptions.records=False)."""
+        return cls(target_name, {}, [], "")
+
+    @classmethod
     def load(cls, target_name: str, tvm_target: dict[str, Any], root: Path | None = None) -> "RecordSet":
         root = root or records_root()
         folder = root / target_name

@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import logging
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vtool import VtoolError
+from vtool.toolchain.families import family_named, family_of
+from vtool.toolchain.plan import BuildOptions, BuildPlan
 from vtool.toolchain.records import (Bucket, Record, RecordError, becomes_view, kernel_hash, read_record,
                                      record_path, records_root, shape_vars, specialize, tvm_version, write_record)
 
@@ -42,9 +45,6 @@ DEFAULT_DECODE_BUCKETS = (4, 8)
 _SKIP_NAMES = re.compile(r"(paged_kv|ragged_kv|tree_attn|kv_cache|copy_single_page|compact_kv|merge_state)")
 # Hand-written kernels (TIR with LLVM intrinsics, nothing to search over).
 _HAND_WRITTEN = re.compile(r"int8_(gemv|matmul)")
-# A task whose rule schedule takes less is not worth a tuning run. On a GPU a decode step is
-# hundreds of kernels of a few microseconds each, run from a CUDA graph (no launch gaps).
-MIN_RULE_US = {"cpu": 5.0, "gpu": 2.0}
 
 
 class TuneError(VtoolError):
@@ -77,43 +77,52 @@ class Plan:
     skipped: list[Skipped] = field(default_factory=list)
 
 
+def tune_build_plan(model_path: str | Path, target_name: str, options: BuildOptions,
+                    progress: Callable[[str], None] | None = None) -> BuildPlan:
+    """The BuildPlan `vtool build` would resolve for these options, without tuning records
+    (tuning measures against the rules) and without the external tools (no nvcc needed
+    to extract a CUDA build's kernels)."""
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+    from vtool.toolchain.plan import check_request, resolve_plan
+
+    options = dataclasses.replace(options, records=False)
+    spec = check_request(target_name, options)
+    return resolve_plan(open_checkpoint(model_path), spec, options, notice=progress, tools=False)
+
+
+def plan_kernels(plan: BuildPlan, progress: Callable[[str], None] | None = None):
+    """(tvm target, IRModule of the model after legalize + fuse) for a plan: the same module
+    as the build (toolchain/build.model_module), the same pipeline up to the schedule pass,
+    under the same PassContext. Any difference would change the kernels' structural hashes,
+    and a build would find no record for them."""
+    from vtool.toolchain.build import model_module
+    from vtool.toolchain.pipeline import build_pipeline
+
+    progress = progress or (lambda _m: None)
+    family = plan.family
+    if family.tensor_intrinsics:  # its rules import TVM's tensor intrinsics: parse them the light way
+        from vtool.toolchain.cuda_worker import preload_tensor_intrinsics
+
+        preload_tensor_intrinsics()
+    target, mod, _params, _eps = model_module(plan.config, plan.target, plan.dtype, progress, dict(plan.kept),
+                                              plan.attention, plan.activations)
+    progress(f"extracting the kernels (gemm {plan.gemm}, attention {plan.attention}, activations {plan.activations})")
+    with target, family.pass_context():
+        mod = build_pipeline(target, family.name, plan.gemm, until_schedules=True)(mod)
+    return target, mod
+
+
 def extract_kernels(model_path: str | Path, target_name: str, dtype: str = "float32",
                     quantization: str = "auto", progress: Callable[[str], None] | None = None,
                     gemm: str = "auto", attention: str = "auto", activations: str = "auto"):
     """(target spec, tvm target, IRModule of the model after legalize + fuse), made as
-    `vtool build` with the same choices makes it: the choices resolved by the build's own
-    resolvers, the same module (toolchain/build.model_module), the same pipeline up to the
-    schedule pass, under the same PassContext. Any difference would change the kernels'
-    structural hashes, and a build would find no record for them."""
-    from vtool.models.config import parse_hf_config
-    from vtool.models.weights import check_checkpoint_shapes
-    from vtool.runtime.weights.checkpoint import open_checkpoint
-    from vtool.targets import buildable
-    from vtool.toolchain.build import model_module, resolve_activations, resolve_quantization
-    from vtool.toolchain.flashinfer_attention import resolve_attention
-    from vtool.toolchain.gemm_offload import resolve_gemm
-    from vtool.toolchain.pipeline import build_pipeline, pass_context
-
-    progress = progress or (lambda _m: None)
-    spec = buildable(target_name)
-    if spec.family == "cuda":  # the CUDA rules import TVM's tensor intrinsics: parse them the light way
-        from vtool.toolchain.cuda_worker import preload_tensor_intrinsics
-
-        preload_tensor_intrinsics()
-    ckpt = open_checkpoint(model_path)
-    cfg = parse_hf_config(ckpt.config())
-    check_checkpoint_shapes(cfg, {n: t.shape for n, t in ckpt.tensors().items()}, str(ckpt.path))
-    _scheme, kept, _dense = resolve_quantization(quantization, ckpt, cfg, spec)
-    if spec.family == "cuda" and kept:  # as the build refuses it
-        raise TuneError(f"quantized weights have no CUDA kernels yet ({spec.name}); use --quantization none")
-    gemm = resolve_gemm(gemm, spec.family, dtype)
-    attention = resolve_attention(attention, spec.family, dtype, cfg, notice=progress)
-    activations = resolve_activations(activations, spec, kept)
-    target, mod, _params, _eps = model_module(cfg, spec, dtype, progress, kept, attention, activations)
-    progress(f"extracting the kernels (gemm {gemm}, attention {attention}, activations {activations})")
-    with target, pass_context(spec.family):
-        mod = build_pipeline(target, spec.family, gemm, until_schedules=True)(mod)
-    return spec, target, mod
+    `vtool build` with the same choices makes it: the choices resolved into the build's
+    own BuildPlan (toolchain/plan.py), then `plan_kernels`."""
+    options = BuildOptions(dtype=dtype, quantization=quantization, activations=activations, gemm=gemm,
+                           attention=attention)
+    plan = tune_build_plan(model_path, target_name, options, progress)
+    target, mod = plan_kernels(plan, progress)
+    return plan.target, target, mod
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -172,14 +181,12 @@ def plan_tasks(mod: Any, pattern: str | None = None, prefill_buckets: tuple[int,
 
 
 def rule_schedule(func: Any, target: Any, family: str, name: str) -> Any:
-    """`func` scheduled by vtool's rules (what a build without records runs). `name` is the
-    kernel's own: some rules pick kernels by name (fused_NT_matmul*)."""
+    """`func` scheduled by the family's rules (what a build without records runs). `name`
+    is the kernel's own: some rules pick kernels by name (fused_NT_matmul*)."""
     import tvm
 
-    from vtool.schedules import rules_for
-
     with target:
-        mod = rules_for(family)(tvm.IRModule({name: func}))
+        mod = family_named(family).rules()(tvm.IRModule({name: func}))
     return mod[name]
 
 
@@ -208,6 +215,11 @@ class TuneOptions:
     attention: str = "auto"
     activations: str = "auto"
     seed: int = 0
+
+    def build_options(self) -> BuildOptions:
+        """The build options whose kernels are tuned (records never apply while tuning)."""
+        return BuildOptions(dtype=self.dtype, quantization=self.quantization, activations=self.activations,
+                            gemm=self.gemm, attention=self.attention, records=False)
 
 
 def _mcpu_target(target: Any) -> Any:
@@ -241,9 +253,10 @@ def tune_model(model_path: str | Path, target_name: str, opts: TuneOptions,
     if importlib.util.find_spec("xgboost") is None:  # MetaSchedule's cost model
         raise TuneError("vtool tune needs XGBoost for MetaSchedule's cost model: pip install 'vtool[tune]'")
     root = opts.output or records_root()
-    _check_device(target_name)
-    spec, target, mod = extract_kernels(model_path, target_name, opts.dtype, opts.quantization, events.message,
-                                        opts.gemm, opts.attention, opts.activations)
+    _check_device(target_name, opts.build_options())
+    build = tune_build_plan(model_path, target_name, opts.build_options(), events.message)
+    spec = build.target
+    target, mod = plan_kernels(build, events.message)
     plan = plan_tasks(mod, opts.pattern, opts.prefill_buckets, opts.decode_buckets)
     if not plan.tasks:
         raise TuneError(f"no tunable kernel matches {opts.pattern!r}" if opts.pattern else "no tunable kernel")
@@ -258,17 +271,17 @@ def tune_model(model_path: str | Path, target_name: str, opts: TuneOptions,
             builder.close()
 
 
-def _check_device(target_name: str) -> None:
-    """Candidates are timed on the target's device: a GPU target needs its GPU here (a CPU
+def _check_device(target_name: str, options: BuildOptions) -> None:
+    """Candidates are timed on the family's device: a GPU target needs its GPU here (a CPU
     target is this machine, which `buildable` has checked)."""
     import tvm
 
-    from vtool.targets import buildable
+    from vtool.toolchain.plan import check_request
 
-    spec = buildable(target_name)
-    kind = str(spec.tvm.get("kind", "llvm"))
-    if kind != "llvm" and not tvm.runtime.device(kind, 0).exist:
-        raise TuneError(f"tuning for {spec.name} times candidates on its GPU, and this machine has no {kind} device; "
+    spec = check_request(target_name, options)
+    device = family_of(spec).device
+    if device != "cpu" and not tvm.runtime.device(device, 0).exist:
+        raise TuneError(f"tuning for {spec.name} times candidates on its GPU, and this machine has no {device} device; "
                         f"run `vtool tune` on a machine with the GPU and copy the records into "
                         f"tuning_logs/{spec.name}/ (docs/USAGE.md)")
 
@@ -293,7 +306,7 @@ def _tune_plan(plan: Plan, spec: Any, target: Any, root: Path, opts: TuneOptions
         if task.hash not in rules:
             rules[task.hash] = rule_schedule(task.func, target, spec.family, task.kernel)
         task.rule_us = time_kernel(rules[task.hash], target, task.bindings)
-    floor = MIN_RULE_US["cpu" if target.kind.name == "llvm" else "gpu"]
+    floor = family_of(spec).min_rule_us
     small = [t for t in plan.tasks if t.rule_us < floor]
     plan.skipped += [Skipped(t.label, f"rule schedule takes {t.rule_us:.1f} us (< {floor:g})") for t in small]
     plan.tasks = sorted((t for t in plan.tasks if t.rule_us >= floor), key=lambda t: -t.rule_us)
@@ -402,8 +415,9 @@ def recheck(model_path: str | Path, target_name: str, opts: TuneOptions,
     rewrite `rule_us`, `tuned_us` and `use`: [(task label, old bucket, new bucket)]."""
     same_threads_as_runtime()
     root = opts.output or records_root()
-    spec, target, mod = extract_kernels(model_path, target_name, opts.dtype, opts.quantization, message,
-                                        opts.gemm, opts.attention, opts.activations)
+    build = tune_build_plan(model_path, target_name, opts.build_options(), message)
+    spec = build.target
+    target, mod = plan_kernels(build, message)
     plan = plan_tasks(mod, opts.pattern, (), ())
     changed = []
     by_hash = {t.hash: t for t in plan.tasks}

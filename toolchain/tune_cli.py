@@ -10,7 +10,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from vtool.toolchain.records import Bucket
-from vtool.toolchain.tune import Plan, Task, TuneEvents, TuneOptions, extract_kernels, plan_tasks, tune_model
+from vtool.toolchain.tune import (Plan, Task, TuneEvents, TuneOptions, plan_kernels, plan_tasks, tune_build_plan,
+                                  tune_model)
 from vtool.toolchain.tune import recheck as recheck_records
 
 
@@ -32,8 +33,7 @@ def run_tune(model_path: Path, target: str, opts: TuneOptions, list_only: bool, 
         return 0
     if list_only:
         with console.status("extracting the kernels"):
-            _spec, _target, mod = extract_kernels(model_path, target, opts.dtype, opts.quantization, None, opts.gemm,
-                                                  opts.attention, opts.activations)
+            _target, mod = plan_kernels(tune_build_plan(model_path, target, opts.build_options()))
         plan = plan_tasks(mod, opts.pattern, opts.prefill_buckets, opts.decode_buckets)
         for task in plan.tasks:  # plain lines: labels are long, and scripts read them
             out.print(f"{task.label}  {task.hash}", highlight=False, soft_wrap=True, markup=False)

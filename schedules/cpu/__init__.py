@@ -65,3 +65,8 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
         return mod
 
     return _apply
+
+
+def schedule_pass() -> tvm.transform.Pass:
+    """The rule set's entry point (vtool.schedules.rules_for)."""
+    return cpu_schedule_pass()

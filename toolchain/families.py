@@ -1,0 +1,229 @@
+"""The target-family table: one entry per family of targets/table.py rows that vtool builds.
+
+A family decides what a build or a tuning run does differently per kind of target:
+which options apply (kernels for weights kept in blocks, integer-dot activations, the
+--gemm and --attention backends), the pipeline (TVM's Relax backend, vtool's model
+passes before FuseTransposeMatmul, the schedule rule set, the PassContext), functions
+added to the model, checks a model must pass, the compile and link step and the external
+tools it records, the runtime device, and how `vtool tune` measures. A new family (rocm,
+vulkan, metal) is one entry here plus the modules its hooks name; nothing else in
+toolchain/ or schedules/ branches on a family's name.
+
+This module is on the cached-build path: it imports no compiler. The hooks import what
+they need when they are called.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from vtool import VtoolError
+from vtool.targets import TargetSpec
+
+if TYPE_CHECKING:
+    from vtool.models.config import ModelConfig
+    from vtool.toolchain.plan import BuildPlan
+
+Progress = Callable[[str], None]
+
+
+class FamilyError(VtoolError):
+    """A target family with no entry in the table."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str  # as targets/table.py spells it
+    label: str  # in messages: "--gemm cublas needs a CUDA target"
+    device: str  # the tvm_ffi device type its libraries run on (the runtime's own table must agree)
+    # --- which options apply
+    quantized_kernels: bool  # weights kept in GGML blocks: --quantization gguf, q4_0, q4_1, q8_0
+    int8_isa: Callable[[TargetSpec], str | None]  # integer-dot ISA for --activations (None: float only)
+    gemm: tuple[str, ...]  # --gemm backends, "tir" first
+    gemm_auto: Mapping[str, str]  # dtype -> what --gemm auto picks; other dtypes get "tir"
+    attention: tuple[str, ...]  # --attention backends, "tir" first; auto tries the others
+    # --- the pipeline (toolchain/pipeline.py)
+    relax_backend: str  # TVM's Relax backend package: library dispatch, dataflow lowering, finalize
+    model_passes: tuple[tuple[str, Callable[[], Any]], ...]  # (name, pass factory), before FuseTransposeMatmul
+    schedules: str  # the rule set under vtool.schedules (a subpackage exporting schedule_pass())
+    opt_level: int | None  # the PassContext it compiles under; None: the ambient one
+    pass_config: Mapping[str, Any]
+    extra_modules: Callable[[ModelConfig], list[Any]]  # Relax modules a library holds beside the model's
+    describe_pipeline: Callable[[Family, str], dict[str, Any]]  # the manifest's build.pipeline, given --gemm
+    # --- the build
+    check_model: Callable[[ModelConfig], None]  # refuses shapes its kernels cannot run
+    toolchain: Callable[[TargetSpec], dict[str, str]]  # external tools' versions (cache key); {} when none
+    compile: Callable[[BuildPlan, Path, Progress], dict[str, Any]]  # compile + link model.so
+    # --- tuning (toolchain/tune.py)
+    min_rule_us: float  # a kernel whose rule schedule runs faster is not worth a tuning run
+    tensor_intrinsics: bool  # its rules may tensorize: TVM's intrinsics are loaded before the pipeline
+
+    def rules(self, records: Any = None) -> Any:
+        """The schedule pass (tuning records first, when a RecordSet is given)."""
+        from vtool.schedules import rules_for
+
+        return rules_for(self.schedules, records)
+
+    def backend(self) -> Any:
+        """TVM's Relax backend pipeline module (library_dispatch_passes, ...)."""
+        return importlib.import_module(f"{self.relax_backend}.pipeline")
+
+    def pass_context(self) -> Any:
+        """The PassContext a build compiles under (`vtool tune` extracts kernels under it too:
+        passes and configs that differ would give kernels whose hashes no build looks up)."""
+        if self.opt_level is None:
+            return contextlib.nullcontext()
+        import tvm
+
+        return tvm.transform.PassContext(opt_level=self.opt_level, config=dict(self.pass_config))
+
+
+# --- hooks (each imports its module when called) ------------------------------------------------
+
+def _x86_int8_isa(target: TargetSpec) -> str | None:
+    from vtool.models.int8_activations import int8_isa
+
+    return int8_isa(str(target.tvm.get("mcpu", "")), list(target.tvm.get("mattr", [])))
+
+
+def _no_int8_isa(_target: TargetSpec) -> str | None:
+    return None
+
+
+def _nothing(*_args: Any) -> list[Any]:
+    return []
+
+
+def _no_check(_cfg: ModelConfig) -> None:
+    return None
+
+
+def _cpu_toolchain(target: TargetSpec) -> dict[str, str]:
+    from vtool.toolchain.cross_link import record
+
+    return record(target)  # the cross linker for another instruction set; {} for a native link
+
+
+def _cpu_compile(plan: BuildPlan, library: Path, progress: Progress) -> dict[str, Any]:
+    from vtool.toolchain.build import compile_cpu
+
+    return compile_cpu(plan, library, progress)
+
+
+def _describe_cpu(_family: Family, _gemm: str) -> dict[str, Any]:
+    return {"passes": ["FuseTransposeMatmul", "cpu.library_dispatch", "cpu.legalize", "vtool.schedules.cpu",
+                       "cpu.dataflow_lower", "cpu.finalize"]}
+
+
+def _cuda_toolchain(_target: TargetSpec) -> dict[str, str]:
+    from vtool.toolchain.cuda import nvcc_version
+
+    return {"nvcc": nvcc_version()}
+
+
+def _cuda_check_model(cfg: ModelConfig) -> None:
+    from vtool.toolchain.cuda import check_attention_shape
+
+    check_attention_shape(cfg)
+
+
+def _cuda_extra_modules(cfg: ModelConfig) -> list[Any]:
+    # Sampling on the GPU (schedules/cuda/sampler.py): the engine samples there, so logits stay put.
+    from vtool.schedules.cuda.sampler import sampler_module
+
+    return [sampler_module(cfg.vocab_size)]
+
+
+def _split_kv_decode() -> Any:
+    # schedules/cuda/decode_attention.py's split-KV kernel in place of TVM's decode attention.
+    from vtool.schedules.cuda.decode_attention import decode_attention_pass
+
+    return decode_attention_pass()
+
+
+def _cuda_compile(plan: BuildPlan, library: Path, progress: Progress) -> dict[str, Any]:
+    from vtool.toolchain.build import compile_cuda
+
+    return compile_cuda(plan, library, progress)
+
+
+def _describe_cuda(family: Family, gemm: str) -> dict[str, Any]:
+    from vtool.schedules.cuda import describe as schedules
+
+    offload = ["VtoolOffloadGemmToCublas"] if gemm == "cublas" else []
+    return {"gemm": gemm,
+            "passes": [name for name, _ in family.model_passes] + offload + [
+                "FuseTransposeMatmul", "cuda.library_dispatch", "LegalizeOps", "AnnotateTIROpPattern",
+                "FoldConstant", "FuseOps", "FuseTIR", "vtool.schedules.cuda", "cuda.dataflow_lower", "cuda.finalize"],
+            "schedules": schedules(), "cuda_graph": bool(family.pass_config["relax.backend.use_cuda_graph"]),
+            "pass_config": dict(family.pass_config), "opt_level": family.opt_level}
+
+
+# --- the table -------------------------------------------------------------------------------
+
+def _cpu(name: str, label: str, int8_isa: Callable[[TargetSpec], str | None]) -> Family:
+    """x86 and aarch64 share TVM's cpu_generic backend (its passes hold nothing x86-specific)
+    and one set of CPU rules (vector_lanes reads the target's width)."""
+    return Family(
+        name=name, label=label, device="cpu",
+        quantized_kernels=True, int8_isa=int8_isa, gemm=("tir",), gemm_auto=MappingProxyType({}), attention=("tir",),
+        relax_backend="tvm.relax.backend.cpu_generic", model_passes=(), schedules="cpu", opt_level=None,
+        pass_config=MappingProxyType({}), extra_modules=_nothing, describe_pipeline=_describe_cpu,
+        check_model=_no_check, toolchain=_cpu_toolchain, compile=_cpu_compile,
+        min_rule_us=5.0, tensor_intrinsics=False)
+
+
+CUDA = Family(
+    name="cuda", label="CUDA", device="cuda",
+    # no quantized CUDA kernels yet; Q8_0 activations are an x86 integer-dot scheme
+    quantized_kernels=False, int8_isa=_no_int8_isa,
+    # bf16/f16 prefill is where tensor cores matter (cuBLAS); float32 keeps TIR so its parity
+    # with transformers stays bit-for-bit in reach (toolchain/gemm_offload.py)
+    gemm=("tir", "cublas"), gemm_auto=MappingProxyType({"bfloat16": "cublas", "float16": "cublas"}),
+    attention=("tir", "flashinfer"),
+    relax_backend="tvm.relax.backend.cuda",
+    model_passes=(("VtoolSplitKVDecodeAttention", _split_kv_decode),),
+    schedules="cuda", opt_level=3,
+    # CUDA graphs: RewriteCUDAGraph in the finalize passes reads it. TIR's common-subexpression
+    # pass emits a use before its definition in the KV cache's llama3-rope kernels for CUDA
+    # ("cse_v18 has been used before definition").
+    pass_config=MappingProxyType({"relax.backend.use_cuda_graph": True, "tirx.disable_cse_tir": True}),
+    extra_modules=_cuda_extra_modules, describe_pipeline=_describe_cuda,
+    check_model=_cuda_check_model, toolchain=_cuda_toolchain, compile=_cuda_compile,
+    # a decode step is hundreds of kernels of a few microseconds each, run from a CUDA graph
+    min_rule_us=2.0, tensor_intrinsics=True)
+
+FAMILIES: tuple[Family, ...] = (
+    _cpu("x86", "x86 CPU", _x86_int8_isa),
+    _cpu("arm", "aarch64 CPU", _no_int8_isa),
+    CUDA,
+)
+_BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def family_named(name: str) -> Family:
+    """The entry for a family name; a family with none is refused by name."""
+    family = _BY_NAME.get(name)
+    if family is None:
+        raise FamilyError(f"target family {name!r} has no entry in vtool's target-family table "
+                          f"(toolchain/families.py: pipeline, schedule rules, compile step); "
+                          f"families: {', '.join(_BY_NAME)}")
+    return family
+
+
+def family_of(target: TargetSpec) -> Family:
+    """The entry for a target's family, refusing by name a target whose family has none."""
+    try:
+        return family_named(target.family)
+    except FamilyError as err:
+        raise FamilyError(f"target {target.name!r}: {err}") from None
+
+
+def offering(option: str, value: str) -> str:
+    """Who offers `value` for --gemm/--attention, for a refusal: "CUDA"."""
+    labels = [f.label for f in FAMILIES if value in getattr(f, option)]
+    return " or ".join(labels) if labels else "no"

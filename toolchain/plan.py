@@ -1,0 +1,316 @@
+"""BuildPlan: every build option resolved once, from the checkpoint, the target and the user's options.
+
+`resolve_plan` turns what the user asked for (BuildOptions, "auto" where unset) into what
+a build makes: each "auto" resolved, each combination that cannot work refused by name
+(the option, the value, what is accepted). `vtool build` compiles a plan
+(toolchain/build.py), `vtool tune` extracts the kernels of one (toolchain/tune.py), the
+build cache key hashes one (`BuildPlan.cache_key`), the manifest records one, and a
+release archive cites one (`BuildPlan.as_dict`). Nothing after the plan resolves an option
+again; what differs per target family comes from toolchain/families.py.
+
+This module is on the cached-build path: it imports no compiler.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+from vtool import VtoolError
+from vtool.models.config import ModelConfig, parse_hf_config, source_config
+from vtool.models.weights import check_checkpoint_shapes, kept_formats
+from vtool.runtime.artifact.library import installed_versions
+from vtool.runtime.weights.checkpoint import Checkpoint
+from vtool.targets import TargetSpec, buildable
+from vtool.targets.table import TargetError
+from vtool.toolchain.families import FAMILIES, Family, family_of
+from vtool.toolchain.flashinfer_attention import attention_key, resolve_attention
+from vtool.toolchain.gemm_offload import resolve_gemm
+from vtool.toolchain.quantize import SCHEMES, plan_formats, quantized_sources, source_key
+
+DTYPES = ("float32", "float16", "bfloat16")
+# --quantization: auto = gguf for a GGUF file on a target with quantized kernels, else none;
+# none = every weight dequantized to the dtype at load; gguf = keep the file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks.
+# q4_0/q4_1/q8_0 = quantize a float checkpoint's weights at build time (toolchain/quantize.py).
+QUANTIZATIONS = ("auto", "none", "gguf", *SCHEMES)
+# --activations: how the matmuls over kept Q8_0/Q4_0/Q4_1 weights take their input
+# (schedules/cpu/int8_gemv.py): rows quantized to Q8_0 and integer dot products in decode ("decode",
+# what auto picks on integer-dot CPUs) or everywhere ("q8_0", llama.cpp's numerics), or float32.
+ACTIVATIONS = ("auto", "decode", "q8_0", "none")
+# Families with kernels for weights kept in blocks (the CPU ones).
+QUANT_TARGET_FAMILIES = tuple(f.name for f in FAMILIES if f.quantized_kernels)
+
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+# Sources whose change changes the compiled library (part of the cache key).
+_COMPILER_SOURCES = ("models", "schedules", "targets", "toolchain/pipeline.py", "toolchain/build.py",
+                     "toolchain/plan.py", "toolchain/families.py",
+                     "toolchain/cuda.py", "toolchain/gemm_offload.py", "toolchain/native/cublas_gemm.cc",
+                     "toolchain/flashinfer_attention.py", "toolchain/quantize.py",
+                     "runtime/weights/ggml_blocks.py")  # the block layout the kernels are compiled for
+
+Notice = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """What the user asked for (the CLI's flags, the API's arguments); "auto" lets the plan choose."""
+    dtype: str = "float32"  # DTYPES
+    quantization: str = "auto"  # QUANTIZATIONS
+    activations: str = "auto"  # ACTIVATIONS
+    gemm: str = "auto"  # toolchain/gemm_offload.py GEMM_CHOICES
+    attention: str = "auto"  # toolchain/flashinfer_attention.py ATTENTIONS
+    records: bool = True  # apply the tuning records found for the target (tuning_logs/<target>/)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildPlan:
+    """One build, fully resolved: what `vtool build` compiles and the cache key hashes."""
+    target: TargetSpec  # a buildable row ("host" already resolved to its tier)
+    config: ModelConfig
+    source_config: Mapping[str, Any]  # the config.json keys the parser reads, as the checkpoint gave them
+    source_format: str  # "safetensors" | "gguf"
+    dtype: str
+    quantization: str  # "none" | "gguf" | "q4_0" | "q4_1" | "q8_0"
+    kept: Mapping[str, str]  # module -> GGML block format its weight keeps in memory
+    dense: Mapping[str, str]  # module -> stored types dequantized at load (no kernel for them)
+    left_float: tuple[str, ...] | None  # build-time schemes: modules whose shape does not fit the tiles
+    quantized_sources: Mapping[str, str]  # build-time schemes: HF tensor -> GGML type written to weights.gguf
+    weights_key: str  # build-time schemes: fingerprint of the source weights; "" otherwise
+    activations: str  # "none" | "decode" | "q8_0"
+    gemm: str  # "tir" | "cublas"
+    attention: str  # "tir" | "flashinfer"
+    records: bool  # whether tuning records apply
+    tuning_digest: str  # of the records that apply; "" for none
+    # External tools, resolved for builds only (`vtool tune` extracts kernels without them):
+    toolchain: Mapping[str, str] | None  # nvcc's version, or the cross linker's; {} for a native CPU link
+    attention_backend: str | None  # "tir" or "flashinfer-<version>"
+
+    @property
+    def family(self) -> Family:
+        return family_of(self.target)
+
+    @property
+    def quantize_now(self) -> bool:
+        """Blocks made at build time and written into the artifact (weights.gguf)."""
+        return self.quantization in SCHEMES
+
+    def quantized_weights(self) -> dict[str, Any]:
+        """The manifest's summary: how many weights keep each block format, which were
+        dequantized at load for want of a kernel (module -> stored types), and (build-time
+        schemes) which stay float because their shape does not fit the kernels' tiles."""
+        counts: dict[str, int] = {}
+        for fmt in self.kept.values():
+            counts[fmt] = counts.get(fmt, 0) + 1
+        summary: dict[str, Any] = {"kept": counts, "dequantized": dict(sorted(self.dense.items()))}
+        if self.left_float is not None:
+            summary["float"] = sorted(self.left_float)
+        return summary
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data: how the library is made, every option resolved.
+
+        The manifest records it (`build.plan`), and a release archive cites it as the
+        provenance of its library. The cache key (`cache_key`) hashes the same fields, plus
+        the installed versions and vtool's compiler sources. Same inputs give the same dict;
+        any resolved option that changes the library changes it. `toolchain` and
+        `attention_backend` are None in a plan resolved without its tools (`vtool tune`)."""
+        return {
+            "plan_format": 1,
+            "target": self.target.describe(),
+            "model": {"arch": self.config.architecture, "family": self.config.family,
+                      "config_digest": self.config.digest(), "source_format": self.source_format,
+                      "source_config": dict(self.source_config)},
+            "dtype": self.dtype,
+            "quantization": self.quantization,
+            "quantized_weights": {**self.quantized_weights(), "formats": dict(sorted(self.kept.items()))},
+            "weights_key": self.weights_key,
+            "activations": self.activations,
+            "gemm": self.gemm,
+            "attention": self.attention,
+            "attention_backend": self.attention_backend,
+            "tuning": {"records": self.records, "digest": self.tuning_digest},
+            "toolchain": None if self.toolchain is None else dict(self.toolchain),
+        }
+
+    def quantization_key(self) -> str:
+        """The cache key's quantization: the scheme plus which weight keeps which format (two
+        GGUF files of one model in different formats need different libraries), the
+        activation scheme, and for weights quantized into the artifact their source (another
+        checkpoint of this config needs its own)."""
+        key = self.quantization
+        if self.kept:
+            key += ":" + hashlib.sha256(json.dumps(dict(self.kept), sort_keys=True).encode()).hexdigest()[:16]
+        if self.activations != "none":
+            key += f":{self.activations}-activations"
+        if self.weights_key:
+            key += ":" + self.weights_key
+        return key
+
+    def cache_key(self) -> str:
+        """The build cache key (the artifact folder's name under the user cache)."""
+        if self.toolchain is None or self.attention_backend is None:
+            raise VtoolError("this plan was resolved without its tools (as `vtool tune` does): it has no cache key")
+        return _key(self.source_config, self.target, self.dtype, self.quantization_key(), self.gemm,
+                    self.attention_backend, self.tuning_digest, self.toolchain)
+
+
+# --- the cache key -----------------------------------------------------------------------------
+
+def compiler_source_digest() -> str:
+    h = hashlib.sha256()
+    for entry in _COMPILER_SOURCES:
+        path = _PACKAGE_ROOT / entry
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        for f in files:
+            h.update(str(f.relative_to(_PACKAGE_ROOT)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _key(source_cfg: Mapping[str, Any], target: TargetSpec, dtype: str, quantization: str, gemm: str,
+         attention: str, tuning: str, toolchain: Mapping[str, str]) -> str:
+    payload = {"config": dict(source_cfg), "target": target.describe(), "dtype": dtype,
+               "quantization": quantization, "gemm": gemm, "versions": installed_versions(),
+               "compiler": compiler_source_digest()}
+    if attention != "tir":  # e.g. "flashinfer-0.6.15.post1"; tir builds keep their keys
+        payload["attention"] = attention
+    if tuning:  # the digest of the tuning records that apply; builds without records keep their keys
+        payload["tuning"] = tuning
+    if toolchain:
+        payload["toolchain"] = dict(toolchain)
+    blob = json.dumps(payload, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def cache_key(raw_config: dict[str, Any], target: TargetSpec, dtype: str, quantization: str,
+              gemm: str = "tir", attention: str = "tir", tuning: str = "") -> str:
+    """The key for explicit parts (`quantization` as BuildPlan.quantization_key gives it);
+    a build takes BuildPlan.cache_key, which is this for its own parts."""
+    return _key(source_config(raw_config), target, dtype, quantization, gemm, attention, tuning,
+                family_of(target).toolchain(target))
+
+
+# --- resolving --------------------------------------------------------------------------------
+
+def check_request(target: str | TargetSpec, options: BuildOptions) -> TargetSpec:
+    """The refusals that need no checkpoint: the dtype, the target, its family's entry."""
+    if options.dtype not in DTYPES:
+        raise VtoolError(f"unsupported dtype {options.dtype!r}; supported: {', '.join(DTYPES)}")
+    if isinstance(target, str):
+        spec = buildable(target)
+    else:
+        spec = target
+        if not spec.buildable:
+            raise TargetError(f"target {spec.name!r} cannot be built yet: {spec.not_buildable_reason}")
+    family_of(spec)
+    return spec
+
+
+def resolve_plan(checkpoint: Checkpoint, target: str | TargetSpec, options: BuildOptions = BuildOptions(),
+                 notice: Notice | None = None, tools: bool = True) -> BuildPlan:
+    """The plan for building `checkpoint` for `target` with `options`, or a VtoolError that
+    names the option, the value and what is accepted. `notice` hears why an "auto" fell
+    back (attention). tools=False leaves out the external tools' versions (nvcc, the cross
+    linker, FlashInfer's): `vtool tune` extracts kernels without them, and such a plan has
+    no cache key."""
+    spec = check_request(target, options)
+    family = family_of(spec)
+    raw = checkpoint.config()
+    cfg = parse_hf_config(raw)
+    shapes = {n: t.shape for n, t in checkpoint.tensors().items()}
+    check_checkpoint_shapes(cfg, shapes, str(checkpoint.path))
+    family.check_model(cfg)
+    quantization, kept, dense = resolve_quantization(options.quantization, checkpoint, cfg, spec)
+    quantize_now = quantization in SCHEMES
+    qsources = quantized_sources(cfg, kept) if quantize_now else {}
+    left_float = tuple(plan_formats(cfg, shapes, quantization)[1]) if quantize_now else None
+    gemm = resolve_gemm(options.gemm, spec.family, options.dtype)
+    attention = resolve_attention(options.attention, spec.family, options.dtype, cfg, notice=notice)
+    activations = resolve_activations(options.activations, spec, kept)
+    weights_key = source_key(checkpoint, qsources) if quantize_now else ""
+    backend = attention_key(attention) if tools else None
+    digest = _records_digest(spec) if options.records else ""
+    toolchain = family.toolchain(spec) if tools else None
+    return BuildPlan(
+        target=spec, config=cfg, source_config=MappingProxyType(source_config(raw)), source_format=checkpoint.format,
+        dtype=options.dtype, quantization=quantization, kept=MappingProxyType(dict(kept)),
+        dense=MappingProxyType(dict(dense)), left_float=left_float, quantized_sources=MappingProxyType(qsources),
+        weights_key=weights_key, activations=activations, gemm=gemm, attention=attention, records=options.records,
+        tuning_digest=digest, toolchain=None if toolchain is None else MappingProxyType(dict(toolchain)),
+        attention_backend=backend)
+
+
+def _records_digest(spec: TargetSpec) -> str:
+    from vtool.toolchain.records import RecordSet
+
+    return RecordSet.load(spec.name, dict(spec.tvm)).digest  # records change the library
+
+
+def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
+                         target_spec: TargetSpec) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(scheme, kept: module -> block format, dense: module -> stored types dequantized
+    instead) for --quantization `requested`; a combination that cannot work is refused."""
+    if requested not in QUANTIZATIONS:
+        raise VtoolError(f"unknown quantization {requested!r}; supported: {', '.join(QUANTIZATIONS)}")
+    if requested == "none":
+        return "none", {}, {}
+    if requested in SCHEMES:
+        return requested, _scheme_formats(requested, ckpt, cfg, target_spec), {}
+    quantized_kernels = family_of(target_spec).quantized_kernels
+    if requested == "auto" and (ckpt.format != "gguf" or not quantized_kernels):
+        return "none", {}, {}
+    if ckpt.format != "gguf":
+        raise VtoolError(f"--quantization gguf keeps a GGUF file's quantized blocks, but {ckpt.path} is a "
+                         f"{ckpt.format} checkpoint; use --quantization none")
+    if not quantized_kernels:
+        raise VtoolError(f"--quantization gguf has kernels for x86 CPU targets only, not {target_spec.name} "
+                         f"({target_spec.family}); use --quantization none there")
+    kept, dense = kept_formats(cfg, {n: (t.dtype, t.shape) for n, t in ckpt.tensors().items()})
+    if not kept:
+        if requested == "auto":
+            return "none", {}, {}
+        raise VtoolError(f"--quantization gguf: {ckpt.path} has no weight stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K "
+                         f"(the formats with kernels); use --quantization none")
+    return "gguf", kept, dense
+
+
+def _scheme_formats(scheme: str, ckpt: Checkpoint, cfg: ModelConfig, target_spec: TargetSpec) -> dict[str, str]:
+    """module -> GGML type for a build-time scheme (q4_0, q4_1, q8_0), refusing what cannot work."""
+    if ckpt.format == "gguf":
+        raise VtoolError(f"--quantization {scheme} quantizes a float (safetensors) checkpoint at build time, but "
+                         f"{ckpt.path} is a GGUF file, whose blocks are kept as they are: use --quantization gguf "
+                         "(or auto); re-quantizing already quantized weights would only add error")
+    if not family_of(target_spec).quantized_kernels:
+        raise VtoolError(f"--quantization {scheme} has kernels for CPU targets only "
+                         f"({', '.join(QUANT_TARGET_FAMILIES)}), not {target_spec.name} ({target_spec.family}): "
+                         f"there are no quantized {family_of(target_spec).label} kernels yet; use --quantization none")
+    kept, _ = plan_formats(cfg, {n: t.shape for n, t in ckpt.tensors().items()}, scheme)
+    if not kept:
+        raise VtoolError(f"--quantization {scheme}: no weight of {ckpt.path} fits the quantized kernels' tiles "
+                         "(rows a multiple of 4, columns a multiple of 32); use --quantization none")
+    return kept
+
+
+def resolve_activations(requested: str, target_spec: TargetSpec, kept: Mapping[str, str]) -> str:
+    """"decode", "q8_0" or "none" for --activations `requested`; a quantized mode asked of a
+    build that cannot run it is refused by name."""
+    if requested not in ACTIVATIONS:
+        raise VtoolError(f"unknown --activations {requested!r}; supported: {', '.join(ACTIVATIONS)}")
+    from vtool.models.int8_activations import INT8_FORMATS
+
+    isa = family_of(target_spec).int8_isa(target_spec)
+    usable = isa is not None and bool(set(kept.values()) & set(INT8_FORMATS))
+    if requested == "none" or (requested == "auto" and not usable):
+        return "none"
+    if requested == "auto":
+        return "decode"
+    if isa is None:
+        raise VtoolError(f"--activations {requested} needs an x86 target with integer dot products (AVX2 or "
+                         f"AVX-512 VNNI); {target_spec.name} has none: use --activations none")
+    if not usable:
+        raise VtoolError(f"--activations {requested} applies to weights kept as Q8_0, Q4_0 or Q4_1 blocks and this "
+                         "build keeps none: use --activations none (or --quantization gguf / q4_1 / q8_0)")
+    return requested
