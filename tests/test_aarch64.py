@@ -259,7 +259,7 @@ def test_decode_gemv_computes_under_aarch64_emulation(tiny, tmp_path):
     target = tvm.target.Target(lookup("aarch64-neon").tvm)
     with target:
         tvm.compile(tvm.IRModule({name: func}), target=target).mod.write_to_file(str(tmp_path / "kernel.o"))
-    harness, exe = Path(__file__).with_name("aarch64_gemv_harness.c"), tmp_path / "gemv"
+    harness, exe = Path(__file__).parent / "support" / "aarch64_gemv_harness.c", tmp_path / "gemv"
     include = Path(tvm_ffi.__file__).parent / "include"
     subprocess.run([str(cross_link.zig_executable()), "cc", "-target", "aarch64-linux-musl", "-static", "-O2",
                     f"-I{include}", f"-DKERNEL=__tvm_ffi_{name}", f"-DK={k}", f"-DN={n}", "-DNTASK=4",

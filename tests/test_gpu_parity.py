@@ -12,11 +12,11 @@
 
 Every GPU test skips, with the reason, when no CUDA GPU is usable (no libcuda.so.1, no
 device, torch without CUDA). Artifacts come from VTOOL_GPU_ARTIFACTS (a folder written by
-tests/gpu_prebuild.py on a machine with the compiler; the GPU machine then needs only the
+tests/support/gpu_prebuild.py on a machine with the compiler; the GPU machine then needs only the
 TVM runtime) or, when it is unset and apache-tvm is installed, are built here for the GPU's
 arch. Run with -s for the per-model numbers (max |dlogit|, first divergences).
 
-On the runtime-only GPU machine, after tests/gpu_prebuild.py's carried parts are joined
+On the runtime-only GPU machine, after tests/support/gpu_prebuild.py's carried parts are joined
 (it prints the calls), from the repository root:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/rt/*.whl ~/gpu-tests/wheels/*.whl
@@ -112,13 +112,13 @@ class Artifacts:
             self.root: Path | None = Path(root)
             index_path = self.root / INDEX_NAME
             if not index_path.exists():
-                pytest.fail(f"{ARTIFACTS_ENV}={root} has no {INDEX_NAME}; make it with tests/gpu_prebuild.py")
+                pytest.fail(f"{ARTIFACTS_ENV}={root} has no {INDEX_NAME}; make it with tests/support/gpu_prebuild.py")
             self.index = json.loads(index_path.read_text())
             self.target = self.index["target"]
         else:
             if importlib.util.find_spec("tvm") is None:
                 pytest.skip(f"no prebuilt artifacts ({ARTIFACTS_ENV} is unset) and no TVM compiler here to build "
-                            "them; run tests/gpu_prebuild.py where apache-tvm is installed and point "
+                            "them; run tests/support/gpu_prebuild.py where apache-tvm is installed and point "
                             f"{ARTIFACTS_ENV} at its output")
             self.root, self.index = None, {}
             self.target = target_for_compute_capability(gpu.major, gpu.minor)
@@ -126,8 +126,8 @@ class Artifacts:
 
     def _missing(self, key: str) -> None:
         error = self.index.get("errors", {}).get(key)
-        pytest.fail(f"the {self.target} build of {key} failed in tests/gpu_prebuild.py: {error}" if error else
-                    f"{self.root / INDEX_NAME} has no {key} artifact; rerun tests/gpu_prebuild.py")
+        pytest.fail(f"the {self.target} build of {key} failed in tests/support/gpu_prebuild.py: {error}" if error else
+                    f"{self.root / INDEX_NAME} has no {key} artifact; rerun tests/support/gpu_prebuild.py")
 
     def tiny(self, name: str, dtype: str) -> tuple[Path, Path]:
         """(checkpoint folder, artifact folder) for a tiny shape at dtype."""

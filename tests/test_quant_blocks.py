@@ -3,7 +3,7 @@ weights stay quantized (vtool.models.weights.kept_formats). No compiler involved
 
 The repacked parts must dequantize to exactly what gguf.quants.dequantize (the code
 transformers' GGUF loader uses) gives: every format's dequantization is exact in float32.
-Q4_K/Q6_K blocks come from tests/quant_gguf.py's numpy encoders (gguf-py cannot quantize
+Q4_K/Q6_K blocks come from tests/support/quant_gguf.py's numpy encoders (gguf-py cannot quantize
 K-quants), themselves held to gguf-py's dequantizer within the quantization error.
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_repacked_bytes_are_about_the_files(fmt, most):
     assert sum(a.nbytes for a in repack(fmt, raw, cols).values()) == pytest.approx(most * raw.nbytes)
 
 
-# The K-quant encoders in tests/quant_gguf.py: valid blocks, within the quantization error.
+# The K-quant encoders in tests/support/quant_gguf.py: valid blocks, within the quantization error.
 @settings(max_examples=20, deadline=None)
 @given(scale=st.sampled_from([1e-3, 0.1, 3.0, 200.0]), seed=st.integers(0, 2**31 - 1))
 def test_k_quant_encoders_round_trip_through_gguf(scale, seed):

@@ -2,7 +2,7 @@
 GGUF files quantized by gguf-py: greedy tokens and logits against transformers running
 the same file through its own GGUF loader (which dequantizes to float32), the manifest's
 record of what stayed quantized, and the refusals. The K-quant files (Q4_K/Q6_K blocks
-from tests/quant_gguf.py's encoders) have hidden and intermediate sizes that are multiples
+from tests/support/quant_gguf.py's encoders) have hidden and intermediate sizes that are multiples
 of 256, the K-quants' block.
 
 Tolerance: logits within 1e-4 of transformers (as the float32 parity tests): the weights

@@ -1,6 +1,6 @@
 """The quantized kernels (vtool.models.quantized_linear) under the CPU schedules
 (vtool.schedules.cpu.quantized), compiled one by one for this CPU and held to numpy over
-gguf.quants.dequantize of the same blocks (Q4_K/Q6_K blocks from tests/quant_gguf.py's
+gguf.quants.dequantize of the same blocks (Q4_K/Q6_K blocks from tests/support/quant_gguf.py's
 encoders: gguf-py cannot quantize K-quants).
 
 Tolerance: the kernels dequantize exactly and accumulate in float32, so only summation

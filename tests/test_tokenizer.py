@@ -1,7 +1,7 @@
 """Tokenizer, chat template, stop ids and `vtool tokenize`, checked against llama.cpp's reference
 vectors and against transformers.
 
-Assets (tests/assets.py) are fetched on first use; if one cannot be fetched the tests using it FAIL.
+Assets (tests/support/assets.py) are fetched on first use; if one cannot be fetched the tests using it FAIL.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from vtool.runtime.text.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer, Tokeniz
 try:  # tests/ on sys.path (conftest) or tests as a package
     import assets
 except ImportError:  # pragma: no cover
-    from . import assets
+    from .support import assets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -40,7 +40,7 @@ def _asset(fn: Any, *args: Any) -> Any:
         return fn(*args)
     except assets.AssetError as e:
         error = str(e)
-    pytest.fail(f"test asset unavailable (tests/assets.py): {error}", pytrace=False)  # fail, never skip
+    pytest.fail(f"test asset unavailable (tests/support/assets.py): {error}", pytrace=False)  # fail, never skip
 
 
 @functools.lru_cache(maxsize=None)

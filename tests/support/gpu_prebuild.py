@@ -2,7 +2,7 @@
 
 On the build machine (apache-tvm + nvcc, no GPU needed):
 
-    .venv/bin/python tests/gpu_prebuild.py build --target sm_90a
+    .venv/bin/python tests/support/gpu_prebuild.py build --target sm_90a
 
 writes .devcarry/gpu-tests/ (what VTOOL_GPU_ARTIFACTS points at):
     index.json                      the target, versions, and where everything is
@@ -19,7 +19,7 @@ it plus the GGUF (as smollm2/<name>.gguf) into a tar.gz split over .devcarry/gpu
 back (a machine stays held for 30 s after a call): every call but the last copies its part to
 ~/stage; the last one carries .devcarry/rt and the last part, and runs
 
-    python3 tests/gpu_prebuild.py unpack --to ~/gpu-tests ~/stage .devcarry/gpu-pack-N
+    python3 tests/support/gpu_prebuild.py unpack --to ~/gpu-tests ~/stage .devcarry/gpu-pack-N
 
 (stdlib only: it joins the parts in name order and extracts them) before pytest.
 """
@@ -35,8 +35,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+HERE = Path(__file__).resolve().parent  # tests/support
+ROOT = HERE.parents[1]  # the repository
 DTYPES = ("float32", "bfloat16")
 PART_PREFIX = "part_"
 
@@ -137,7 +137,7 @@ def pack(out: Path, gguf: Path | None, pack_dir: Path, chunk_mib: int) -> None:
     for i, folder in enumerate(rel[:-1], 1):
         print(f"  call {i}: carry [\"{folder}\"]\n    mkdir -p ~/stage && cp {folder}/{PART_PREFIX}* ~/stage/")
     print(f"  call {len(rel)}: carry [\".devcarry/rt\", \"{rel[-1]}\"]\n"
-          f"    python3 tests/gpu_prebuild.py unpack --to ~/gpu-tests ~/stage {rel[-1]} && ... "
+          f"    python3 tests/support/gpu_prebuild.py unpack --to ~/gpu-tests ~/stage {rel[-1]} && ... "
           "(see the module docstring of tests/test_gpu_parity.py)")
 
 
