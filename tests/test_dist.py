@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.metadata
 import io
 import json
 import os
@@ -273,7 +274,8 @@ while engine.has_unfinished():
     for out in engine.step():
         tokens += out.new_token_ids
 maps = [line.split()[-1] for line in open("/proc/self/maps") if "libtvm" in line]
-print(json.dumps({"prompt": prompt, "tokens": tokens, "libraries": sorted(set(maps))}))
+from vtool.runtime.artifact.library import installed_versions
+print(json.dumps({"prompt": prompt, "tokens": tokens, "libraries": sorted(set(maps)), "versions": installed_versions()}))
 """
 
 
@@ -335,6 +337,8 @@ def test_runtime_wheel_in_a_fresh_venv_matches_transformers(tiny, artifact, arch
     runtime = [lib for lib in report["libraries"] if lib.endswith("/libtvm_runtime.so")]
     assert runtime and all("/vtool/runtime/artifact/lib/" in lib for lib in runtime), report["libraries"]
     assert not [lib for lib in report["libraries"] if "libtvm_compiler" in lib]
+    # Without apache-tvm the runtime still knows which TVM its libraries are, and checks artifacts against it.
+    assert report["versions"]["tvm"] == importlib.metadata.version("apache-tvm")
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny), dtype="float32").eval()

@@ -25,6 +25,7 @@ from typing import Callable
 
 import vtool
 from vtool import VtoolError
+from vtool.runtime.artifact.tvm_runtime import BUNDLED_TVM_VERSION_FILE
 from vtool.runtime.artifact.archive import (PROVENANCE_FORMAT, PROVENANCE_NAME, SUMS_NAME, ArchiveInfo,
                                             expected_provenance, verify_archive)
 from vtool.runtime.artifact.manifest import MANIFEST_NAME, read_manifest
@@ -233,6 +234,8 @@ def build_runtime_wheel(output: Path, progress: Callable[[str], None] | None = N
         entries[f"vtool/{LIBRARY_SUBDIR}/{name}"] = path.read_bytes()
     for name, path in sorted(licenses.items()):
         entries[f"vtool/{LIBRARY_SUBDIR}/{name}"] = path.read_bytes()
+    # The runtime compares an artifact's TVM version with the libraries it loads (library.py).
+    entries[f"vtool/{LIBRARY_SUBDIR}/{BUNDLED_TVM_VERSION_FILE}"] = f"{tvm_version}\n".encode()
     entries[f"{info}/METADATA"] = _metadata(tvm_version, sorted(libraries)).encode()
     entries[f"{info}/WHEEL"] = ("Wheel-Version: 1.0\nGenerator: vtool (toolchain/dist.py)\nRoot-Is-Purelib: false\n"
                                 + "".join(f"Tag: py3-none-{p}\n" for p in platforms)).encode()

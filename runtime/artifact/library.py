@@ -25,7 +25,7 @@ from vtool.runtime.artifact.library_arch import check_library_runs_here, check_t
 from vtool.runtime.artifact.manifest import LIBRARY_NAME, ManifestError, read_manifest, source_config_mismatches
 from vtool.runtime.weights.quant_blocks import repack
 from vtool.runtime.weights.transforms import apply_transform
-from vtool.runtime.artifact.tvm_runtime import cuda_runtime, ffi, global_func, load_cublas
+from vtool.runtime.artifact.tvm_runtime import bundled_tvm_version, cuda_runtime, ffi, global_func, load_cublas
 from vtool.runtime.weights.weights_file import WeightsFile, check_source
 
 _DL_CPU = 1
@@ -43,7 +43,9 @@ def installed_versions() -> dict[str, str | None]:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    return {"vtool": vtool.__version__, "tvm": version("apache-tvm"), "tvm_ffi": version("apache-tvm-ffi")}
+    # Without apache-tvm (the vtool-runtime wheel), TVM's version is that of the bundled libraries.
+    tvm = version("apache-tvm") or bundled_tvm_version()
+    return {"vtool": vtool.__version__, "tvm": tvm, "tvm_ffi": version("apache-tvm-ffi")}
 
 
 def host_cpu_flags() -> set[str]:

@@ -32,6 +32,15 @@ class RuntimeLoadError(VtoolError):
 
 # Where the vtool-runtime wheel places TVM's runtime libraries (absent in a source checkout).
 BUNDLED_LIBRARY_DIR = Path(__file__).resolve().parent / "lib"
+BUNDLED_TVM_VERSION_FILE = "TVM_VERSION"  # apache-tvm's version, beside the libraries it gave
+
+
+def bundled_tvm_version() -> str | None:
+    """The TVM version of the bundled runtime libraries (the vtool-runtime wheel), or None."""
+    try:
+        return (BUNDLED_LIBRARY_DIR / BUNDLED_TVM_VERSION_FILE).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def runtime_library_dir() -> Path:
