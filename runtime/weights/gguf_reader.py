@@ -23,7 +23,10 @@ import numpy as np
 from vtool.runtime.weights.checkpoint import Checkpoint, CheckpointError, TensorInfo
 from vtool.runtime.weights.ggml_blocks import GGML_TYPES
 
-# general.architecture -> HF architectures[0]
+# llama.cpp's conventions, the file format's and not one model family's (so the runtime reads a GGUF file
+# before it has an artifact, and never imports models/): general.architecture -> the HF architectures[0]
+# its converter took; each family names the one its files carry (ModelFamily.gguf_architecture), and
+# tests/test_model_registry.py holds these tables to gguf-py's for every family.
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
