@@ -92,7 +92,7 @@ ROWS: tuple[TargetSpec, ...] = (
          ("sse2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
          ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq")),
     # AVX-512 with VNNI (vpdpbusd): Cascade Lake, Ice Lake and later Xeons, Zen 4/5. The
-    # decode GEMVs over GGUF blocks multiply 8-bit quants with it (models/int8_gemv.py).
+    # decode GEMVs over GGUF blocks multiply 8-bit quants with it (schedules/cpu/int8_gemv.py).
     _x86("x86-avx512-vnni", "cascadelake",
          ("sse2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
           "avx512vnni"),

@@ -1,10 +1,10 @@
-"""Sampling on the model's device: call the compiled sampling functions (models/sampler.py)
+"""Sampling on the model's device: call the compiled sampling functions (schedules/cuda/sampler.py)
 on device-resident logits and copy back only the token ids and their logprobs (issue #4).
 
 Same tokens as the host sampler (runtime/sampling/host.py) for the same per-request Generator,
 except at float near-ties: each random row draws its one uniform from its request's
 Generator here, exactly as the host does, and the device applies the host's temperature,
-min_p, top_k, top_p and inverse-CDF draw to it (models/sampler.py says how, and why the
+min_p, top_k, top_p and inverse-CDF draw to it (schedules/cuda/sampler.py says how, and why the
 draw and top_p travel as float64). Greedy rows draw nothing, as on the host.
 
 Requests that need per-request logit processing or reporting stay on the host path:
@@ -22,7 +22,7 @@ from vtool.runtime.sampling.host import SampleResult, SequenceSampler
 from vtool.runtime.sampling.params import SamplingParams, SamplingParamsError
 from vtool.runtime.artifact.tvm_runtime import global_func
 
-# The compiled functions' names (models/sampler.py builds them under these names).
+# The compiled functions' names (schedules/cuda/sampler.py builds them under these names).
 ARGMAX = "sample_argmax"
 TEMPERATURE = "sample_temperature"
 TOP_P_TOP_K = "sample_top_p_top_k"
@@ -62,7 +62,7 @@ class DeviceSampler:
 
     `model` is a vtool.runtime.artifact.library.CompiledModel (or anything with its `vm`, `upload`,
     `to_numpy` and `ffi`): the library must hold FUNCTIONS, built by
-    models/sampler.sampler_module(vocab_size) for the model's vocabulary.
+    schedules/cuda/sampler.sampler_module(vocab_size) for the model's vocabulary.
     """
 
     def __init__(self, model: Any, vocab_size: int | None = None):
