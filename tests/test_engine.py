@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tiny_models import make_tiny_chat_model
 from vtool import VtoolError
-from vtool.runtime.weights.checkpoint import open_checkpoint
-from vtool.runtime.weights.default_model import default_model_path
 from vtool.runtime.engine.engine import Engine, EngineConfig, RequestError
 from vtool.runtime.sampling.params import SamplingParams
-from vtool.runtime.session import open_session
-from vtool.toolchain.build import build_artifact
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -25,10 +20,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory):
-    folder = make_tiny_chat_model(tmp_path_factory.mktemp("tinychat"), default_model_path())
-    checkpoint = open_checkpoint(folder)
-    return open_session(build_artifact(folder, "host", checkpoint=checkpoint), checkpoint, max_model_len=256)
+def session(tiny_session):  # tests/conftest.py: the tiny chat model's host build, max_model_len 256
+    return tiny_session
 
 
 def run_all(engine: Engine, requests: list[tuple[str, list[int], SamplingParams]], priorities=None):

@@ -131,13 +131,12 @@ def test_eviction_is_least_recently_used_and_frees_only_unshared_blocks():
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from tiny_models import make_tiny_model
+def tiny_model(tiny_shape_dir):
     from vtool.runtime.artifact.library import CompiledModel
     from vtool.runtime.weights.checkpoint import open_checkpoint
     from vtool.toolchain.build import build_artifact
 
-    folder = make_tiny_model("qwen3-qknorm", tmp_path_factory.mktemp("kv"))
+    folder = tiny_shape_dir("qwen3-qknorm")
     return CompiledModel(build_artifact(folder, "host"), open_checkpoint(folder))
 
 

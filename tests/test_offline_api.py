@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from tiny_models import make_tiny_chat_model
 from vtool import LLM, SamplingParams, VtoolError
-from vtool.runtime.weights.default_model import default_model_path
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    return LLM(model=make_tiny_chat_model(tmp_path_factory.mktemp("tiny"), default_model_path()), max_model_len=256)
+def llm(tiny_model_dir):
+    return LLM(model=tiny_model_dir, max_model_len=256)
 
 
 def test_generate_keeps_prompt_order_and_counts(llm):

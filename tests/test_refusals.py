@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
-from tiny_models import make_tiny_model
 from vtool import VtoolError
 from vtool.models.config import ConfigError, parse_hf_config
 from vtool.models.registry import ARCHITECTURES as SUPPORTED_ARCHITECTURES
@@ -23,8 +22,8 @@ from vtool.toolchain.build import build_artifact
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return make_tiny_model("llama-gqa", tmp_path_factory.mktemp("tiny"))
+def tiny_dir(tiny_shape_dir) -> Path:  # tests/conftest.py; read only (_copy_with copies it)
+    return tiny_shape_dir("llama-gqa")
 
 
 def _copy_with(tiny_dir: Path, dest: Path, config_edit=None, tensors_edit=None) -> Path:
@@ -61,9 +60,9 @@ def test_shape_disagreeing_with_config_is_named(tiny_dir, tmp_path):
         build_artifact(bad, "host")
 
 
-def test_artifact_built_for_another_config_is_refused(tiny_dir, tmp_path):
+def test_artifact_built_for_another_config_is_refused(tiny_dir, tiny_shape_dir):
     artifact = build_artifact(tiny_dir, "host")
-    other = make_tiny_model("qwen3-untied", tmp_path / "other")
+    other = tiny_shape_dir("qwen3-untied")
     with pytest.raises(ManifestError, match="built for another config") as err:
         CompiledModel(artifact, open_checkpoint(other))
     assert "architectures" in str(err.value)

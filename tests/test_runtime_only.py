@@ -7,9 +7,6 @@ import json
 import subprocess
 import sys
 
-from tiny_models import make_tiny_chat_model
-from vtool.runtime.weights.default_model import default_model_path
-from vtool.toolchain.build import build_artifact
 
 PROBE = r"""
 import json, sys
@@ -36,9 +33,8 @@ print(json.dumps({
 """
 
 
-def test_runtime_never_loads_the_compiler(tmp_path):
-    folder = make_tiny_chat_model(tmp_path / "tiny", default_model_path())
-    artifact = build_artifact(folder, "host")
+def test_runtime_never_loads_the_compiler(tiny_model_dir, tiny_artifact):
+    folder, artifact = tiny_model_dir, tiny_artifact
     done = subprocess.run([sys.executable, "-c", PROBE, str(artifact), str(folder)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr

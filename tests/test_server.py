@@ -13,17 +13,15 @@ import httpx
 import openai
 import pytest
 
-from tiny_models import make_tiny_chat_model
 from vtool.runtime.bench.local_server import free_port
-from vtool.runtime.weights.default_model import default_model_path
 
 KEY = "test-key"
 MODEL = "tiny-chat"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = make_tiny_chat_model(tmp_path_factory.mktemp("tinychat"), default_model_path())
+def server(tmp_path_factory, tiny_model_dir):
+    folder = tiny_model_dir
     port = free_port()
     log = tmp_path_factory.mktemp("log") / "server.log"
     cmd = [sys.executable, "-m", "vtool.toolchain.cli", "serve", "--model", str(folder), "--host", "127.0.0.1",
