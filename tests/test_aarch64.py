@@ -49,10 +49,8 @@ def vtool(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama-gqa", tmp_path_factory.mktemp("tiny"))
+def tiny(tiny_shape_dir) -> Path:  # tests/conftest.py; read only
+    return tiny_shape_dir("llama-gqa")
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +186,7 @@ def test_missing_cross_linker_is_refused_with_the_install_hint(tiny, monkeypatch
 
 
 @needs_zig
+@pytest.mark.slow
 def test_zig_link_recipe_loads_and_matches_transformers_on_x86(tiny, monkeypatch, tmp_path):
     """The exact recipe used for aarch64 (zig cc, glibc 2.17 stubs, undefined TVM symbols left
     to the loader), aimed at x86-64 so the library can be loaded and run here."""
@@ -226,6 +225,7 @@ def _mixed_format(name: str):
 
 
 @needs_zig
+@pytest.mark.slow
 def test_gguf_quantized_build_for_aarch64(tmp_path):
     from quant_gguf import write_tiny_gguf
     from vtool.runtime.artifact.library import CompiledModel

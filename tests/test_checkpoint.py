@@ -211,6 +211,7 @@ def oracle(real_gguf: Path):
     return {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}, model.config
 
 
+@pytest.mark.slow
 def test_real_gguf_tensors_equal_transformers(real_ckpt, oracle):
     sd, config = oracle
     ours = real_ckpt.tensors()
@@ -227,6 +228,7 @@ def test_real_gguf_tensors_equal_transformers(real_ckpt, oracle):
     assert ours["model.embed_tokens.weight"] == TensorInfo("model.embed_tokens.weight", (49152, 576), "Q8_0")
 
 
+@pytest.mark.slow
 def test_real_gguf_config_matches_transformers(real_ckpt, oracle):
     _, hf = oracle
     cfg = real_ckpt.config()

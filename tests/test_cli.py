@@ -16,6 +16,7 @@ def vtool(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_readme_main_command_answers_paris():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     main_line = next(line for line in readme.splitlines() if "vtool run" in line)

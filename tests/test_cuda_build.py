@@ -33,7 +33,11 @@ try:
 except CudaBuildError as err:
     NVCC, NVCC_MISSING = None, str(err)
 
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason=f"!!! CUDA BUILDS ARE NOT TESTED HERE: {NVCC_MISSING} !!!")
+_nvcc_here = pytest.mark.skipif(NVCC is None, reason=f"!!! CUDA BUILDS ARE NOT TESTED HERE: {NVCC_MISSING} !!!")
+
+
+def needs_nvcc(test):  # and slow: a CUDA build is 20-60 s of nvcc and TVM per target on 2 cores
+    return pytest.mark.slow(_nvcc_here(test))
 
 CUDA_ROWS = [row.name for row in ROWS if row.family == "cuda"]
 MULTI = "sm_90a,sm_80"  # given out of order on purpose: the target sorts it
@@ -101,8 +105,8 @@ def tvm_module_formats(path: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory) -> Path:
-    return make_tiny_model("qwen3-qknorm", tmp_path_factory.mktemp("qwen3"))
+def tiny_qwen3(tiny_shape_dir) -> Path:  # tests/conftest.py; read only
+    return tiny_shape_dir("qwen3-qknorm")
 
 
 @pytest.fixture(scope="module")

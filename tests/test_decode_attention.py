@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 
 from vtool.models.config import parse_hf_config
-from vtool.schedules.cuda.decode_attention import DECODE_SYMBOL, TARGET_BLOCKS, num_splits, replace_decode_attention
+
+# Imported inside the tests, not at collection: importing vtool.schedules.cuda parses TVM's
+# tensor intrinsics (about a minute on 2 cores), which every pytest run would pay.
+pytestmark = pytest.mark.slow
 
 RAW = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 128,
        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
@@ -31,6 +34,8 @@ def _export(head_dim: int):
 def _decode_kernels(mod):
     import tvm
 
+    from vtool.schedules.cuda.decode_attention import DECODE_SYMBOL
+
     return {g.name_hint: f for g, f in mod.functions.items()
             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
             and f.attrs.get("global_symbol") == DECODE_SYMBOL}
@@ -38,6 +43,8 @@ def _decode_kernels(mod):
 
 @pytest.mark.parametrize("heads", [1, 4, 9, 32, 64, 128])
 def test_splits_fill_a_gpu_at_batch_one(heads):
+    from vtool.schedules.cuda.decode_attention import TARGET_BLOCKS, num_splits
+
     splits = num_splits(heads)
     assert splits & (splits - 1) == 0 and 1 <= splits <= 32
     assert heads * splits >= TARGET_BLOCKS or splits == 32
@@ -45,6 +52,8 @@ def test_splits_fill_a_gpu_at_batch_one(heads):
 
 
 def test_the_kv_cache_gets_the_split_kernel_with_the_same_signature():
+    from vtool.schedules.cuda.decode_attention import num_splits, replace_decode_attention
+
     mod = _export(64)
     (name, before), = _decode_kernels(mod).items()
     mod, replaced = replace_decode_attention(mod)
@@ -60,6 +69,8 @@ def test_the_kv_cache_gets_the_split_kernel_with_the_same_signature():
 
 
 def test_a_head_dim_the_lanes_cannot_split_keeps_tvms_kernel():
+    from vtool.schedules.cuda.decode_attention import replace_decode_attention
+
     mod = _export(80)
     (name, before), = _decode_kernels(mod).items()
     mod, replaced = replace_decode_attention(mod)

@@ -298,6 +298,7 @@ def test_cuda_artifact_without_a_driver_is_refused_by_name(tmp_path):
         CompiledModel(_fake_cuda_artifact(tmp_path / "art", ["sm_90a"]), None)
 
 
+@pytest.mark.gpu
 def test_cuda_artifact_for_another_gpu_is_refused_by_name(gpu, tmp_path):
     other = "sm_90a" if gpu.major == 8 else "sm_80"  # SASS that cannot run on this GPU
     with pytest.raises(VtoolError, match=f"code for {other}.*cannot run on GPU 0.*"
@@ -327,6 +328,8 @@ def tiny(request, artifacts):
     return TinyCase(request.param, artifacts)
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
 def test_tiny_float32_matches_transformers(tiny):
     name = tiny.name
     folder, gen = tiny.load("float32")
@@ -347,6 +350,8 @@ def test_tiny_float32_matches_transformers(tiny):
     assert errs[worst] < FP32_TOLERANCE, f"{name}: logits at decode step {worst} differ by {errs[worst]}"
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
 def test_tiny_bfloat16_matches_transformers(tiny):
     folder, gen = tiny.load("bfloat16")
     ref = bf16_reference(load_hf_tiny(folder, torch.float32), load_hf_tiny(folder, torch.bfloat16), PROMPT)
@@ -414,12 +419,16 @@ def smollm2(artifacts):
 
 
 @pytest.mark.parametrize("index", range(len(SMOLLM2_PROMPTS)))
+@pytest.mark.gpu
+@pytest.mark.slow
 def test_smollm2_bfloat16_generator_matches_transformers(smollm2, index):
     session, tokenizer, prompts, refs = smollm2
     check_bfloat16(f"smollm2 bf16 #{index}", session.generator, prompts[index], refs[index],
                    near_tie=SMOLLM2_NEAR_TIE, decode=tokenizer.decode)
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
 def test_smollm2_bfloat16_engine_batch_matches_transformers(smollm2):
     """The three prompts at once through the continuous-batching engine (batch_prefill,
     batch_decode, KV sized by gpu_memory_utilization): each against transformers."""
@@ -465,6 +474,8 @@ def _engine_tokens(session, prompts, params_for, device_sampling: bool) -> tuple
     return _run_engine(engine, prompts, params_for), engine
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
 def test_smollm2_engine_samples_on_the_gpu_like_the_host(smollm2):
     """Seeded random sampling through the engine: the compiled device sampler (logits never
     leave the GPU) draws the same tokens as the host sampler from the same seeds, for plain
@@ -503,6 +514,7 @@ def _flashinfer_cases() -> list[str]:
 
 
 @pytest.mark.parametrize("case", _flashinfer_cases())
+@pytest.mark.gpu
 def test_flashinfer_bfloat16_matches_transformers(gpu, case):
     """Prefill and decode through FlashInfer's kernels against transformers, with the same
     bf16 bounds as the TIR-attention libraries."""

@@ -199,6 +199,7 @@ TARGETED = [
 
 # -- CPU tests ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_argmax_equals_numpy(samplers):
     rng = np.random.default_rng(1)
     for v, sampler in samplers.items():
@@ -219,6 +220,7 @@ EXAMPLES = {SMALL_V: 150, LARGE_V: 60, GPU_V: 30}
 
 
 @pytest.mark.parametrize("v", [SMALL_V, LARGE_V, GPU_V])
+@pytest.mark.slow
 def test_same_tokens_as_host(samplers, v):
     near = []
 
@@ -238,6 +240,7 @@ def test_same_tokens_as_host(samplers, v):
 
 
 @pytest.mark.parametrize("case", TARGETED, ids=[c[0] for c in TARGETED])
+@pytest.mark.slow
 def test_targeted_cases(samplers, case):
     name, v, style, scale, make = case
     rng = np.random.default_rng(zlib.crc32(name.encode()))
@@ -251,6 +254,7 @@ def test_targeted_cases(samplers, case):
     assert near <= 1
 
 
+@pytest.mark.slow
 def test_seeded_stream_over_steps(samplers):
     """DeviceSampler.sample_batch over several steps keeps each request's Generator stream in
     step with the host's: same tokens, recorded in the sequences, greedy rows drawing nothing."""
@@ -342,6 +346,7 @@ def check_distribution(sampler: DeviceSampler, v: int, n: int) -> None:
         assert not chi_square_ok(counts, analytic(row, other))[0]
 
 
+@pytest.mark.slow
 def test_distribution_matches_analytic(samplers):
     check_distribution(samplers[SMALL_V], SMALL_V, 20_000)
 
@@ -349,6 +354,7 @@ def test_distribution_matches_analytic(samplers):
 @pytest.mark.parametrize("field,value", [("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")),
                                          ("temperature", -0.5), ("temperature", 2.5), ("min_p", 1.5),
                                          ("min_p", -0.1), ("top_k", -3)])
+@pytest.mark.slow
 def test_out_of_range_parameters_refused(samplers, field, value):
     p = SamplingParams(temperature=1.0, seed=1)
     setattr(p, field, value)  # past the constructor's validation, as a mutated request would be
@@ -362,6 +368,7 @@ def test_out_of_range_parameters_refused(samplers, field, value):
             samplers[SMALL_V].sample(np.zeros((1, SMALL_V), np.float32), [p], [None])
 
 
+@pytest.mark.slow
 def test_top_k_past_vocabulary_is_off(samplers):
     v = SMALL_V
     logits = make_logits(np.random.default_rng(5), 4, v, "normal")
@@ -375,6 +382,7 @@ def test_top_k_past_vocabulary_is_off(samplers):
 
 
 @pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.slow
 def test_bad_logits_raise_like_host(samplers, greedy):
     v = SMALL_V
     p = SamplingParams(temperature=0.0 if greedy else 1.0, top_p=0.9)
@@ -392,6 +400,7 @@ def test_bad_logits_raise_like_host(samplers, greedy):
             sample_batch(logits, [SequenceSampler(p, vocab_size=v) for _ in range(3)])
 
 
+@pytest.mark.slow
 def test_device_tensor_views(samplers):
     """A device tensor shaped as batch_decode's [b, 1, V], or holding more rows than sampled."""
     v = SMALL_V
@@ -476,6 +485,7 @@ def build_cuda_library(vocab: int, target_name: str, out: Path) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_cuda_build(tmp_path):
     out = tmp_path / "sampler-cuda.so"
     log = build_cuda_library(GPU_V, "sm_90a", out)
@@ -513,6 +523,8 @@ def gpu_sampler(tmp_path_factory) -> DeviceSampler:
     return DeviceSampler(Library(Path(path), "cuda", vocab))
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
 def test_gpu_same_tokens_as_host(gpu_sampler):
     v = gpu_sampler.vocab_size
     rng = np.random.default_rng(11)
@@ -531,6 +543,8 @@ def test_gpu_same_tokens_as_host(gpu_sampler):
     assert near <= 2
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
 def test_gpu_argmax(gpu_sampler):
     v = gpu_sampler.vocab_size
     logits = make_logits(np.random.default_rng(12), 32, v, "ties")
@@ -538,5 +552,7 @@ def test_gpu_argmax(gpu_sampler):
     np.testing.assert_array_equal(tokens, np.argmax(logits, axis=1))
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
 def test_gpu_distribution(gpu_sampler):
     check_distribution(gpu_sampler, gpu_sampler.vocab_size, 20_000)

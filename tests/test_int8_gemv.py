@@ -22,6 +22,7 @@ MCPU = {"avx512vnni": "cascadelake", "avx2": "haswell"}
 NEEDS = {"avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "avx2": {"avx2", "fma", "f16c"}}
 # (rows, cols): a tile or two, the default model's shapes, a wide row and a tall lm_head slice
 SHAPES = [(4, 32), (8, 64), (1536, 576), (576, 1536), (64, 4096), (4096, 128)]
+QUICK_SHAPES = {(4, 32), (1536, 576)}  # the others are slow
 
 
 def _runnable(isa: str) -> None:
@@ -52,7 +53,8 @@ def _parts(fmt: str, raw: np.ndarray, k: int) -> list:
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("n,k", [pytest.param(n, k, marks=() if (n, k) in QUICK_SHAPES else pytest.mark.slow)
+                                 for n, k in SHAPES])
 def test_gemv_equals_q8_0_activations_times_dequantized_weights(isa, fmt, n, k):
     _runnable(isa)
     rng = np.random.default_rng(n * 7 + k)

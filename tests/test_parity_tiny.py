@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_oracle import greedy
-from tiny_models import TINY_SHAPES, make_tiny_model
+from tiny_models import TINY_SHAPES
 from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.weights.checkpoint import open_checkpoint
 from vtool.runtime.engine.generate import Generator
@@ -26,9 +26,13 @@ def hf_greedy(model_dir, prompt: list[int], steps: int) -> tuple[np.ndarray, lis
     return greedy(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompt, steps)
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_SHAPES))
-def tiny(request, tmp_path_factory):
-    folder = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+QUICK = {"llama-gqa", "qwen3-qknorm"}  # the other shapes are slow
+
+
+@pytest.fixture(scope="module", params=[pytest.param(s, marks=() if s in QUICK else pytest.mark.slow)
+                                        for s in sorted(TINY_SHAPES)])
+def tiny(request, tiny_shape_dir):
+    folder = tiny_shape_dir(request.param)
     artifact = build_artifact(folder, "host", "float32")
     model = CompiledModel(artifact, open_checkpoint(folder))
     return request.param, folder, Generator(model, max_model_len=256)

@@ -66,7 +66,11 @@ def _hf_model(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), **kwargs).eval()
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+QUICK = {"q4_1"}  # the default model's formats; the others are slow (test_quant_kernels.py covers each kernel)
+
+
+@pytest.fixture(scope="module", params=[pytest.param(v, marks=() if v in QUICK else pytest.mark.slow)
+                                        for v in sorted(VARIANTS)])
 def variant(request, tmp_path_factory):
     qtype_of, tie, kept, shape = VARIANTS[request.param]
     path = write_tiny_gguf(tmp_path_factory.mktemp(request.param) / "m.gguf", qtype_of, tie=tie, shape=shape)
@@ -155,6 +159,7 @@ def test_prompt_logits_match_transformers(variant):
     assert worst < TOLERANCE, f"{name}: prompt logits differ by {worst}"
 
 
+@pytest.mark.slow
 def test_q8_0_activations_everywhere_match_the_q8_0_oracle(tmp_path):
     """`--activations q8_0` (llama.cpp's numerics): the prompt GEMMs quantize their rows too."""
     if int8_isa_for(tvm.target.Target(buildable("host").tvm)) is None:

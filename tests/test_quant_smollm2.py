@@ -27,6 +27,8 @@ from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.session import open_session
 from vtool.toolchain.build import build_artifact
 
+pytestmark = pytest.mark.slow  # builds the real default model twice and runs it through transformers
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 STEPS = 32
 

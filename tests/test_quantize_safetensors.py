@@ -98,7 +98,11 @@ def built(name: str, tmp_path_factory) -> tuple:
     return _BUILT[name]
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+QUICK = {"q4_1"}  # the other schemes and shapes are slow
+
+
+@pytest.fixture(scope="module", params=[pytest.param(v, marks=() if v in QUICK else pytest.mark.slow)
+                                        for v in sorted(VARIANTS)])
 def variant(request, tmp_path_factory):
     return built(request.param, tmp_path_factory)
 
@@ -174,6 +178,7 @@ def test_quantization_differs_from_the_float_model(variant):
     assert float(np.abs(gen.prompt_logits(PROMPT) - ref).max()) > 100 * TOLERANCE
 
 
+@pytest.mark.slow
 def test_another_checkpoint_is_refused_and_gets_its_own_build(tmp_path_factory, tmp_path):
     """Same config, other weights (another seed: a fine-tune): the artifact's blocks were made
     from the first, so binding it with the second is refused, and building for the second
@@ -283,15 +288,14 @@ def test_quantizing_holds_no_float32_copy(tmp_path):
     assert peak < largest, f"peak {peak} bytes, the largest tensor is {largest} bytes as float32 (model {total})"
 
 
-def test_cli_run_builds_and_binds_the_quantized_weights(tmp_path):
+@pytest.mark.slow
+def test_cli_run_builds_and_binds_the_quantized_weights(tiny_model_dir):
     """`vtool run --model DIR --quantization q4_1` as a user types it, on the host's kernels:
     it builds the artifact the API finds in the cache, its text is the API's greedy text on
     that artifact, and the artifact's prompt logits equal transformers' on the same weights."""
-    from tiny_models import make_tiny_chat_model
-    from vtool.runtime.weights.default_model import default_model_path
     from vtool.runtime.session import open_session
 
-    folder = make_tiny_chat_model(tmp_path / "chat", default_model_path())
+    folder = tiny_model_dir  # tests/conftest.py; the CLI and the API only read it
     prompt, steps = "The capital of France is", 8
     done = subprocess.run([sys.executable, "-m", "vtool.toolchain.cli", "run", "--model", str(folder),
                            "--quantization", "q4_1", "--prompt", prompt, "--max-tokens", str(steps)],

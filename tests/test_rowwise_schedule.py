@@ -30,13 +30,11 @@ def _run(func, target, bindings):  # noqa: ANN001, ANN202 - the output of func o
     return args[-1].numpy()
 
 
-@pytest.mark.parametrize("shape", ["llama-gqa", "qwen3-qknorm"])
-def test_rowwise_kernels_equal_the_unscheduled_ones(shape, tmp_path):
+@pytest.mark.parametrize("shape", ["llama-gqa", pytest.param("qwen3-qknorm", marks=pytest.mark.slow)])
+def test_rowwise_kernels_equal_the_unscheduled_ones(shape, tiny_shape_dir):
     from tvm import tirx
 
-    from tiny_models import make_tiny_model
-
-    _, target, mod = extract_kernels(make_tiny_model(shape, tmp_path), "x86-avx2", "float32", "none")
+    _, target, mod = extract_kernels(tiny_shape_dir(shape), "x86-avx2", "float32", "none")
     checked = []
     for gv, func in mod.functions_items():
         if not isinstance(func, tirx.PrimFunc) or func.attrs is None or "matmul" in gv.name_hint:
@@ -64,14 +62,13 @@ def test_rowwise_kernels_equal_the_unscheduled_ones(shape, tmp_path):
         assert sum(n.startswith("rms_norm") for n in checked) > 3, checked
 
 
-def test_the_cpu_pass_leaves_reshapes_alone(tmp_path):
+def test_the_cpu_pass_leaves_reshapes_alone(tiny_shape_dir):
     import tvm
     from tvm import tirx
 
-    from tiny_models import make_tiny_model
     from vtool.schedules import rules_for
 
-    _, target, mod = extract_kernels(make_tiny_model("llama-gqa", tmp_path), "x86-avx2", "float32", "none")
+    _, target, mod = extract_kernels(tiny_shape_dir("llama-gqa"), "x86-avx2", "float32", "none")
     reshapes = {gv.name_hint: func for gv, func in mod.functions_items()
                 if isinstance(func, tirx.PrimFunc) and becomes_view(func)}
     assert reshapes

@@ -17,6 +17,8 @@ import pytest
 
 from vtool.runtime.weights.default_model import default_model_path
 
+pytestmark = pytest.mark.slow  # builds the real default model and runs `vtool run` on it twice
+
 WRAPPER = ("import resource, subprocess, sys; "
            "done = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
            "sys.stderr.write(done.stderr); sys.stdout.write(done.stdout); "

@@ -98,12 +98,14 @@ def test_plan_buckets_symbolic_kernels_and_skips_the_rest(kernels, kernel, tiny)
     assert any("hand-written" in s.why for s in qplan.skipped)
 
 
+@pytest.mark.slow
 def test_tune_writes_a_record_and_a_rerun_resumes(tiny, kernel, tuned_root):
     again = tune_model(tiny, TARGET, TuneOptions(trials=4, pattern=kernel, prefill_buckets=(32,), decode_buckets=(),
                                                  output=tuned_root, quantization=QUANT))
     assert again["written"] == 0 and again["candidates"] == 0  # the finished task is not redone
 
 
+@pytest.mark.slow
 def test_bucket_dispatch_matches_the_rule_kernel_inside_and_outside_the_bucket(kernels, kernel, tuned_root):
     import tvm
 
@@ -130,6 +132,7 @@ def test_bucket_dispatch_matches_the_rule_kernel_inside_and_outside_the_bucket(k
         np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_build_applies_records_and_generates_the_same_tokens(tiny, kernels, kernel, tuned_root, tmp_path,
                                                             monkeypatch):
     empty = tmp_path / "no-records"
@@ -178,6 +181,7 @@ def _tvm_target() -> dict:
     return dict(buildable(TARGET).tvm)
 
 
+@pytest.mark.slow
 def test_records_for_another_target_or_tvm_are_ignored_with_a_notice(kernels, tuned_root, tmp_path):
     import tvm
 

@@ -53,10 +53,8 @@ def _applied_hashes(target_name: str, family: str, target, mod) -> set[str]:  # 
 
 
 @pytest.fixture(scope="module")
-def tiny_bf16(tmp_path_factory) -> Path:
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("qwen2-bias", tmp_path_factory.mktemp("tiny-cuda"))
+def tiny_bf16(tiny_shape_dir) -> Path:  # tests/conftest.py; read only
+    return tiny_shape_dir("qwen2-bias")
 
 
 def test_extraction_follows_the_builds_gemm_choice(tiny_bf16):
@@ -76,6 +74,7 @@ def test_extraction_follows_the_builds_gemm_choice(tiny_bf16):
     assert any(name.startswith("sampler_") for name in _kernels(by_cublas))
 
 
+@pytest.mark.slow
 def test_shipped_x86_records_match_the_default_models_builds():
     from vtool.runtime.weights.default_model import default_model_path
 
@@ -93,6 +92,7 @@ def test_shipped_x86_records_match_the_default_models_builds():
     assert used and used <= applied
 
 
+@pytest.mark.slow
 def test_shipped_sm90a_records_match_the_8b_shaped_bf16_build(tmp_path):
     sys.path.insert(0, str(BENCH))
     from shape_checkpoint import write_shape_checkpoint
