@@ -366,7 +366,7 @@ def test_each_family_names_its_pipeline_parts():
         assert family.gemm[0] == "tir" and family.attention[0] == "tir"
         assert set(family.gemm_auto.values()) <= set(family.gemm)
         if family.tensor_intrinsics:  # its rules import TVM's tensor intrinsics: the light way, as a build does
-            from vtool.toolchain.cuda_worker import preload_tensor_intrinsics
+            from vtool.schedules.cuda.tensor_intrinsics import preload_tensor_intrinsics
 
             preload_tensor_intrinsics()
         assert family.describe_pipeline(family, family.gemm[-1])["passes"]

@@ -440,9 +440,9 @@ _CUDA_BUILD = textwrap.dedent("""
     from vtool.schedules.cuda.sampler import sampler_module
     from vtool.targets import buildable
     from vtool.toolchain import cuda
-    from vtool.toolchain.cuda_worker import _light_inspect_stack
+    from vtool.schedules.cuda.tensor_intrinsics import light_inspect_stack
     from vtool.toolchain.pipeline import build_pipeline, pass_config
-    with _light_inspect_stack():  # TVM's tensor intrinsics parse in 5 s instead of ~60
+    with light_inspect_stack():  # TVM's tensor intrinsics parse in 5 s instead of ~60
         import vtool.schedules.cuda as sc
     if not sc.__dict__.get("RowReduction"):
         from tvm.s_tir import dlight as dl

@@ -101,7 +101,7 @@ def plan_kernels(plan: BuildPlan, progress: Callable[[str], None] | None = None)
     progress = progress or (lambda _m: None)
     family = plan.family
     if family.tensor_intrinsics:  # its rules import TVM's tensor intrinsics: parse them the light way
-        from vtool.toolchain.cuda_worker import preload_tensor_intrinsics
+        from vtool.schedules.cuda.tensor_intrinsics import preload_tensor_intrinsics
 
         preload_tensor_intrinsics()
     target, mod, _params, _eps = model_module(plan.config, plan.target, plan.dtype, progress, dict(plan.kept),

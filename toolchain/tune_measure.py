@@ -260,7 +260,7 @@ def tensor_intrinsics_for(target: tvm.target.Target) -> Iterator[None]:
     needs the real one. For a GPU they are parsed once, before the build workers fork."""
     name = "tvm.s_tir.tensor_intrin"
     if target.kind.name != "llvm":  # GPU rules may tensorize: load them, the light way the CUDA build does
-        from vtool.toolchain.cuda_worker import preload_tensor_intrinsics
+        from vtool.schedules.cuda.tensor_intrinsics import preload_tensor_intrinsics
 
         preload_tensor_intrinsics()
     if target.kind.name != "llvm" or name in sys.modules:

@@ -17,13 +17,17 @@ cast is an epilogue block of the matmul kernel, and the rules keep it there.
 """
 from __future__ import annotations
 
-import tvm
-from tvm import s_tir, tirx
-from tvm.s_tir import dlight as dl
+from vtool.schedules.cuda.tensor_intrinsics import preload_tensor_intrinsics
 
-from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+preload_tensor_intrinsics()  # before anything imports tvm.s_tir.tensor_intrin the slow way
 
-from vtool.schedules.cuda.bf16_tensorcore import schedule_bf16_matmul
+import tvm  # noqa: E402
+from tvm import s_tir, tirx  # noqa: E402
+from tvm.s_tir import dlight as dl  # noqa: E402
+
+from tvm.s_tir.dlight.gpu.base import GPUScheduleRule  # noqa: E402
+
+from vtool.schedules.cuda.bf16_tensorcore import schedule_bf16_matmul  # noqa: E402
 
 # Upper batch limit (inclusive) of each LowBatchGEMV bucket, in dispatch order.
 LOW_BATCH_BUCKETS: tuple[tuple[int, int], ...] = ((2, 2), (8, 4))  # (n <= limit, bucket)
