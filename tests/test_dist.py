@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -355,3 +356,38 @@ def test_runtime_wheel_in_a_fresh_venv_matches_transformers(tiny, artifact, arch
                              capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
         assert run.returncode == 0, run.stderr[-3000:]
         assert run.stdout.removesuffix("\n") == tokenizer.decode(until_eos, skip_special_tokens=True)
+
+    # `vtool serve` from the same venv: the OpenAI client gets the same greedy tokens.
+    import openai
+
+    port = _free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([str(venv / "bin" / "vtool"), "serve", "--artifact", str(archive), "--model",
+                                   str(tiny), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "128"],
+                                  stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, log_path.read_text()[-3000:]
+            try:
+                model_id = client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "vtool serve from the wheel did not come up in 120 s"
+                time.sleep(0.5)
+        done = client.completions.create(model=model_id, prompt=prompt, max_tokens=STEPS, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert done.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
