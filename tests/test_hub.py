@@ -193,7 +193,8 @@ BAD_IDS = st.one_of(
     st.builds(lambda a, b, c: f"{a}/{b}/{c}", NAME, NAME, NAME),  # three parts (not .gguf)
     st.builds(lambda a, b: f"{a}/{b}", NAME, st.sampled_from(["x y", "a--b", "a..b", "-a", "a.", "é!", "x.git"])),
     st.text(alphabet=" !#$%&*?@[]{}", min_size=1, max_size=8),
-).filter(lambda s: not s.lower().endswith(".gguf"))  # those read as a GGUF file name (test_gguf_selection)
+).filter(lambda s: not s.lower().endswith(".gguf")  # those read as a GGUF file name (test_gguf_selection)
+          and s.strip())  # blank ones are "model is empty" (test_empty_model_refused)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
