@@ -41,7 +41,6 @@ since this module builds and links the objects.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -53,7 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from vtool import VtoolError
 from vtool.runtime.paths import cache_root
