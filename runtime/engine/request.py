@@ -69,6 +69,24 @@ class Request:
         return (self.priority, self.arrival_time)
 
 
+@dataclasses.dataclass(frozen=True)
+class FinishedRequestStats:
+    """One finished request's timeline and sizes, for vLLM's request-level metrics
+    (serving/metrics.py). Times are time.monotonic() (CLOCK_MONOTONIC: one clock for every
+    process on the host, so an API server and the engine core can compare them)."""
+
+    finish_reason: str  # "stop" | "length" | "abort"
+    arrival_time: float
+    first_scheduled_time: float | None  # None: never scheduled (aborted while waiting)
+    first_token_time: float | None  # None: no token was generated
+    finished_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_tokens: int  # the resolved limit (the request's, or what the context left)
+    n: int  # the request's SamplingParams.n
+    num_preemptions: int = 0
+
+
 @dataclasses.dataclass
 class StepOutput:
     """What one engine step produced for one request (deltas since the last report)."""
