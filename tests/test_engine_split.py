@@ -99,7 +99,7 @@ def test_scheduler_output_is_what_the_requests_need(session):
             request.num_computed += s.num_tokens
             if result.sampled is not None:
                 out = engine.output_processor.process(request, result.sampled)
-                if out.finished:
+                if out.finish_reason is not None:
                     engine._finish(request, out.finish_reason, out.stop_reason)
         steps += 1
         assert steps < 500

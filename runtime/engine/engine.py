@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -20,15 +20,15 @@ from vtool import VtoolError
 from vtool.runtime.engine.kv_cache import PagedKVCache
 from vtool.runtime.engine.output_processor import OutputProcessor
 from vtool.runtime.engine.prefix_cache import PrefixCache
-from vtool.runtime.engine.request import Request, Status, StepOutput
+from vtool.runtime.engine.request import CoreOutput, FinishedRequestStats, Request, Status, StepOutput
 from vtool.runtime.engine.runner import ModelRunner
 from vtool.runtime.engine.scheduler import POLICIES, Scheduler, SchedulerConfig
 from vtool.runtime.engine.step_types import ScheduledSequence
+from vtool.runtime.engine.text_stage import TextStage
 from vtool.runtime.engine.validation import RequestError, RequestLimits
 from vtool.runtime.sampling.host import SequenceSampler, prompt_logprobs
 from vtool.runtime.sampling.logits_processors import LogitsProcessor
 from vtool.runtime.sampling.params import SamplingParams
-from vtool.runtime.sampling.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:  # the session composes an engine's parts; the engine only reads it
     from vtool.runtime.session import Session
@@ -104,7 +104,20 @@ class EngineCounters:
     finished: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
+class EngineObserver(Protocol):
+    """What the engine reports as it runs (serving/metrics.py's ServerMetrics is one)."""
+
+    def observe_iteration(self, num_tokens: int) -> None: ...
+    def observe_first_token(self, seconds: float) -> None: ...
+    def observe_inter_token(self, seconds: float) -> None: ...
+    def observe_finished_request(self, stats: FinishedRequestStats) -> None: ...
+
+
 class Engine:
+    """The engine core (step_core: token ids out) with, for in-process callers, the text
+    stage on top (step: text out). A server whose engine core has its own process uses
+    step_core there and runs TextStage beside the HTTP handlers."""
+
     def __init__(self, session: Session, config: EngineConfig = EngineConfig()):
         self.session = session
         self.model = session.model
@@ -137,7 +150,10 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, device_sampling=config.device_sampling)
         self.output_processor = OutputProcessor(self.max_model_len)
         self.requests: dict[str, Request] = {}
+        self.texts: dict[str, TextStage] = {}  # in-process text stages (add_request with_text)
         self.counters = EngineCounters()
+        self.observer: EngineObserver | None = None
+        self.last_step_tokens = 0
 
     @property
     def device_sampler(self) -> Any:
@@ -146,30 +162,37 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
-                    logits_processors: list[LogitsProcessor] | None = None) -> Request:
+                    logits_processors: list[LogitsProcessor] | None = None, with_text: bool = True) -> Request:
+        """Admit a request (refusals raise RequestError / SamplingParamsError, naming what is
+        wrong). with_text: step() turns its outputs into text here; False when the caller
+        runs the TextStage itself (a server's API process)."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         max_tokens = self.limits.check_request(prompt_ids, params)
+        text = TextStage(self.tokenizer, list(prompt_ids), params) if with_text else None
         request = Request(
             request_id=request_id, prompt_ids=list(prompt_ids), params=params, max_tokens=max_tokens,
             sampler=SequenceSampler(params, prompt_ids, self.session.stop_ids, self.vocab_size,
                                     logits_processors or ()),
-            detokenizer=self.tokenizer.incremental(params.skip_special_tokens, prompt_ids),
-            stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None,
             priority=priority, arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         self.requests[request_id] = request
+        if text is not None:
+            self.texts[request_id] = text
         self.counters.prompt_tokens += len(prompt_ids)
         self.scheduler.add(request)
         return request
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already done."""
-        request = self.requests.pop(request_id, None)
+        return self.finish_request(request_id, "abort")
+
+    def finish_request(self, request_id: str, reason: str, stop_reason: str | int | None = None) -> bool:
+        """End a request from outside the core: "abort" (a client left), or "stop" when the
+        text stage found a stop string. Frees its blocks; False if it is unknown or done."""
+        request = self.requests.get(request_id)
         if request is None:
             return False
-        self.scheduler.release(request)
-        self._finish_counts("abort")
-        request.status, request.finish_reason = Status.FINISHED, "abort"
+        self._finish(request, reason, stop_reason)
         return True
 
     def has_unfinished(self) -> bool:
@@ -177,7 +200,23 @@ class Engine:
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One step with text: every request must have been added with_text."""
+        outputs = []
+        for core in self.step_core():
+            text = self.texts[core.request_id]
+            out = text.process(core)
+            if out.finished:
+                del self.texts[core.request_id]
+                if core.finish_reason is None:  # a stop string, found by the text stage
+                    self.finish_request(core.request_id, "stop", out.stop_reason)
+            outputs.append(out)
+        return outputs
+
+    def step_core(self) -> list[CoreOutput]:
+        """One step: schedule, run, sample; token ids out. Requests a stop token or the
+        length limit ended are finished (their blocks freed) before this returns."""
         scheduled = self.scheduler.schedule()
+        self.last_step_tokens = scheduled.num_tokens
         if scheduled.is_empty:
             return []
         now = time.monotonic()
@@ -186,13 +225,23 @@ class Engine:
             request.first_scheduled_time = request.first_scheduled_time or now
         ran = self.runner.execute(scheduled)
         self.counters.steps += 1
+        observer = self.observer
+        if observer is not None:
+            observer.observe_iteration(scheduled.num_tokens)
+        now = time.monotonic()
         outputs = []
         for request, sequence, result in zip(requests, scheduled.sequences, ran.results):
             self._account(request, sequence, result.logits)
             if result.sampled is not None:
                 self.counters.generation_tokens += 1
-                out = self.output_processor.process(request, result.sampled)
-                if out.finished:
+                last = request.last_token_time
+                out = self.output_processor.process(request, result.sampled, now)
+                if observer is not None:
+                    if last is None:
+                        observer.observe_first_token(now - request.arrival_time)
+                    else:
+                        observer.observe_inter_token(now - last)
+                if out.finish_reason is not None:
                     self._finish(request, out.finish_reason, out.stop_reason)
                 outputs.append(out)
         return outputs
@@ -218,7 +267,16 @@ class Engine:
         request.status, request.finish_reason, request.stop_reason = Status.FINISHED, reason, stop_reason
         self.scheduler.release(request)
         self.requests.pop(request.request_id, None)
+        if reason == "abort":
+            self.texts.pop(request.request_id, None)
         self._finish_counts(reason)
+        if self.observer is not None:
+            self.observer.observe_finished_request(FinishedRequestStats(
+                finish_reason=reason, arrival_time=request.arrival_time,
+                first_scheduled_time=request.first_scheduled_time, first_token_time=request.first_token_time,
+                finished_time=time.monotonic(), num_prompt_tokens=len(request.prompt_ids),
+                num_generation_tokens=len(request.output_ids), max_tokens=request.max_tokens,
+                n=request.params.n, num_preemptions=request.num_preemptions))
 
     def _finish_counts(self, reason: str) -> None:
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1

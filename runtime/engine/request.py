@@ -6,10 +6,8 @@ import enum
 import time
 from typing import Any
 
-from vtool.runtime.sampling.host import SequenceSampler
+from vtool.runtime.sampling.host import Logprob, SequenceSampler
 from vtool.runtime.sampling.params import SamplingParams
-from vtool.runtime.sampling.stop_strings import StopStringMatcher
-from vtool.runtime.text.tokenizer import IncrementalDetokenizer
 
 
 class Status(enum.Enum):
@@ -27,8 +25,6 @@ class Request:
     params: SamplingParams
     max_tokens: int  # resolved: never None, never past the context
     sampler: SequenceSampler
-    detokenizer: IncrementalDetokenizer
-    stop_matcher: StopStringMatcher | None
     priority: int = 0
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     output_ids: list[int] = dataclasses.field(default_factory=list)
@@ -36,7 +32,6 @@ class Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[Any] | None = None
     prompt_logit_chunks: list[Any] = dataclasses.field(default_factory=list)  # until the prompt is through
-    text: str = ""
     num_computed: int = 0  # tokens whose K/V is in the cache
     seq_id: int | None = None  # the KV-cache sequence while scheduled
     status: Status = Status.WAITING
@@ -85,6 +80,25 @@ class FinishedRequestStats:
     max_tokens: int  # the resolved limit (the request's, or what the context left)
     n: int  # the request's SamplingParams.n
     num_preemptions: int = 0
+
+
+@dataclasses.dataclass
+class CoreOutput:
+    """What one step produced for one request inside the engine core: token ids and their
+    logprobs, and a finish the core can see (a stop token, the length limit). Text, stop
+    strings and everything else about presentation happen after it, in TextStage, which
+    may run in another process (plain fields: msgspec encodes it as it is)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, Logprob] | None]  # one per new token when the request asked, else []
+    finish_reason: str | None  # "stop" (a stop token) | "length" | None
+    stop_reason: int | None  # the stop_token_ids entry that ended it (eos reports None)
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    cumulative_logprob: float
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with the first token only
 
 
 @dataclasses.dataclass
