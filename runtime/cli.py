@@ -218,6 +218,8 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
 @click.option("--disable-metrics", is_flag=True)
 @click.option("--enable-force-include-usage", is_flag=True)
 @click.option("--api-key", default=None, envvar="VLLM_API_KEY", help="require this Bearer key on /v1 routes")
+@click.option("--api-server-count", default=1, show_default=True, type=click.IntRange(min=1),
+              help="API-server processes in front of the one engine core process (they share the port)")
 @click.option("--trust-remote-code", is_flag=True, help="accepted for vLLM recipes; no effect")
 @click.option("--enable-auto-tool-choice", is_flag=True, help="accepted for vLLM recipes; no effect")
 @quantization_option
@@ -229,7 +231,8 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
           gpu_memory_utilization: float,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
           scheduling_policy: str, enable_log_requests: bool, enable_log_outputs: bool, max_log_len: int,
-          disable_metrics: bool, enable_force_include_usage: bool, api_key: str | None, trust_remote_code: bool,
+          disable_metrics: bool, enable_force_include_usage: bool, api_key: str | None, api_server_count: int,
+          trust_remote_code: bool,
           enable_auto_tool_choice: bool, quantization: str, activations: str, artifact: str | None,
           threads: int | None) -> None:
     """Serve an OpenAI-compatible API (builds the model on first use)."""
@@ -252,7 +255,8 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
     opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, tokenizer_config=tokenizer_config,
                         max_model_len=max_model_len, api_key=api_key, disable_metrics=disable_metrics,
                         enable_log_requests=enable_log_requests, enable_log_outputs=enable_log_outputs,
-                        max_log_len=max_log_len, enable_force_include_usage=enable_force_include_usage)
+                        max_log_len=max_log_len, enable_force_include_usage=enable_force_include_usage,
+                        api_server_count=api_server_count)
     model_path = resolve_model(model, revision)
     checkpoint = open_checkpoint(model_path)
     run_server(artifact_for(model_path, artifact, target, dtype, quantization, activations), checkpoint,

@@ -128,7 +128,7 @@ REQUIRED_LIBRARY = "libtvm_runtime.so"
 RUNTIME_REQUIREMENTS = {
     "apache-tvm-ffi": "", "numpy": "", "safetensors": "", "gguf": "", "tokenizers": "", "jinja2": "",
     "click": "", "rich": "", "psutil": "", "fastapi": "", "pydantic": "", "uvicorn": "",
-    "prometheus-client": "", "httpx": "", "huggingface-hub": ">=0.20",
+    "prometheus-client": "", "pyzmq": "", "msgspec": "", "httpx": "", "huggingface-hub": ">=0.20",
     "ml-dtypes": ">=0.4",  # the checkpoint readers' bfloat16 (apache-tvm brings it in a full install)
 }
 # `vtool-runtime[cuda]`: the CUDA 13 runtime TVM's libtvm_runtime_cuda.so links and cuBLAS

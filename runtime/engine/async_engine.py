@@ -1,4 +1,5 @@
-"""The engine on its own thread, driven from asyncio.
+"""The engine on its own thread, driven from asyncio: the in-process alternative to the
+engine core process (serving/engine_core.py), with the same client methods.
 
 The HTTP event loop never runs model code: it posts commands (add, abort, a query) to the
 engine thread and receives each request's outputs on an asyncio.Queue. A slow client
@@ -27,8 +28,12 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, metrics: Any = None):
+        """metrics: a ServerMetrics (or None): the engine's observer, rendered by metrics_text."""
         self.engine = engine
+        self.metrics = metrics
+        if metrics is not None:
+            engine.observer = metrics
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -106,6 +111,28 @@ class AsyncEngine:
 
         await self.call(add)
         return RequestStream(self, request_id, q, arrival)
+
+    async def start(self) -> None:
+        """Nothing to connect: the engine thread runs from construction."""
+
+    async def health(self) -> None:
+        await self.call(lambda engine: None)  # answers only while the engine thread is alive
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.call(lambda engine: engine.stats())
+
+    async def metrics_text(self) -> str:
+        if self.metrics is None:
+            raise RuntimeError("metrics are disabled (--disable-metrics)")
+
+        def render(engine: Engine) -> str:
+            self.metrics.update_from_engine(engine.stats())
+            return self.metrics.render().decode()
+
+        return await self.call(render)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call(lambda engine: engine.reset_prefix_cache())
 
     def abort(self, request_id: str) -> None:
         def command() -> None:

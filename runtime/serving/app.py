@@ -1,13 +1,14 @@
 """The OpenAI-compatible HTTP server (FastAPI): routes, authentication, small endpoints.
 
-The model work happens on the engine thread (AsyncEngine); handlers here only parse,
-validate, tokenize and format.
+The model work happens in the engine core (its own process, serving/engine_core.py, or an
+in-process thread, AsyncEngine); handlers here only parse, validate, tokenize and format.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hmac
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -35,7 +36,15 @@ class ServerInfo:
 
 
 def create_app(state: ServingState, info: ServerInfo, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="vtool", version=vtool.__version__)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.engine.start()  # connect to the engine core inside the server's event loop
+        try:
+            yield
+        finally:
+            state.engine.shutdown()
+
+    app = FastAPI(title="vtool", version=vtool.__version__, lifespan=lifespan)
     install_error_handlers(app)
 
     if api_key:
@@ -67,7 +76,7 @@ def create_app(state: ServingState, info: ServerInfo, api_key: str | None = None
 
     @app.get("/health")
     async def health() -> Response:
-        await state.engine.call(lambda engine: None)  # answers only while the engine thread is alive
+        await state.engine.health()  # answers only while the engine core does
         return Response(status_code=200)
 
     @app.api_route("/ping", methods=["GET", "POST"])
@@ -84,15 +93,15 @@ def create_app(state: ServingState, info: ServerInfo, api_key: str | None = None
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
-        await state.engine.call(lambda engine: engine.reset_prefix_cache())
+        await state.engine.reset_prefix_cache()
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if state.metrics is None:
+        if not state.metrics_enabled:
             return JSONResponse(error_json(404, "metrics are disabled (--disable-metrics)"), status_code=404)
-        state.metrics.update_from_engine(await state.engine.call(lambda engine: engine.stats()))
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # Rendered by the engine core, the one place every API server's requests pass.
+        return Response(await state.engine.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
