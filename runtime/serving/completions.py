@@ -24,7 +24,7 @@ from vtool.runtime.serving.protocol import (
     PromptTokenUsageInfo, UsageInfo, chat_completion_id, completion_id, sse_event)
 from vtool.runtime.engine.request import StepOutput
 from vtool.runtime.sampling.params import SamplingParams
-from vtool.runtime.serving.metrics import ServerMetrics
+from vtool.runtime.serving.core_client import CoreClient
 from vtool.runtime.text.tokenizer import Tokenizer
 
 log = logging.getLogger("vtool.server")
@@ -36,11 +36,12 @@ class ClientDisconnected(Exception):
 
 @dataclasses.dataclass
 class ServingState:
-    engine: AsyncEngine
+    # The engine core's client: CoreClient (its own process) or AsyncEngine (a thread here).
+    engine: CoreClient | AsyncEngine
     tokenizer: Tokenizer
     served_names: list[str]
     max_model_len: int
-    metrics: ServerMetrics | None
+    metrics_enabled: bool  # /metrics answers (the engine core renders them)
     sampling_defaults: dict[str, Any]
     enable_log_requests: bool = False
     enable_log_outputs: bool = False
@@ -94,7 +95,16 @@ async def _admit(state: ServingState, request_id: str, prompts: list[list[int]],
 
 
 async def _merged(state: ServingState, streams: list[RequestStream]) -> AsyncIterator[tuple[int, StepOutput]]:
-    """(choice index, output) from every stream as it arrives; records latency metrics."""
+    """(choice index, output) from every stream as it arrives. Leaving early (a client that
+    went away, an error) aborts whatever has not finished, which frees its blocks. Latency
+    metrics are recorded by the engine core, where every API server's requests pass."""
+    if len(streams) == 1:  # the common case: no pump task, no second queue
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
@@ -107,8 +117,6 @@ async def _merged(state: ServingState, streams: list[RequestStream]) -> AsyncIte
         await q.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    last_time = [s.arrival for s in streams]
-    seen_first = [False] * len(streams)
     remaining = len(streams)
     try:
         while remaining:
@@ -118,21 +126,12 @@ async def _merged(state: ServingState, streams: list[RequestStream]) -> AsyncIte
                 continue
             if isinstance(item, BaseException):
                 raise item
-            now = time.monotonic()
-            if state.metrics is not None:
-                if not seen_first[i]:
-                    state.metrics.observe_first_token(now - streams[i].arrival)
-                else:
-                    state.metrics.observe_inter_token(now - last_time[i])
-                if item.finished:
-                    state.metrics.observe_finished(item.finish_reason or "stop", now - streams[i].arrival)
-            seen_first[i], last_time[i] = True, now
             yield i, item
     finally:
         for task in tasks:
             task.cancel()
         for stream in streams:
-            stream.close()  # aborts whatever has not finished: a client that left frees its blocks
+            stream.close()
 
 
 def _apply(choice: Choice, out: StepOutput) -> None:
