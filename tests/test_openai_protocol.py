@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import keyword
+import logging
 import socket
 import threading
 import time
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -60,7 +61,7 @@ common_fields = {
     "repetition_penalty": st.floats(0, 10, exclude_min=True, **finite),
     "n": st.integers(1, 4),
     "seed": st.integers(-(2**63), 2**64 - 1),
-    "max_tokens": st.integers(-5, 4096),
+    "max_tokens": st.one_of(st.none(), st.integers(1, 4096)),
     "min_tokens": st.integers(0, 3),
     "stop": st.one_of(text, st.lists(text, max_size=3)),
     "stop_token_ids": st.lists(st.integers(0, 50_000), max_size=3),
@@ -80,6 +81,7 @@ completion_fields = {
     **common_fields,
     "prompt": st.one_of(text, st.lists(text, min_size=1, max_size=3), token_ids,
                         st.lists(token_ids, min_size=1, max_size=3)),
+    "max_tokens": st.one_of(st.none(), st.integers(0, 4096)),  # 0: made echo's scoring idiom below
     "echo": st.booleans(),
     "logprobs": st.integers(0, MAX_LOGPROBS),
     "prompt_logprobs": st.integers(0, MAX_LOGPROBS),
@@ -94,7 +96,7 @@ message = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer",
 chat_fields = {
     **common_fields,
     "messages": st.lists(message, min_size=1, max_size=4),
-    "max_completion_tokens": st.integers(-5, 4096),
+    "max_completion_tokens": st.one_of(st.none(), st.integers(1, 4096)),
     "logprobs": st.booleans(),
     "prompt_logprobs": st.integers(0, MAX_LOGPROBS),
     "echo": st.booleans(),
@@ -119,6 +121,8 @@ def request_body(draw, fields: dict, required: tuple[str, ...]) -> dict:
 def _fix_consistency(body: dict, chat: bool) -> dict:
     """Drop combinations vLLM refuses on purpose (tested separately below)."""
     body = dict(body)
+    if not chat and body.get("max_tokens") == 0:
+        body["echo"] = True  # max_tokens=0 is only valid as echo's prompt-scoring idiom
     limit = _expected_max_tokens(body, chat)
     if limit is not None and body.get("min_tokens", 0) > limit:
         body.pop("min_tokens")
@@ -128,12 +132,16 @@ def _fix_consistency(body: dict, chat: bool) -> dict:
 
 
 def _expected_max_tokens(body: dict, chat: bool):
-    def positive(key):
-        v = body.get(key)
-        return v if v is not None and v > 0 else None
-    if chat and positive("max_completion_tokens") is not None:
-        return positive("max_completion_tokens")
-    return positive("max_tokens")
+    """The limit vLLM runs a valid body with, before generation_config's default."""
+    if chat:
+        if body.get("max_completion_tokens") is not None:
+            return body["max_completion_tokens"]
+        return body.get("max_tokens")
+    if "max_tokens" not in body:
+        return 16  # vLLM's CompletionRequest default
+    if body.get("echo") and body["max_tokens"] == 0:
+        return 1  # echo without generation runs one token
+    return body["max_tokens"]
 
 
 def _check_mapping(body: dict, kwargs: dict, chat: bool, defaults: dict) -> None:
@@ -142,13 +150,10 @@ def _check_mapping(body: dict, kwargs: dict, chat: bool, defaults: dict) -> None
     for name, fallback in fallbacks.items():
         want = body[name] if name in body else defaults.get(name, fallback)
         assert kwargs[name] == want, name
-    echo_only = not chat and body.get("echo") and body.get("max_tokens") == 0
     for name in ("n", "seed", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                  "spaces_between_special_tokens"):
         if name in body:
-            # echo without generation runs one token that is never returned, so nothing is forced out
-            want = 0 if name == "min_tokens" and echo_only else body[name]
-            assert kwargs[name] == want, name
+            assert kwargs[name] == body[name], name
     for name in ("presence_penalty", "frequency_penalty"):
         assert kwargs[name] == body.get(name, 0.0)
     stop = body.get("stop")
@@ -160,10 +165,8 @@ def _check_mapping(body: dict, kwargs: dict, chat: bool, defaults: dict) -> None
     else:
         assert kwargs["logit_bias"] is None
     want_max = _expected_max_tokens(body, chat)
-    if "max_tokens" in defaults:
-        want_max = defaults["max_tokens"] if want_max is None else min(want_max, defaults["max_tokens"])
-    if not chat and body.get("echo") and body.get("max_tokens") == 0:
-        want_max = 1  # echo without generation
+    if want_max is None:  # generation_config's default is a fallback, never a cap (vLLM's get_max_tokens)
+        want_max = defaults.get("max_tokens")
     assert kwargs["max_tokens"] == want_max
     if chat:
         want_lp = body.get("top_logprobs", 0) if body.get("logprobs") else None
@@ -191,8 +194,8 @@ defaults_strategy = st.fixed_dictionaries({}, optional={
 def test_valid_completion_requests_parse_and_map(body, defaults):
     body = _fix_consistency(body, chat=False)
     req = CompletionRequest.model_validate(body)
-    assert req.effective_max_tokens == (None if body.get("max_tokens") is None or body["max_tokens"] <= 0
-                                        else body["max_tokens"])
+    assert req.effective_max_tokens == _expected_max_tokens(body, chat=False)
+    assert req.echo_without_generation == (body.get("echo") is True and body.get("max_tokens") == 0)
     _check_mapping(body, req.to_sampling_kwargs(defaults), chat=False, defaults=defaults)
     # the same body through JSON (what a server receives) parses to the same request
     again = CompletionRequest.model_validate_json(json.dumps(body))
@@ -219,7 +222,7 @@ def test_sampling_kwargs_are_sampling_params_fields():
     sampling_params = pytest.importorskip("vtool.runtime.sampling.params")
     fields = {f.name for f in dataclasses.fields(sampling_params.SamplingParams)}
     assert SAMPLING_KEYS <= fields
-    for req in (CompletionRequest(prompt="x", max_tokens=-1, stop="\n", logit_bias={"5": 1000.0}, logprobs=2),
+    for req in (CompletionRequest(prompt="x", max_tokens=None, stop="\n", logit_bias={"5": 1000.0}, logprobs=2),
                 ChatCompletionRequest(messages=USER, max_completion_tokens=7, logprobs=True, top_logprobs=3,
                                       temperature=0.0, seed=3)):
         params = sampling_params.SamplingParams(**req.to_sampling_kwargs())
@@ -230,25 +233,46 @@ def test_sampling_kwargs_are_sampling_params_fields():
 
 
 @SETTINGS
-@given(st.integers(-(2**40), 0), st.booleans())
-def test_nonpositive_max_tokens_is_unset(value, chat):
+@given(st.integers(-(2**40), 0), st.booleans(), st.sampled_from(["max_tokens", "max_completion_tokens"]))
+def test_nonpositive_max_tokens_is_refused(value, chat, field):
+    """vLLM's SamplingParams refuses max_tokens < 1 and its serving code hands it the request's
+    value: a 400 naming the field, never "unset"."""
     if chat:
-        req = ChatCompletionRequest(messages=USER, max_tokens=value)
-        assert req.to_sampling_kwargs()["max_tokens"] is None
-        req = ChatCompletionRequest(messages=USER, max_completion_tokens=value)
+        message, param = refusal(ChatCompletionRequest, {"messages": USER, field: value})
     else:
-        req = CompletionRequest(prompt="x", max_tokens=value)
-    assert req.effective_max_tokens is None
-    assert req.to_sampling_kwargs()["max_tokens"] is None
+        field = "max_tokens"
+        message, param = refusal(CompletionRequest, {"prompt": "x", field: value})
+    assert param == field
+    assert message == f"{field}: must be at least 1, got {value}"
 
 
-def test_absent_max_tokens_is_unset_and_default_caps():
-    assert CompletionRequest(prompt="x").to_sampling_kwargs()["max_tokens"] is None
+@SETTINGS
+@given(st.integers(-(2**40), 0), st.one_of(st.none(), st.integers(1, 100)))
+def test_max_completion_tokens_refused_whatever_max_tokens_says(value, max_tokens):
+    """vLLM uses max_completion_tokens whenever it is not null, so a non-positive one is refused
+    even next to a valid max_tokens."""
+    body = {"messages": USER, "max_completion_tokens": value}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    _, param = refusal(ChatCompletionRequest, body)
+    assert param == "max_completion_tokens"
+
+
+def test_absent_and_null_max_tokens():
+    # /v1/completions: absent is vLLM's default 16; /v1/chat/completions: absent is unset
+    assert CompletionRequest(prompt="x").max_tokens == 16
+    assert CompletionRequest(prompt="x").to_sampling_kwargs()["max_tokens"] == 16
     assert ChatCompletionRequest(messages=USER).to_sampling_kwargs()["max_tokens"] is None
-    # generation_config's max_new_tokens caps (vLLM takes the minimum)
-    assert CompletionRequest(prompt="x").to_sampling_kwargs({"max_new_tokens": 9})["max_tokens"] == 9
-    assert CompletionRequest(prompt="x", max_tokens=5).to_sampling_kwargs({"max_tokens": 9})["max_tokens"] == 5
-    assert CompletionRequest(prompt="x", max_tokens=50).to_sampling_kwargs({"max_tokens": 9})["max_tokens"] == 9
+    # null is unset on both (up to the context)
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).to_sampling_kwargs()[
+        "max_tokens"] is None
+    assert ChatCompletionRequest.model_validate({"messages": USER, "max_tokens": None,
+                                                 "max_completion_tokens": None}).effective_max_tokens is None
+    # generation_config's max_new_tokens is the fallback for an unset limit, not a cap (vLLM's get_max_tokens)
+    assert CompletionRequest(prompt="x", max_tokens=None).to_sampling_kwargs({"max_new_tokens": 9})["max_tokens"] == 9
+    assert ChatCompletionRequest(messages=USER).to_sampling_kwargs({"max_tokens": 9})["max_tokens"] == 9
+    assert CompletionRequest(prompt="x").to_sampling_kwargs({"max_tokens": 9})["max_tokens"] == 16
+    assert CompletionRequest(prompt="x", max_tokens=50).to_sampling_kwargs({"max_tokens": 9})["max_tokens"] == 50
 
 
 @SETTINGS
@@ -259,13 +283,12 @@ def test_max_completion_tokens_takes_precedence(max_tokens, max_completion_token
         body["max_tokens"] = max_tokens
     if max_completion_tokens is not None:
         body["max_completion_tokens"] = max_completion_tokens
+    want = max_completion_tokens if max_completion_tokens is not None else max_tokens
+    if want is not None and want < 1:
+        _, param = refusal(ChatCompletionRequest, body)
+        assert param == ("max_completion_tokens" if max_completion_tokens is not None else "max_tokens")
+        return
     req = ChatCompletionRequest.model_validate(body)
-    if max_completion_tokens is not None and max_completion_tokens > 0:
-        want = max_completion_tokens
-    elif max_tokens is not None and max_tokens > 0:
-        want = max_tokens
-    else:
-        want = None
     assert req.effective_max_tokens == want == req.to_sampling_kwargs()["max_tokens"]
 
 
@@ -274,10 +297,18 @@ def test_echo_with_zero_max_tokens_scores_the_prompt():
     assert req.echo_without_generation
     kw = req.to_sampling_kwargs()
     assert kw["max_tokens"] == 1 and kw["prompt_logprobs"] == 1
+    # only echo=true with exactly 0 is the idiom
     for body in ({"prompt": "x", "echo": True, "max_tokens": -1}, {"prompt": "x", "max_tokens": 0},
-                 {"prompt": "x", "echo": True}):
-        req = CompletionRequest.model_validate(body)
-        assert not req.echo_without_generation and req.to_sampling_kwargs()["max_tokens"] is None
+                 {"prompt": "x", "echo": False, "max_tokens": 0}):
+        _, param = refusal(CompletionRequest, body)
+        assert param == "max_tokens"
+    req = CompletionRequest.model_validate({"prompt": "x", "echo": True})
+    assert not req.echo_without_generation and req.to_sampling_kwargs()["max_tokens"] == 16
+    # the idiom runs one token: min_tokens is held to it as vLLM's SamplingParams(max_tokens=1) holds it
+    assert CompletionRequest.model_validate({"prompt": "x", "echo": True, "max_tokens": 0,
+                                             "min_tokens": 1}).to_sampling_kwargs()["min_tokens"] == 1
+    _, param = refusal(CompletionRequest, {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 2})
+    assert param == "min_tokens"
 
 
 def test_min_tokens_above_max_tokens_refused():
@@ -286,7 +317,9 @@ def test_min_tokens_above_max_tokens_refused():
     message, param = refusal(ChatCompletionRequest, {"messages": USER, "max_tokens": 50,
                                                      "max_completion_tokens": 3, "min_tokens": 4})
     assert param == "min_tokens"
-    CompletionRequest(prompt="x", max_tokens=-1, min_tokens=4)  # unset max: no bound
+    message, param = refusal(CompletionRequest, {"prompt": "x", "min_tokens": 17})  # the default 16 bounds it
+    assert param == "min_tokens" and "max_tokens=16" in message
+    CompletionRequest(prompt="x", max_tokens=None, min_tokens=4)  # unset max: no bound
 
 
 # ============================================================================ invalid values
@@ -307,7 +340,7 @@ invalid_common = {
     "repetition_penalty": st.one_of(st.floats(max_value=0), not_a_number),
     "n": st.one_of(st.integers(max_value=0), st.integers(min_value=16385), not_an_int),
     "seed": st.one_of(st.integers(max_value=-(2**63) - 1), st.integers(min_value=2**64), not_an_int),
-    "max_tokens": not_an_int,
+    "max_tokens": st.one_of(not_an_int, st.integers(max_value=0)),
     "min_tokens": st.one_of(st.integers(max_value=-1), not_an_int),
     "prompt_logprobs": st.one_of(st.integers(max_value=-1), st.integers(min_value=MAX_LOGPROBS + 1), not_an_int),
     "stop": st.one_of(st.integers(), st.just(""), st.lists(st.integers(), min_size=1),
@@ -323,7 +356,7 @@ invalid_common = {
     "user": st.one_of(st.integers(), st.booleans()),
     "priority": not_an_int,
     "response_format": st.one_of(st.sampled_from([{"type": "json_object"}, {"type": "json_schema"},
-                                                  {"type": "xml"}, {"type": "text", "x": 1}]), st.integers()),
+                                                  {"type": "xml"}]), st.integers()),
     "stream_options": st.just({"include_usage": True}),  # without stream=true
     "best_of": st.integers(min_value=2, max_value=5),    # != n (1)
 }
@@ -343,12 +376,11 @@ invalid_chat = {
     "messages": st.one_of(
         st.just([]), st.just("hi"), st.just([{"role": "robot", "content": "x"}]),
         st.just([{"content": "x"}]), st.just([{"role": "user"}]), st.just([{"role": "user", "content": 3}]),
-        st.just([{"role": "user", "content": "x", "foo": 1}]),
         st.sampled_from(["image_url", "input_audio", "video_url", "file", "bogus"]).map(
             lambda t: [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": t}]}])),
     "logprobs": st.one_of(st.integers(), st.text(max_size=3)),
     "top_logprobs": st.one_of(st.integers(max_value=-1), st.integers(min_value=MAX_LOGPROBS + 1), not_an_int),
-    "max_completion_tokens": not_an_int,
+    "max_completion_tokens": st.one_of(not_an_int, st.integers(max_value=0)),
     "tools": st.just([{"type": "function", "function": {"name": "f"}}]),
     "tool_choice": st.sampled_from(["auto", "required", "sometimes", {"type": "function", "function": {"name": "f"}}]),
     "functions": st.just([{"name": "f"}]),
@@ -442,23 +474,90 @@ def test_continue_final_message():
 field_name = st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True).filter(lambda s: not keyword.iskeyword(s))
 
 
-@SETTINGS
-@given(st.lists(field_name, min_size=1, max_size=3, unique=True), st.booleans())
-def test_unknown_fields_are_named(names, chat):
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8)
+IGNORED = "Request fields ignored"
+
+
+def unknown_to(model) -> st.SearchStrategy:
+    """Field names `model` does not read (not its fields, not its refused-unless-no-op names)."""
+    return field_name.filter(lambda n: n not in model.model_fields and n not in model._UNSUPPORTED)
+
+
+def ignored_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and IGNORED in r.getMessage()]
+
+
+FIXTURE_SETTINGS = settings(SETTINGS, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@FIXTURE_SETTINGS
+@given(st.data(), st.booleans())
+def test_unknown_fields_are_ignored_and_logged(caplog, data, chat):
+    """vLLM's request models allow extra fields and log their names: an unknown field, whatever
+    its name and value, changes nothing about the request and is named in one warning."""
     model = ChatCompletionRequest if chat else CompletionRequest
-    names = [n for n in names if n not in model.model_fields and n not in model._UNSUPPORTED]
-    assume(names)
-    body = {"messages": USER} if chat else {"prompt": "x"}
-    body.update({n: 1 for n in names})
-    message, param = refusal(model, body)
-    for n in names:
-        assert f"{n}: unknown field" in message
-    assert param in names
+    base = _fix_consistency(data.draw(request_body(chat_fields, ("messages",)) if chat
+                                      else request_body(completion_fields, ("prompt",))), chat)
+    if chat and base.get("logprobs"):
+        base["top_logprobs"] = 2
+    extra = data.draw(st.dictionaries(unknown_to(model), json_values, min_size=1, max_size=4))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vtool.server"):
+        req = model.model_validate({**base, **extra})
+    warnings = ignored_warnings(caplog)
+    assert len(warnings) == 1, warnings  # once per request
+    for name in extra:
+        assert name in warnings[0]
+    plain = model.model_validate(base)
+    assert req.model_dump() == plain.model_dump()  # nothing of them is kept
+    assert req.to_sampling_kwargs() == plain.to_sampling_kwargs()
+    sampling_params = pytest.importorskip("vtool.runtime.sampling.params")
+
+    def params(request):  # SamplingParams, or what it refuses the request with
+        try:
+            return sampling_params.SamplingParams(**request.to_sampling_kwargs())
+        except VtoolError as err:
+            return str(err)
+
+    assert params(req) == params(plain)  # nothing of them reaches SamplingParams
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vtool.server"):
+        model.model_validate(base)
+    assert ignored_warnings(caplog) == []  # a request without unknown fields logs nothing
 
 
-def test_unknown_field_named_next_to_an_unsupported_one():
-    message, _ = refusal(CompletionRequest, {"prompt": "x", "guided_regex": "a+", "frobnicate": 1})
-    assert "guided_regex" in message and "frobnicate: unknown field" in message
+def test_nested_unknown_fields_are_named_with_their_path(caplog):
+    body = {"messages": [{"role": "system", "content": "s"},
+                         {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {"x": 1}}],
+                          "foo": 1}],
+            "stream": True, "stream_options": {"include_usage": True, "extra_stat": True},
+            "response_format": {"type": "text", "strict": True}, "frobnicate": [1]}
+    with caplog.at_level(logging.WARNING, logger="vtool.server"):
+        req = ChatCompletionRequest.model_validate(body)
+    assert req.ignored_fields() == ["frobnicate", "stream_options.extra_stat", "response_format.strict",
+                                    "messages[1].foo", "messages[1].content[0].cache_control"]
+    assert ignored_warnings(caplog) == ["Request fields ignored (not parameters this server reads): frobnicate, "
+                                        "stream_options.extra_stat, response_format.strict, messages[1].foo, "
+                                        "messages[1].content[0].cache_control"]
+    assert req.template_messages()[1] == {"role": "user", "content": "a"}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vtool.server"):
+        TokenizeRequest.model_validate({"prompt": "x", "bogus": 1})
+        DetokenizeRequest.model_validate({"tokens": [1], "bogus": 2})
+    assert len(ignored_warnings(caplog)) == 2
+
+
+def test_unknown_fields_do_not_hide_refusals():
+    # known-but-unsupported fields, wrong types and ranges stay 400s next to unknown fields
+    message, param = refusal(CompletionRequest, {"prompt": "x", "guided_regex": "a+", "frobnicate": 1})
+    assert param == "guided_regex" and "frobnicate" not in message
+    _, param = refusal(CompletionRequest, {"prompt": "x", "temperature": "hot", "frobnicate": 1})
+    assert param == "temperature"
+    _, param = refusal(ChatCompletionRequest, {"messages": USER, "top_p": 7, "bogus": None})
+    assert param == "top_p"
 
 
 # ============================================================================ messages / content parts
@@ -626,8 +725,8 @@ def test_app_error_mapping(client):
     err = _assert_openai_error(client.post("/v1/completions", json={"prompt": "x", "temperature": "warm"}), 400,
                                "temperature: Input should be a valid number")
     assert err["param"] == "temperature"
-    _assert_openai_error(client.post("/v1/completions", json={"prompt": "x", "bogus": 1}), 400,
-                         "bogus: unknown field")
+    ok = client.post("/v1/completions", json={"prompt": "x", "bogus": 1})  # unknown: ignored, as vLLM
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "16"
     _assert_openai_error(client.post("/v1/completions", json={"prompt": "vtool-error"}), 400, "temperature 7")
     _assert_openai_error(client.post("/v1/completions", json={"prompt": "value-error"}), 400, "plain ValueError")
     err = _assert_openai_error(client.post("/v1/completions", json={"prompt": "missing-model"}), 404, "nope")
@@ -638,12 +737,30 @@ def test_app_error_mapping(client):
     _assert_openai_error(client.get("/v1/completions"), 405)
     _assert_openai_error(client.post("/v1/completions", content=b"prompt=x",
                                      headers={"content-type": "text/plain"}), 400)
-    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1})
+    err = _assert_openai_error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1}), 400,
+                               "max_tokens: must be at least 1, got -1")
+    assert err["param"] == "max_tokens"
+    err = _assert_openai_error(client.post("/v1/chat/completions", json={"messages": USER,
+                                                                          "max_completion_tokens": 0}), 400)
+    assert err["param"] == "max_completion_tokens"
+    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": None})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "null"
     ok = client.post("/v1/completions", json={"prompt": "x", "echo": True, "max_tokens": 0})
     assert ok.json()["choices"][0]["text"] == "1"  # echo without generation survives FastAPI's parsing
     assert client.get("/v1/models").json()["data"][0]["id"] == "m"
     assert "/v1/completions" in client.app.openapi()["paths"]  # the schema generates
+
+
+@FIXTURE_SETTINGS
+@given(st.dictionaries(unknown_to(CompletionRequest), json_values, min_size=1, max_size=4), st.booleans())
+def test_unknown_fields_never_cause_a_4xx(client, caplog, extra, stream):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vtool.server"):
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 7, "stream": stream, **extra})
+    assert r.status_code == 200, r.text
+    if not stream:
+        assert r.json()["choices"][0]["text"] == "7"
+    assert len(ignored_warnings(caplog)) == 1
 
 
 # ============================================================================ the openai client
@@ -680,9 +797,12 @@ def test_openai_client_sees_bad_request_errors(server_url):
     assert "temperature: Input should be greater than or equal to 0" in info.value.message
     assert info.value.body["param"] == "temperature"
 
+    # an unknown field is ignored (vLLM logs it); a non-positive max_tokens is refused
+    ok = client.chat.completions.create(model="m", messages=USER, extra_body={"frobnicate": True})
+    assert ok.choices[0].message.content == "null"
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=USER, extra_body={"frobnicate": True})
-    assert "frobnicate: unknown field" in info.value.message
+        client.completions.create(model="m", prompt="x", max_tokens=-1)
+    assert info.value.body["param"] == "max_tokens" and "must be at least 1" in info.value.message
 
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": [
@@ -695,11 +815,13 @@ def test_openai_client_sees_bad_request_errors(server_url):
         client.completions.create(model="m", prompt="crash")
 
     # valid requests: the client parses our response bodies
-    done = client.completions.create(model="m", prompt="x", max_tokens=-1)
+    done = client.completions.create(model="m", prompt="x", max_tokens=None)  # sent as null: unset
     assert done.choices[0].text == "null" and done.id.startswith("cmpl-")
+    assert client.completions.create(model="m", prompt="x").choices[0].text == "16"  # vLLM's default
     chat = client.chat.completions.create(model="m", messages=USER, logprobs=True, top_logprobs=2,
                                           max_completion_tokens=4)
     assert chat.choices[0].message.content == "2" and chat.choices[0].logprobs.content[0].bytes == [120]
     pieces = [c.choices[0].text for c in client.completions.create(model="m", prompt="x", stream=True)]
     assert pieces == ["a", "b", ""]
     assert [m.id for m in client.models.list()] == ["m"]
+

@@ -180,7 +180,7 @@ def test_dropped_client_frees_its_blocks(server):
     ({"model": MODEL, "prompt": "x", "top_p": 1.5}, "top_p"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 10_000}, "maximum context length"),
     ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
-    ({"model": MODEL, "prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "prompt": [99_999_999]}, "vocabulary"),
     ({"model": MODEL, "prompt": "word " * 300}, "max_model_len=256"),
     ({"model": MODEL}, "prompt"),
@@ -230,7 +230,7 @@ def test_small_endpoints(server, client):
 
 def test_unset_max_tokens_runs_to_the_context_and_logs(server, client):
     prompt_tokens = 3
-    r = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=-1, extra_body={"ignore_eos": True})
+    r = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=None, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 256 - prompt_tokens
     assert r.choices[0].finish_reason == "length"
     log = server[1].read_text()

@@ -1,28 +1,43 @@
 """Request and response bodies of the OpenAI-compatible HTTP API, with vLLM's extra fields.
 
-Requests are strict: an unknown field, a value of the wrong JSON type or a value out of range is
-refused by name (pydantic raises; openai_errors turns that into a 400 with an OpenAI error body).
-A few fields that vLLM or OpenAI define but this server does not implement are refused with a
-message saying so, unless they carry their no-op value (`"use_beam_search": false` is accepted).
+Unknown fields are ignored, as vLLM does (its request models allow extra fields and log the names
+they ignored): a field no request model here declares, at the top level or inside a message, a
+content part or stream_options, is dropped before anything reads the request, and one warning per
+request names every such field (with its path, e.g. "messages[0].cache_control"). A value of the
+wrong JSON type or out of range in a declared field is refused by name (pydantic raises;
+serving/errors.py turns that into a 400 with an OpenAI error body). A few fields that vLLM or OpenAI
+define but this server does not implement are refused with a message saying so, unless they carry
+their no-op value (`"use_beam_search": false` is accepted).
 
 `to_sampling_kwargs()` maps a request onto keyword arguments for runtime.sampling_params.
 SamplingParams, following vLLM's `to_sampling_params`: fields the request leaves unset take the
 model's generation_config defaults (passed in as `defaults`), then vLLM's fallbacks.
 
-max_tokens: absent, null or <= 0 means unset (max_tokens=None: the engine generates up to
-max_model_len minus the prompt). On chat, max_completion_tokens takes precedence over max_tokens.
-The one exception is vLLM's prompt scoring idiom on /v1/completions: echo=true with max_tokens=0
-generates nothing (see CompletionRequest.echo_without_generation).
+max_tokens, as vLLM's serving code and SamplingParams treat it:
+- /v1/completions: absent means 16 (vLLM's CompletionRequest default). /v1/chat/completions:
+  absent means unset; max_completion_tokens, when not null, is used instead of max_tokens
+  (even when it is 0 or negative: then it is refused, whatever max_tokens says).
+- null means unset: up to max_model_len minus the prompt, or generation_config's max_new_tokens
+  when the model has one (a default the request overrides, as vLLM's get_max_tokens uses it,
+  not a cap).
+- 0 or negative is refused with a 400 ("max_tokens: must be at least 1, got 0"), as vLLM's
+  SamplingParams refuses it. The one exception is vLLM's prompt scoring idiom on
+  /v1/completions: echo=true with max_tokens=0 generates nothing visible (the engine runs one
+  token, so that prompt_logprobs get computed, and the server returns only the prompt; see
+  CompletionRequest.echo_without_generation).
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import uuid
 from typing import Any, ClassVar, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+log = logging.getLogger("vtool.server")
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: the most logprobs / top_logprobs / prompt_logprobs
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
@@ -59,12 +74,36 @@ def _now() -> int:
 
 
 class _Request(BaseModel):
-    """Strict request body: unknown fields refused, no str->number or bool->int coercion, no NaN."""
+    """A request body: unknown fields ignored (and named in a warning), declared fields strict
+    (no str->number or bool->int coercion, no NaN)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     # name -> (no-op values that are silently accepted, why any other value is refused)
     _UNSUPPORTED: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {}
+    # True for the body of an endpoint: it logs, once, every ignored field of the request
+    _LOG_IGNORED: ClassVar[bool] = False
+    _ignored: tuple[str, ...] = ()  # this object's own unknown keys, as sent
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored(cls, data: Any, handler: Any) -> Any:
+        model = handler(data)
+        if isinstance(data, dict) and isinstance(model, _Request):
+            known = _known_names(cls)
+            model._ignored = tuple(str(k) for k in data if k not in known)
+            if cls._LOG_IGNORED:
+                names = model.ignored_fields()
+                if names:
+                    log.warning("Request fields ignored (not parameters this server reads): %s", ", ".join(names))
+        return model
+
+    def ignored_fields(self) -> list[str]:
+        """Every field of the request as sent that was ignored, nested ones with their path."""
+        out = list(self._ignored)
+        for name in type(self).model_fields:
+            out += _nested_ignored(getattr(self, name, None), name)
+        return out
 
     @model_validator(mode="before")
     @classmethod
@@ -81,11 +120,35 @@ class _Request(BaseModel):
             else:
                 problems.append(f"{name}: {why}")
         if problems:
-            # This refusal stops validation before pydantic would name unknown fields: name them too.
-            known = set(cls.model_fields) | set(cls._UNSUPPORTED)
-            problems += [f"{name}: unknown field" for name in data if name not in known]
             raise ValueError("; ".join(problems))
         return kept
+
+
+_KNOWN_NAMES: dict[type, frozenset[str]] = {}
+
+
+def _known_names(model: type[_Request]) -> frozenset[str]:
+    """The keys `model` reads: its fields, their aliases and the refused-unless-no-op names."""
+    names = _KNOWN_NAMES.get(model)
+    if names is None:
+        found = set(model._UNSUPPORTED)
+        for name, field in model.model_fields.items():
+            found.add(name)
+            if field.alias:
+                found.add(field.alias)
+        names = _KNOWN_NAMES[model] = frozenset(found)
+    return names
+
+
+def _nested_ignored(value: Any, path: str) -> list[str]:
+    if isinstance(value, _Request):
+        return [f"{path}.{name}" for name in value.ignored_fields()]
+    if isinstance(value, list):
+        out: list[str] = []
+        for i, item in enumerate(value):
+            out += _nested_ignored(item, f"{path}[{i}]")
+        return out
+    return []
 
 
 _STRUCTURED = "structured output (guided decoding) is not supported by this server yet"
@@ -182,8 +245,10 @@ def _check_logit_bias(value: Any) -> Any:
     return value
 
 
-def _nonpositive_to_none(value: Optional[int]) -> Optional[int]:
-    return None if value is None or value <= 0 else value
+def _check_max_tokens(field: str, value: Optional[int]) -> None:
+    """vLLM's SamplingParams check, which its serving code reaches with the request's value."""
+    if value is not None and value < 1:
+        raise ValueError(f"{field}: must be at least 1, got {value}")
 
 
 class _SamplingFields(_Request):
@@ -193,7 +258,7 @@ class _SamplingFields(_Request):
     frequency_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
-    max_tokens: Optional[int] = None  # <= 0 -> None (unset)
+    max_tokens: Optional[int] = None  # null: unset; < 1: refused (see the module docstring)
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: Optional[int] = Field(None, ge=1)
     seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
@@ -224,10 +289,10 @@ class _SamplingFields(_Request):
     _check_stop_ids = field_validator("stop_token_ids", mode="before")(_check_token_ids)
     _check_bias = field_validator("logit_bias", mode="before")(_check_logit_bias)
     _check_format = field_validator("response_format", mode="before")(_check_response_format)
-    _max_tokens_unset = field_validator("max_tokens", mode="after")(_nonpositive_to_none)
 
     @model_validator(mode="after")
     def _check_common(self):
+        self._check_max_tokens()
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.prompt_logprobs and self.stream:
@@ -240,9 +305,12 @@ class _SamplingFields(_Request):
             raise ValueError(f"min_tokens: must be <= max_tokens={limit}, got {self.min_tokens}")
         return self
 
+    def _check_max_tokens(self) -> None:
+        _check_max_tokens("max_tokens", self.max_tokens)
+
     @property
     def effective_max_tokens(self) -> Optional[int]:
-        """The requested generation limit; None when unset (absent or <= 0)."""
+        """The requested generation limit; None when unset."""
         return self.max_tokens
 
     def _logprob_kwargs(self) -> tuple[Optional[int], Optional[int]]:
@@ -254,7 +322,8 @@ class _SamplingFields(_Request):
         `defaults` is the model's generation_config-derived defaults (keys temperature, top_p,
         top_k, min_p, repetition_penalty; max_tokens or max_new_tokens). A field the request
         leaves unset takes defaults[field], then vLLM's fallback (DEFAULT_SAMPLING). A default
-        max_tokens caps the request's, as vLLM's get_max_tokens takes the minimum.
+        max_tokens is used when the request's is unset (null), as vLLM's get_max_tokens falls
+        back to it; it does not cap a limit the request sets.
         """
         defaults = dict(defaults or {})
         resolved = {}
@@ -265,8 +334,8 @@ class _SamplingFields(_Request):
             resolved[name] = fallback if value is None else value
         max_tokens = self.effective_max_tokens
         default_max = defaults.get("max_tokens", defaults.get("max_new_tokens"))
-        if default_max is not None and default_max > 0:
-            max_tokens = default_max if max_tokens is None else min(max_tokens, default_max)
+        if max_tokens is None and default_max is not None and default_max > 0:
+            max_tokens = default_max
         logprobs, prompt_logprobs = self._logprob_kwargs()
         stop = self.stop
         return {
@@ -302,21 +371,14 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
+    _LOG_IGNORED = True
+
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16  # vLLM's CompletionRequest default; null: unset
     echo: Optional[bool] = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Optional[str] = None
     add_special_tokens: bool = True
-    _echo_only: bool = False  # echo=true with max_tokens=0 as sent (before 0 -> unset)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _remember_echo_only(cls, data: Any, handler: Any) -> Any:
-        model = handler(data)
-        if isinstance(data, dict) and data.get("echo") is True:
-            sent = data.get("max_tokens")
-            model._echo_only = type(sent) is int and sent == 0
-        return model
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -360,7 +422,16 @@ class CompletionRequest(_SamplingFields):
     def echo_without_generation(self) -> bool:
         """echo=true with max_tokens=0: vLLM's prompt-scoring idiom. The engine runs with
         max_tokens=1 (so prompt_logprobs get computed) and the server returns only the prompt."""
-        return self._echo_only
+        return bool(self.echo) and self.max_tokens == 0
+
+    def _check_max_tokens(self) -> None:
+        if not self.echo_without_generation:
+            _check_max_tokens("max_tokens", self.max_tokens)
+
+    @property
+    def effective_max_tokens(self) -> Optional[int]:
+        # echo without generation: the one token vLLM runs (min_tokens is checked against it)
+        return 1 if self.echo_without_generation else self.max_tokens
 
     @property
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -378,12 +449,6 @@ class CompletionRequest(_SamplingFields):
             prompt_logprobs = self.logprobs
         return self.logprobs, prompt_logprobs
 
-    def to_sampling_kwargs(self, defaults: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
-        kwargs = super().to_sampling_kwargs(defaults)
-        if self.echo_without_generation:
-            kwargs["max_tokens"] = 1
-            kwargs["min_tokens"] = 0
-        return kwargs
 
 
 # ----------------------------------------------------------------------- /v1/chat/completions
@@ -513,10 +578,12 @@ class _ChatTemplateFields(_Request):
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     """POST /v1/chat/completions."""
 
+    _LOG_IGNORED = True
+
     messages: list[ChatMessage]
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: Optional[int] = None  # <= 0 -> None; takes precedence over max_tokens
+    max_completion_tokens: Optional[int] = None  # used instead of max_tokens when not null
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
@@ -538,7 +605,6 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     }
 
     _check_messages = field_validator("messages", mode="before")(_check_messages)
-    _max_completion_unset = field_validator("max_completion_tokens", mode="after")(_nonpositive_to_none)
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -561,6 +627,12 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
                 raise ValueError(f"tool_choice: unknown value {choice!r}; expected 'none', 'auto', "
                                  "'required' or a named function")
         return self
+
+    def _check_max_tokens(self) -> None:
+        if self.max_completion_tokens is not None:
+            _check_max_tokens("max_completion_tokens", self.max_completion_tokens)
+        else:
+            _check_max_tokens("max_tokens", self.max_tokens)
 
     @property
     def effective_max_tokens(self) -> Optional[int]:
@@ -801,6 +873,8 @@ class TokenizeRequest(_ChatTemplateFields):
     add_special_tokens defaults as in vLLM: true for a prompt, false for messages (the chat
     template adds its own)."""
 
+    _LOG_IGNORED = True
+
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
@@ -832,6 +906,8 @@ class TokenizeResponse(_Response):
 
 
 class DetokenizeRequest(_Request):
+    _LOG_IGNORED = True
+
     model: Optional[str] = None
     tokens: list[int]
 
