@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from fastapi import Request as HTTPRequest  # the fake-engine routes' annotation, resolved from here
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -75,6 +76,7 @@ common_fields = {
     "request_id": st.text(max_size=8),
     "response_format": st.just({"type": "text"}),
     "use_beam_search": st.just(False),  # a vLLM field at its no-op value is accepted
+    "return_token_ids": st.one_of(st.none(), st.booleans()),
 }
 
 completion_fields = {
@@ -172,8 +174,8 @@ def _check_mapping(body: dict, kwargs: dict, chat: bool, defaults: dict) -> None
         want_lp = body.get("top_logprobs", 0) if body.get("logprobs") else None
         assert kwargs["logprobs"] == want_lp
         want_plp = body.get("prompt_logprobs")
-        if want_plp is None and body.get("echo") and body.get("logprobs"):
-            want_plp = want_lp
+        if want_plp is None and body.get("echo") and not body.get("stream"):
+            want_plp = body.get("top_logprobs") or 0  # vLLM: echo asks for the prompt's logprobs
         assert kwargs["prompt_logprobs"] == want_plp
     else:
         assert kwargs["logprobs"] == body.get("logprobs")
@@ -825,3 +827,287 @@ def test_openai_client_sees_bad_request_errors(server_url):
     assert pieces == ["a", "b", ""]
     assert [m.id for m in client.models.list()] == ["m"]
 
+
+# ============================================================================ the real handlers, a fake engine
+#
+# completions.py's create_completion / create_chat_completion behind FastAPI, over an engine
+# that needs no model: a character tokenizer and scripted outputs whose logprob dicts are
+# built as the engine builds them (the chosen token first, then the top-N, which here never
+# holds the chosen token, so that the order rules are visible).
+
+FAKE_TOP = [ord("z"), ord("y"), ord("x"), ord("w")]
+
+
+class CharTokenizer:
+    vocab_size = 256
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(ch) for ch in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+    def id_to_token(self, token_id):
+        return chr(token_id)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+        text = "".join(f"<{m['role']}>{m['content'] or ''}</>" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def fake_entry(token: int, logprob: float, num: int):
+    from vtool.runtime.sampling.host import Logprob
+
+    entry = {token: Logprob(logprob, rank=len(FAKE_TOP) + 1)}
+    for rank, top in enumerate(FAKE_TOP[:num], start=1):
+        entry[top] = Logprob(-0.1 * rank, rank=rank)
+    return entry
+
+
+class FakeStream:
+    def __init__(self, outputs):
+        self.outputs, self.arrival, self.closed = outputs, time.monotonic(), False
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for out in self.outputs:
+            yield out
+
+    def close(self):
+        self.closed = True
+
+
+class FakeEngine:
+    """Generates 'a', 'b', 'c', ... (max_tokens of them, 3 when unset), one output each."""
+
+    def __init__(self):
+        self.added = []
+
+    async def add(self, request_id, prompt_ids, params, priority=0):
+        from vtool.runtime.engine.request import StepOutput
+
+        self.added.append((request_id, list(prompt_ids), params))
+        count = params.max_tokens if params.max_tokens else 3
+        plp = None
+        if params.prompt_logprobs is not None:
+            plp = [None] + [fake_entry(t, -1.0, params.prompt_logprobs) for t in prompt_ids[1:]]
+        outs = []
+        for k in range(count):
+            token = ord("a") + k
+            last = k == count - 1
+            outs.append(StepOutput(
+                request_id=request_id, new_token_ids=[token], new_text=chr(token),
+                new_logprobs=[fake_entry(token, -0.5 - k, params.logprobs)] if params.logprobs is not None else [],
+                finished=last, finish_reason="length" if last else None, stop_reason=None,
+                num_prompt_tokens=len(prompt_ids), num_output_tokens=k + 1, num_cached_tokens=0,
+                prompt_logprobs=plp if k == 0 else None))
+        return FakeStream(outs)
+
+
+def fake_state(engine, force_include_usage=False):
+    from vtool.runtime.serving.completions import ServingState
+
+    values = {"engine": engine, "tokenizer": CharTokenizer(), "served_names": ["m"], "max_model_len": 64,
+              "metrics": None, "metrics_enabled": False, "sampling_defaults": {},
+              "force_include_usage": force_include_usage}
+    return ServingState(**{f.name: values[f.name] for f in dataclasses.fields(ServingState) if f.name in values})
+
+
+def fake_client(force_include_usage=False):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vtool.runtime.serving.completions import create_chat_completion, create_completion
+
+    engine = FakeEngine()
+    state = fake_state(engine, force_include_usage)
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: HTTPRequest):
+        return await create_completion(body, raw, state)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: HTTPRequest):
+        return await create_chat_completion(body, raw, state)
+
+    client = TestClient(app, raise_server_exceptions=True)
+    client.engine = engine
+    return client
+
+
+@pytest.fixture(scope="module")
+def fake():
+    return fake_client()
+
+
+def sse(response) -> list[dict]:
+    assert response.status_code == 200, response.text
+    events = [line[6:] for line in response.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_completions_default_max_tokens_reaches_the_engine(fake):
+    body = fake.post("/v1/completions", json={"prompt": "hi"}).json()
+    assert fake.engine.added[-1][2].max_tokens == 16 and body["usage"]["completion_tokens"] == 16
+    fake.post("/v1/chat/completions", json={"messages": USER})
+    assert fake.engine.added[-1][2].max_tokens is None  # chat: up to the context
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_zero_holds_the_chosen_token(fake, stream):
+    """vLLM's completion top_logprobs keep the first logprobs + 1 entries of the engine's dict:
+    with logprobs=0 that is {chosen token: its logprob}, never an empty dict."""
+    r = fake.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "logprobs": 0, "stream": stream})
+    if stream:
+        parts = [e["choices"][0]["logprobs"] for e in sse(r) if e["choices"]]
+        tops = [t for p in parts for t in p["top_logprobs"]]
+        chosen = [t for p in parts for t in p["token_logprobs"]]
+    else:
+        lp = r.json()["choices"][0]["logprobs"]
+        tops, chosen = lp["top_logprobs"], lp["token_logprobs"]
+    assert tops == [{"a": -0.5}, {"b": -1.5}, {"c": -2.5}] and chosen == [-0.5, -1.5, -2.5]
+
+
+def test_completion_and_chat_top_logprobs_follow_the_engine_dict_order(fake):
+    lp = fake.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logprobs": 2}).json()["choices"][0][
+        "logprobs"]
+    assert list(lp["top_logprobs"][0].items()) == [("a", -0.5), ("z", -0.1), ("y", -0.2)]
+    content = fake.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "logprobs": True,
+                                                      "top_logprobs": 2}).json()["choices"][0]["logprobs"]["content"]
+    # vLLM's chat top_logprobs: the first top_logprobs entries of the dict, the chosen token first
+    assert [(t["token"], t["logprob"]) for t in content[0]["top_logprobs"]] == [("a", -0.5), ("z", -0.1)]
+    content = fake.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "logprobs": True}).json()[
+        "choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == "a" and content[0]["top_logprobs"] == []
+
+
+def test_completion_return_token_ids(fake):
+    body = fake.post("/v1/completions", json={"prompt": ["hi", "yo"], "max_tokens": 2, "n": 2, "temperature": 1,
+                                              "return_token_ids": True}).json()
+    assert [c["prompt_token_ids"] for c in body["choices"]] == [[104, 105]] * 2 + [[121, 111]] * 2
+    assert [c["token_ids"] for c in body["choices"]] == [[97, 98]] * 4
+    plain = fake.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()["choices"][0]
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None and plain["text"] == "ab"
+    # streamed: the prompt's ids in each choice's first chunk, each chunk's new ids in it
+    events = sse(fake.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True,
+                                                    "return_token_ids": True}))
+    choices = [e["choices"][0] for e in events]
+    assert [c["prompt_token_ids"] for c in choices] == [[104, 105], None, None]
+    assert [c["token_ids"] for c in choices] == [[97], [98], [99]]
+    plain = [e["choices"][0] for e in sse(fake.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                                                            "stream": True}))]
+    assert all(c["token_ids"] is None and c["prompt_token_ids"] is None for c in plain)
+
+
+def test_completion_echo_shapes(fake):
+    body = fake.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "echo": True, "logprobs": 0}).json()
+    choice = body["choices"][0]
+    assert choice["text"] == "hiab"
+    assert choice["logprobs"]["tokens"] == ["h", "i", "a", "b"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -0.5, -1.5]
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2, 3]
+    # echo=true, max_tokens=0: the prompt alone (its logprobs alone), the one token run counted
+    body = fake.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0, "echo": True, "logprobs": 1,
+                                              "return_token_ids": True}).json()
+    choice = body["choices"][0]
+    # with return_token_ids vLLM echoes no prompt text: the ids say what the prompt was
+    assert choice["text"] == "" and choice["prompt_token_ids"] == [104, 105] and choice["token_ids"] == [97]
+    assert choice["logprobs"]["tokens"] == ["h", "i"] and body["usage"]["completion_tokens"] == 1
+    events = sse(fake.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "echo": True, "stream": True}))
+    choices = [e["choices"][0] for e in events]
+    assert [c["text"] for c in choices] == ["hia", "b"]
+    assert choices[0]["prompt_token_ids"] == [104, 105]  # vLLM sends the prompt's ids with the echo
+    # a token-id prompt is echoed decoded
+    assert fake.post("/v1/completions", json={"prompt": [104, 105], "max_tokens": 1, "echo": True}).json()[
+        "choices"][0]["text"] == "hia"
+
+
+def test_stream_offsets_count_generated_text(fake):
+    events = sse(fake.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "logprobs": 1, "stream": True}))
+    assert [e["choices"][0]["logprobs"]["text_offset"] for e in events] == [[0], [1], [2]]
+
+
+def test_chat_return_token_ids(fake):
+    body = fake.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "return_token_ids": True}).json()
+    rendered = [ord(ch) for ch in "<user>hi</><assistant>"]
+    assert body["prompt_token_ids"] == rendered and body["choices"][0]["token_ids"] == [97, 98]
+    plain = fake.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).json()
+    assert plain["prompt_token_ids"] is None and plain["choices"][0]["token_ids"] is None
+    events = sse(fake.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "n": 2, "temperature": 1,
+                                                         "stream": True, "return_token_ids": True}))
+    roles = [e for e in events if e["choices"][0]["delta"].get("role")]
+    assert [e["choices"][0]["index"] for e in roles] == [0, 1] and events[:2] == roles  # vLLM: all role chunks first
+    assert all(e["prompt_token_ids"] == rendered for e in roles)
+    content = [e for e in events if e not in roles]
+    assert all("prompt_token_ids" not in e for e in content)
+    for index in (0, 1):
+        assert [t for e in content if e["choices"][0]["index"] == index for t in e["choices"][0]["token_ids"]] == [97, 98]
+    plain = sse(fake.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "stream": True}))
+    assert all("prompt_token_ids" not in e and "token_ids" not in e["choices"][0] for e in plain)
+
+
+roles = st.sampled_from(["system", "user", "assistant"])
+chat_messages = st.lists(st.fixed_dictionaries({"role": roles, "content": st.text(alphabet="pqrs ", max_size=4)}),
+                         min_size=1, max_size=4)
+
+
+@settings(SETTINGS, max_examples=40)
+@given(chat_messages, st.sampled_from(["generation_prompt", "continue", "neither"]), st.booleans(), st.booleans())
+def test_chat_echo_and_role(messages, mode, echo, stream):
+    """vLLM: the answer's role is the assistant's after a generation prompt, else the last
+    message's; echo puts the last message's content first when its role is the answer's."""
+    client = fake_client()
+    body = {"messages": messages, "max_tokens": 2, "echo": echo, "stream": stream}
+    if mode == "continue":
+        body["continue_final_message"] = True
+    elif mode == "neither":
+        body["add_generation_prompt"] = False
+    role = "assistant" if mode == "generation_prompt" else messages[-1]["role"]
+    prefix = messages[-1]["content"] if echo and messages[-1]["role"] == role else ""
+    r = client.post("/v1/chat/completions", json=body)
+    if not stream:
+        message = r.json()["choices"][0]["message"]
+        assert message["role"] == role and message["content"] == prefix + "ab"
+        return
+    events = sse(r)
+    assert events[0]["choices"][0]["delta"] == {"role": role, "content": ""}
+    deltas = [e["choices"][0]["delta"]["content"] for e in events[1:]]
+    if prefix:
+        assert deltas[0] == prefix  # its own chunk, right after the role
+    assert "".join(deltas) == prefix + "ab"
+
+
+def test_chat_echo_asks_for_prompt_logprobs(fake):
+    # vLLM: echo sets prompt_logprobs to top_logprobs (0 by default); a stream never carries them
+    body = fake.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "echo": True}).json()
+    assert fake.engine.added[-1][2].prompt_logprobs == 0 and body["prompt_logprobs"][0] is None
+    fake.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "echo": True, "stream": True})
+    assert fake.engine.added[-1][2].prompt_logprobs is None
+
+
+def test_continuous_usage_is_per_choice():
+    client = fake_client()
+    events = sse(client.post("/v1/completions", json={
+        "prompt": "hi", "max_tokens": 2, "n": 2, "temperature": 1, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    for e in events[:-1]:
+        index = e["choices"][0]["index"]
+        done = sum(len(x["choices"][0]["text"]) for x in events[:-1]
+                   if x["choices"][0]["index"] == index and events.index(x) <= events.index(e))
+        assert e["usage"] == {"prompt_tokens": 2, "completion_tokens": done, "total_tokens": 2 + done,
+                              "prompt_tokens_details": None}
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4,
+                                                                     "total_tokens": 6}
+    # continuous_usage_stats needs include_usage (vLLM); the server's force flag turns both on
+    events = sse(client.post("/v1/completions", json={
+        "prompt": "hi", "max_tokens": 2, "stream": True,
+        "stream_options": {"include_usage": False, "continuous_usage_stats": True}}))
+    assert all(e["usage"] is None for e in events)
+    forced = fake_client(force_include_usage=True)
+    events = sse(forced.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "stream": True}))
+    assert all("usage" in e for e in events) and events[-1]["choices"] == []

@@ -179,39 +179,77 @@ def _log_outputs(state: ServingState, request_id: str, choices: list[Choice]) ->
             log.info("Finished request %s choice %d (%s): %s", request_id, c.index, c.finish_reason, state.clip(c.text))
 
 
-# ------------------------------------------------------------------------------ logprobs shapes
-def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+# ------------------------------------------------------------------------------ response shaping
+def _usage_flags(state: ServingState, req: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage on every chunk), as vLLM's should_include_usage: the
+    server's --enable-force-include-usage turns both on; continuous_usage_stats needs
+    include_usage (true by default once stream_options is given)."""
+    if state.force_include_usage:
+        return True, True
+    options = req.stream_options
+    if options is None:
+        return False, False
+    include = bool(options.include_usage)
+    return include, include and bool(options.continuous_usage_stats)
+
+
+def _choice_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """The usage a chunk carries with continuous_usage_stats: that choice's prompt and its
+    tokens so far (vLLM's per-choice figures, not the request's totals)."""
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int, entry: Any = None) -> str:
+    decoded = getattr(entry, "decoded_token", None)
+    return decoded if decoded is not None else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, -9999.0)  # -inf is not JSON; OpenAI's floor
 
 
 def _completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[Any], offset: int,
                          num: int) -> CompletionLogProbs:
+    """OpenAI's legacy logprobs, as vLLM builds them. Each entry is the engine's dict for one
+    position: the chosen token first, then the top-`num` (a chosen token among them appears
+    once). top_logprobs keeps the first num + 1 of the dict, so it always holds the chosen
+    token: with logprobs=0 it is {chosen: logprob}."""
     result = CompletionLogProbs()
     for token_id, entry in zip(token_ids, entries):
-        text = _token_text(tokenizer, token_id)
+        chosen = None if entry is None else entry.get(token_id)
+        text = _token_text(tokenizer, token_id, chosen)
         result.tokens.append(text)
         result.text_offset.append(offset)
         offset += len(text)
-        if entry is None:
+        if chosen is None:
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
             continue
-        result.token_logprobs.append(entry[token_id].logprob)
-        top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: max(num, 0)]
-        result.top_logprobs.append({_token_text(tokenizer, t): lp.logprob for t, lp in top})
+        result.token_logprobs.append(_clamp(chosen.logprob))
+        result.top_logprobs.append({_token_text(tokenizer, t, lp): _clamp(lp.logprob)
+                                    for rank, (t, lp) in enumerate(entry.items()) if rank <= num})
     return result
 
 
 def _chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[Any], num: int) -> ChatCompletionLogProbs:
+    """Chat logprobs, as vLLM builds them: top_logprobs is the first `num` entries of the
+    engine's dict in its order (the chosen token first, then the most likely), none for 0."""
     content = []
     for token_id, entry in zip(token_ids, entries):
-        text = _token_text(tokenizer, token_id)
-        top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: max(num, 0)]
-        content.append(ChatCompletionLogProbsContent(
-            token=text, logprob=max(entry[token_id].logprob, -9999.0), bytes=list(text.encode()),
-            top_logprobs=[ChatCompletionLogProb(token=(t_text := _token_text(tokenizer, t)),
-                                                logprob=max(lp.logprob, -9999.0), bytes=list(t_text.encode()))
-                          for t, lp in top]))
+        chosen = None if entry is None else entry.get(token_id)
+        text = _token_text(tokenizer, token_id, chosen)
+        if chosen is None:
+            content.append(ChatCompletionLogProbsContent(token=text, bytes=list(text.encode())))
+            continue
+        top = []
+        for rank, (t, lp) in enumerate(entry.items()):
+            if rank >= num:
+                break
+            t_text = _token_text(tokenizer, t, lp)
+            top.append(ChatCompletionLogProb(token=t_text, logprob=_clamp(lp.logprob), bytes=list(t_text.encode())))
+        content.append(ChatCompletionLogProbsContent(token=text, logprob=_clamp(chosen.logprob),
+                                                     bytes=list(text.encode()), top_logprobs=top))
     return ChatCompletionLogProbs(content=content)
 
 
@@ -223,23 +261,36 @@ async def create_completion(req: CompletionRequest, raw: Request, state: Serving
     params = SamplingParams(**req.to_sampling_kwargs(state.sampling_defaults))
     request_id = completion_id()
     streams, choices = await _admit(state, request_id, prompts, params, req.priority or 0)
-    echo = bool(req.echo)
-    num_logprobs = params.logprobs if params.logprobs is not None else -1
+    echo, echo_only, want_ids = bool(req.echo), req.echo_without_generation, bool(req.return_token_ids)
+    num_logprobs = req.logprobs
+    per_prompt = max(1, params.n)
+
+    def echo_text(c: Choice) -> str:
+        # vLLM echoes a text prompt as sent and a token prompt decoded; with return_token_ids
+        # it echoes no prompt text (the ids say what the prompt was)
+        if want_ids:
+            return ""
+        sent = req.prompts[c.index // per_prompt]
+        return sent if isinstance(sent, str) else state.tokenizer.decode(c.prompt_ids, skip_special_tokens=False)
+
+    def prompt_entries(c: Choice) -> list[Any]:
+        return list(c.prompt_logprobs) if c.prompt_logprobs is not None else [None] * len(c.prompt_ids)
 
     def finish_choice(c: Choice) -> CompletionResponseChoice:
-        text = c.text
+        if echo and echo_only:
+            text, ids, entries = echo_text(c), c.prompt_ids, prompt_entries(c)
+        elif echo:
+            text, ids = echo_text(c) + c.text, c.prompt_ids + c.token_ids
+            entries = prompt_entries(c) + list(c.logprobs)
+        else:
+            text, ids, entries = c.text, c.token_ids, c.logprobs
         logprobs = None
-        if params.logprobs is not None:
-            ids, entries = c.token_ids, c.logprobs
-            if echo and c.prompt_logprobs is not None:
-                ids, entries = c.prompt_ids + ids, list(c.prompt_logprobs) + entries
+        if num_logprobs is not None:
             logprobs = _completion_logprobs(state.tokenizer, ids, entries, 0, num_logprobs)
-        if req.echo_without_generation:
-            text = ""
-        if echo:
-            text = state.tokenizer.decode(c.prompt_ids, skip_special_tokens=False) + text
         return CompletionResponseChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
-                                        stop_reason=c.stop_reason, prompt_logprobs=_plain(c.prompt_logprobs))
+                                        stop_reason=c.stop_reason, token_ids=list(c.token_ids) if want_ids else None,
+                                        prompt_logprobs=_plain(c.prompt_logprobs),
+                                        prompt_token_ids=list(c.prompt_ids) if want_ids else None)
 
     if not req.stream:
         await _collect(raw, state, streams, choices)
@@ -247,36 +298,51 @@ async def create_completion(req: CompletionRequest, raw: Request, state: Serving
         return JSONResponse(CompletionResponse(id=request_id, model=model, choices=[finish_choice(c) for c in choices],
                                                usage=_usage(prompts, choices)).model_dump())
 
-    include_usage = state.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
-    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    include_usage, continuous = _usage_flags(state, req)
 
     async def events() -> AsyncIterator[str]:
         created = int(time.time())
-        offsets = [0] * len(choices)
+        text_offsets = [0] * len(choices)  # vLLM: generated text so far (the echoed prompt not counted)
         try:
             async for i, out in _merged(state, streams):
                 c = choices[i]
-                prefix = ""
-                if echo and not c.started:
-                    prefix = state.tokenizer.decode(c.prompt_ids, skip_special_tokens=False)
-                c.started = True
+                first = not c.started
+                earlier = len(c.token_ids)
                 _apply(c, out)
+                prompt_ids = None
+                if echo and first:
+                    # the first chunk of a choice echoes its prompt (vLLM sends the prompt's ids
+                    # with it, asked or not)
+                    if echo_only:
+                        text, ids, entries = echo_text(c), c.prompt_ids, prompt_entries(c)
+                    else:
+                        text, ids = echo_text(c) + out.new_text, c.prompt_ids + out.new_token_ids
+                        entries = prompt_entries(c) + list(out.new_logprobs)
+                    prompt_ids = list(c.prompt_ids)
+                else:
+                    text, ids, entries = out.new_text, out.new_token_ids, out.new_logprobs
+                    if first and want_ids:
+                        prompt_ids = list(c.prompt_ids)
+                    if not text and not ids and not earlier and not out.finished:
+                        continue  # nothing to say yet (a prefill step); the choice has not started
+                c.started = True
                 logprobs = None
-                if params.logprobs is not None:
-                    logprobs = _completion_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs, offsets[i],
-                                                    num_logprobs)
-                    offsets[i] += sum(len(t) for t in logprobs.tokens)
+                if num_logprobs is not None:
+                    logprobs = _completion_logprobs(state.tokenizer, ids, entries, text_offsets[i], num_logprobs)
+                text_offsets[i] += len(out.new_text)
                 chunk = CompletionStreamResponse(
                     id=request_id, created=created, model=model,
-                    choices=[CompletionResponseStreamChoice(index=i, text=prefix + out.new_text, logprobs=logprobs,
-                                                            finish_reason=out.finish_reason,
-                                                            stop_reason=out.stop_reason)])
+                    choices=[CompletionResponseStreamChoice(
+                        index=i, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason, prompt_token_ids=prompt_ids,
+                        token_ids=list(out.new_token_ids) if want_ids else None)])
                 if continuous:
-                    chunk.usage = _usage(prompts, choices)
+                    chunk.usage = _choice_usage(len(c.prompt_ids), len(c.token_ids))
                 yield sse_event(chunk)
             if include_usage:
-                yield sse_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                                         usage=_usage(prompts, choices)))
+                final = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                 usage=_usage(prompts, choices))
+                yield sse_event(final.model_dump_json(exclude_none=True))
             _log_outputs(state, request_id, choices)
         except Exception as err:  # mid-stream failure: report it in-band, as vLLM does
             log.exception("stream %s failed", request_id)
@@ -314,48 +380,67 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     request_id = chat_completion_id()
     streams, choices = await _admit(state, request_id, [prompt_ids], params, req.priority or 0)
     num_top = req.top_logprobs or 0
+    role, echo_text, want_ids = req.response_role, req.echo_text, bool(req.return_token_ids)
 
     if not req.stream:
         await _collect(raw, state, streams, choices)
         _log_outputs(state, request_id, choices)
         result = [ChatCompletionResponseChoice(
-            index=c.index, message=ChatResponseMessage(content=c.text),
+            index=c.index, message=ChatResponseMessage(role=role, content=echo_text + c.text),
             logprobs=_chat_logprobs(state.tokenizer, c.token_ids, c.logprobs, num_top) if req.logprobs else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in choices]
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            token_ids=list(c.token_ids) if want_ids else None) for c in choices]
         return JSONResponse(ChatCompletionResponse(
             id=request_id, model=model, choices=result, usage=_usage([prompt_ids], choices),
-            prompt_logprobs=_plain(choices[0].prompt_logprobs)).model_dump())
+            prompt_logprobs=_plain(choices[0].prompt_logprobs),
+            prompt_token_ids=list(prompt_ids) if want_ids else None).model_dump())
 
-    include_usage = state.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
-    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    include_usage, continuous = _usage_flags(state, req)
 
     async def events() -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+        def chunk(choice: ChatCompletionResponseStreamChoice, completion_tokens: int,
+                  with_prompt_ids: bool = False) -> str:
             body = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
+            if with_prompt_ids:
+                body.prompt_token_ids = list(prompt_ids)
             if continuous:
-                body.usage = _usage([prompt_ids], choices)
+                body.usage = _choice_usage(len(prompt_ids), completion_tokens)
             return sse_event(body, exclude_unset=True)
 
+        started = False
         try:
             async for i, out in _merged(state, streams):
+                if not started:
+                    # As vLLM, with the request's first output: a role chunk for every choice
+                    # (carrying the prompt's ids when asked), then the echoed text for each.
+                    started = True
+                    for j in range(len(choices)):
+                        yield chunk(ChatCompletionResponseStreamChoice(index=j, delta=DeltaMessage(role=role, content="")),
+                                    0, with_prompt_ids=want_ids)
+                    if echo_text:
+                        for j in range(len(choices)):
+                            yield chunk(ChatCompletionResponseStreamChoice(index=j, delta=DeltaMessage(content=echo_text)),
+                                        0)
                 c = choices[i]
-                if not c.started:  # the role comes first, once the first output exists (as vLLM)
-                    c.started = True
-                    yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                                                content="")))
+                earlier = len(c.token_ids)
                 _apply(c, out)
+                if not out.new_text and not out.new_token_ids and not earlier and not out.finished:
+                    continue  # nothing to say yet (a prefill step)
                 logprobs = _chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs, num_top) \
                     if req.logprobs else None
                 choice = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=out.new_text),
                                                             logprobs=logprobs, finish_reason=out.finish_reason)
+                if want_ids:
+                    choice.token_ids = list(out.new_token_ids)
                 if out.finished:
                     choice.stop_reason = out.stop_reason
-                yield chunk(choice)
+                yield chunk(choice, len(c.token_ids))
             if include_usage:
                 yield sse_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                                             usage=_usage([prompt_ids], choices)), exclude_unset=True)
+                                                             usage=_usage([prompt_ids], choices)).model_dump_json(
+                                                                 exclude_unset=True, exclude_none=True))
             _log_outputs(state, request_id, choices)
         except Exception as err:
             log.exception("stream %s failed", request_id)
@@ -363,4 +448,3 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
         yield SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream")
-

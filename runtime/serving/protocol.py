@@ -282,6 +282,8 @@ class _SamplingFields(_Request):
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     priority: int = 0
     request_id: Optional[str] = None
+    # vLLM: the response carries token_ids (generated) and prompt_token_ids
+    return_token_ids: Optional[bool] = None
 
     _UNSUPPORTED = _COMMON_UNSUPPORTED
 
@@ -589,7 +591,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     parallel_tool_calls: Optional[bool] = None
     functions: Optional[list[dict[str, Any]]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
-    echo: bool = False  # vLLM: prepend the last message when it has the assistant's role
+    echo: bool = False  # vLLM: prepend the last message when it has the response's role
     add_special_tokens: bool = False
 
     _UNSUPPORTED = {
@@ -643,11 +645,30 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     def template_messages(self) -> list[dict[str, Any]]:
         return messages_to_dicts(self.messages)
 
+    @property
+    def response_role(self) -> str:
+        """The role of the answer, as vLLM's get_chat_request_role: the assistant's after a
+        generation prompt; without one (continue_final_message, or add_generation_prompt=false)
+        the model goes on with the last message, so the answer has that message's role."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @property
+    def echo_text(self) -> str:
+        """What echo=true puts before the generated text: the last message's content when that
+        message has the response's role (with continue_final_message: the message being
+        continued), else nothing."""
+        last = self.messages[-1]
+        if not self.echo or last.role != self.response_role:
+            return ""
+        return last.text() or ""
+
     def _logprob_kwargs(self) -> tuple[Optional[int], Optional[int]]:
         top = self.top_logprobs or 0
         logprobs = top if self.logprobs else None
         prompt_logprobs = self.prompt_logprobs
-        if prompt_logprobs is None and self.echo and self.logprobs:
+        # vLLM asks for prompt logprobs (top_logprobs of them, 0 by default) whenever echo is
+        # set and returns them in a non-streamed response; a stream never carries them.
+        if prompt_logprobs is None and self.echo and not self.stream:
             prompt_logprobs = top
         return logprobs, prompt_logprobs
 
@@ -710,7 +731,9 @@ class CompletionResponseChoice(_Response):
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None  # the stop string or token id that ended it
+    token_ids: Optional[list[int]] = None  # return_token_ids: the generated ids
     prompt_logprobs: Optional[list[Optional[dict[str, Any]]]] = None
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids: this choice's prompt
 
 
 class CompletionResponse(_Response):
@@ -731,6 +754,8 @@ class CompletionResponseStreamChoice(_Chunk):
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_token_ids: Optional[list[int]] = None  # the first chunk of a choice (return_token_ids, or echo)
+    token_ids: Optional[list[int]] = None  # return_token_ids: this chunk's new ids
 
 
 class CompletionStreamResponse(_Chunk):
@@ -772,6 +797,7 @@ class ChatCompletionResponseChoice(_Response):
     logprobs: Optional[ChatCompletionLogProbs] = None
     finish_reason: Optional[str] = "stop"
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None  # return_token_ids: the generated ids
 
 
 class ChatCompletionResponse(_Response):
@@ -783,6 +809,7 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: Optional[str] = None
     usage: UsageInfo
     prompt_logprobs: Optional[list[Optional[dict[str, Any]]]] = None
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids
 
 
 class DeltaMessage(_Response):
@@ -800,6 +827,7 @@ class ChatCompletionResponseStreamChoice(_Chunk):
     logprobs: Optional[ChatCompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None  # return_token_ids: this chunk's new ids
 
 
 class ChatCompletionStreamResponse(_Chunk):
@@ -811,6 +839,7 @@ class ChatCompletionStreamResponse(_Chunk):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids: on the role chunks
 
 
 SSE_DONE = "data: [DONE]\n\n"
