@@ -26,6 +26,11 @@ What it does, all cached and idempotent:
      records whether repacking applies to any tensor at all (on AVX-512 Zen 4, for these
      Q4_1/Q8_0 files, it applies to none: both settings then run the same kernels).
 
+For serving comparisons (tests/test_bench_llama_server.py, serve_vs_llama_server.py) the same
+build folder also builds `llama-server` (build_llama_server(), on first use, at nice 10; or
+`--build-server` here) and llama_server() runs one on 127.0.0.1 (falling back to --no-repack
+when it dies while starting, as it does with repacking on an AMX Xeon).
+
 Why: decode (tg128) on CPU is bound by memory bandwidth, so the fair comparison is t/s
 against the roofline bandwidth / weight bytes per token (tests/bench/membw.py measures the
 bandwidth); pp512 shows the compute-bound side. The JSON written holds the llama.cpp
@@ -34,6 +39,7 @@ commit, the build flags, the exact command line of every run and its t/s (mean a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -44,7 +50,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -74,6 +80,15 @@ CMAKE_FLAGS = [
     "-DLLAMA_OPENSSL=OFF",
 ]
 TARGETS = ["llama-bench", "llama-quantize"]
+# llama-server (tests/test_bench_llama_server.py, serve_vs_llama_server.py): the same build folder,
+# configured again with the server on; the web UI is neither built (npm) nor downloaded (HF bucket),
+# so the build needs no network. These options add targets only: the llama-bench objects stay.
+SERVER_TARGET = "llama-server"
+SERVER_CMAKE_FLAGS = [f for f in CMAKE_FLAGS if not f.startswith("-DLLAMA_BUILD_SERVER=")] + [
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+]
 MIN_CMAKE = (3, 14)
 
 QWEN3_CONFIG = Path(__file__).with_name("qwen3_0p6b_config.json")
@@ -184,6 +199,149 @@ def build(root: Path, jobs: int) -> dict[str, Any]:
     }
     record_path.write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def build_tools_missing() -> list[str]:
+    """What building llama.cpp here lacks: a C and a C++ compiler (cmake itself can come from
+    PyPI, see find_cmake). Empty when a build can be tried."""
+    missing = []
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        missing.append("a C compiler (cc/gcc/clang)")
+    if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+        missing.append("a C++ compiler (c++/g++/clang++)")
+    return missing
+
+
+def llama_server_path(root: Path | None = None) -> Path:
+    return (root or llamacpp_root()) / "build" / "bin" / SERVER_TARGET
+
+
+def build_llama_server(root: Path | None = None, jobs: int | None = None, nice: int = 10) -> Path:
+    """The `llama-server` binary of the same llama.cpp tree and build folder as llama-bench
+    (built on first call, at `nice`, then cached; a file lock keeps two callers from building
+    at once). Records the build in <root>/server-build.json. Raises BenchError on failure."""
+    import fcntl
+
+    root = root or llamacpp_root()
+    binary = llama_server_path(root)
+    record_path = root / "server-build.json"
+    if binary.exists() and record_path.exists():
+        return binary
+    with open(root / "server-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if binary.exists() and record_path.exists():
+            return binary
+        missing = build_tools_missing()
+        if missing:
+            raise BenchError(f"cannot build {SERVER_TARGET}: no {' and no '.join(missing)} on PATH")
+        llama = fetch_source(root)
+        cmake = find_cmake(root)
+        # an existing build folder keeps its generator; a new one gets Ninja when there is one
+        fresh = not (root / "build" / "CMakeCache.txt").exists()
+        ninja = (root / "build" / "build.ninja").exists() or (fresh and shutil.which("ninja"))
+        generator = ["-G", "Ninja"] if ninja else []
+        configure = [cmake, "-S", llama, "-B", root / "build", *generator, *SERVER_CMAKE_FLAGS]
+        compile_ = [cmake, "--build", root / "build", "--config", "Release", "-j", str(jobs or os.cpu_count() or 2),
+                    "--target", SERVER_TARGET]
+        t0 = time.perf_counter()
+        for cmd in (configure, compile_):
+            done = _run(cmd, capture_output=True, preexec_fn=(lambda: os.nice(nice)) if nice > 0 else None)
+            with (root / "server-build-log.txt").open("a") as f:
+                f.write(done.stdout + done.stderr)
+            if done.returncode != 0:
+                raise BenchError(f"{' '.join(map(str, cmd))} failed (exit {done.returncode}); "
+                                 f"see {root / 'server-build-log.txt'}:\n{done.stderr.strip()[-1500:]}")
+        if not binary.exists():
+            raise BenchError(f"the build succeeded but {binary} is missing")
+        record = {
+            "llama_cpp_python_sdist": LCP_SDIST,
+            "sdist_sha256": LCP_SDIST_SHA256,
+            "llama_cpp_commit": llama_cpp_commit(root),
+            "cmake": f"{cmake} {'.'.join(map(str, _cmake_version(cmake)))}",
+            "configure": " ".join(map(str, configure)),
+            "build": " ".join(map(str, compile_)),
+            "compiler": subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.splitlines()[0],
+            "build_seconds": round(time.perf_counter() - t0, 1),
+        }
+        record_path.write_text(json.dumps(record, indent=2) + "\n")
+    return binary
+
+
+def llama_server_record(root: Path | None = None) -> dict[str, Any]:
+    path = (root or llamacpp_root()) / "server-build.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def llama_server(model: str | Path, *, parallel: int, threads: int, ctx_size: int, binary: Path | None = None,
+                 extra: tuple[str, ...] = (), log_dir: Path | None = None,
+                 startup_timeout: float = 300.0) -> Iterator[dict[str, Any]]:
+    """A running `llama-server -m model -np parallel -t/-tb threads -c ctx_size --metrics` on
+    127.0.0.1 and a free port; yields {"url", "command", "repack", "log"} and stops it after.
+    llama.cpp's defaults first (CPU weight repacking on); if the server dies while starting (it
+    segfaults with repacking on an AMX Xeon, as llama-bench's pp512 does) it is started again
+    with --no-repack, and "repack" says which setting is running."""
+    import httpx
+
+    binary = binary or build_llama_server()
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="llama-server-"))
+    for repack in (True, False):
+        port = _free_port()
+        cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel),
+               "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size), "--metrics", "--no-webui",
+               *([] if repack else ["--no-repack"]), *extra]
+        log_path = log_dir / f"llama-server-{port}.log"
+        url = f"http://127.0.0.1:{port}"
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + startup_timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        if proc.poll() is not None:
+            log(f"llama-server exited with {proc.returncode} while starting ({'repack on' if repack else '--no-repack'});"
+                f" log {log_path}")
+            if repack:
+                continue
+            raise BenchError(f"llama-server exited with {proc.returncode}: {log_path.read_text()[-1500:]}")
+        if time.monotonic() >= deadline:
+            proc.kill()
+            proc.wait()
+            raise BenchError(f"llama-server did not become healthy in {startup_timeout:.0f} s; log {log_path}")
+        try:
+            yield {"url": url, "command": " ".join(cmd), "repack": repack, "log": str(log_path)}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return
+
+
+def server_metrics(url: str) -> dict[str, float]:
+    """llama-server's Prometheus counters (`--metrics`), without the `llamacpp:` prefix."""
+    import httpx
+
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name.split(":", 1)[-1]] = float(value)
+    return out
 
 
 # ----------------------------------------------------------------------------- GGUF files
@@ -459,6 +617,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compile jobs")
     ap.add_argument("--only", nargs="*", help="model names to measure (default: all)")
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--build-server", action="store_true",
+                    help="also build llama-server (build_llama_server) and print its record")
     ap.add_argument("--no-repack-too", action="store_true",
                     help="also measure with --repack 0 when the default run works")
     ap.add_argument("--rounds", type=int, default=1,
@@ -478,8 +638,10 @@ def main() -> None:
     root = llamacpp_root()
     info = build(root, a.jobs)
     log(f"llama.cpp {info['llama_cpp_commit']} built in {root / 'build'}")
+    if a.build_server:
+        log(f"llama-server: {build_llama_server(root, a.jobs)}")
     if a.build_only:
-        print(json.dumps(info, indent=2))
+        print(json.dumps({**info, "server": llama_server_record(root)} if a.build_server else info, indent=2))
         return
     binary = root / "build" / "bin" / "llama-bench"
     models = prepare_models(root, a.only)
