@@ -284,13 +284,22 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
 @click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
               help="generate exactly --output-len tokens per request")
 @click.option("--api-key", default=None)
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--tokenizer", "tokenizer_path", default=None, type=click.Path(exists=True),
+              help="the served model's tokenizer (tokenizer.json, model folder or .gguf): exact prompt lengths, "
+                   "and output counted from the text when the server sends no usage; needed with --url unless "
+                   "the server's /tokenize answers vLLM's shape (default without --url: the model's)")
+@click.option("--seed", default=None, type=int,
+              help="prompt and arrival seed (default: a fresh one per invocation, written in the report)")
+@click.option("--fresh-prompts/--same-prompts", default=True, show_default=True,
+              help="every concurrency level (and the warm-up) gets prompts of its own, so no prompt cache "
+                   "helps one run from another; --same-prompts sends the same set at every level, as vLLM")
 @click.option("--result-json", default=None, help="write the report here as JSON")
 @artifact_option
 @threads_option
 def bench(model: str | None, revision: str | None, url: str | None, endpoint: str, dataset_path: str | None, num_prompts: int,
           input_len: int, output_len: int, concurrency: str, max_num_batched_tokens: int, num_blocks: int | None,
-          max_num_seqs: int | None, target: str, dtype: str, ignore_eos: bool, api_key: str | None, seed: int,
+          max_num_seqs: int | None, target: str, dtype: str, ignore_eos: bool, api_key: str | None,
+          tokenizer_path: str | None, seed: int | None, fresh_prompts: bool,
           result_json: str | None, artifact: str | None, threads: int | None) -> None:
     """Measure serving throughput and latency (TTFT, TPOT, ITL, E2EL) as vLLM defines them.
     --threads applies to the local server it starts (passed on as VTOOL_CPU_THREADS)."""
@@ -304,7 +313,8 @@ def bench(model: str | None, revision: str | None, url: str | None, endpoint: st
     levels = parse_concurrency(concurrency)
     opts = BenchOptions(model=model if url else None, url=url or "", endpoint=endpoint, dataset_path=dataset_path,
                         num_prompts=num_prompts, input_len=input_len, output_len=output_len, concurrency=levels,
-                        ignore_eos=ignore_eos, api_key=api_key, seed=seed, result_json=result_json)
+                        ignore_eos=ignore_eos, api_key=api_key, seed=seed, result_json=result_json,
+                        tokenizer=tokenizer_path, fresh_prompts=fresh_prompts)
     if url:
         bench_main(opts, None, out)
         return

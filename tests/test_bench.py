@@ -2,6 +2,8 @@
 streaming client end to end against a real SSE server on 127.0.0.1."""
 
 import asyncio
+import dataclasses
+import contextlib
 import io
 import json
 import math
@@ -16,11 +18,17 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from vtool import VtoolError
-from vtool.runtime.bench.client import (NO_TTFT_ERROR, RequestInput, SSEDecoder, api_base, endpoint_url,
-                                        request_chat_completions, request_completions, request_delays, run_requests)
-from vtool.runtime.bench.command import (BenchOptions, BenchPrompt, bench_main, load_dataset_prompts, parse_concurrency,
-                                     parse_goodput, run_bench, synthetic_prompts, word_prompts)
-from vtool.runtime.bench.metrics import RequestRecord, calculate_metrics, latency_stats, peak_rates
+import httpx
+
+from vtool.runtime.bench.client import (NO_TTFT_ERROR, RequestInput, SSEDecoder, StreamError, StreamParser, api_base,
+                                        endpoint_url, request_chat_completions, request_completions, request_delays,
+                                        run_requests)
+from vtool.runtime.bench import command
+from vtool.runtime.bench.command import (BenchOptions, BenchPrompt, bench_main, fresh_seed, load_dataset_prompts,
+                                         parse_concurrency, parse_goodput, plan_prompts, probe_server_tokenizer,
+                                         run_bench, synthetic_prompts, word_prompts)
+from vtool.runtime.bench.metrics import (RequestRecord, calculate_metrics, count_output_tokens, latency_stats,
+                                         peak_rates)
 
 # ----------------------------------------------------------------------------- metrics: by hand
 
@@ -72,10 +80,13 @@ def test_goodput_and_fallback_output_len():
     m = calculate_metrics(_hand_records(), 2.0, goodput_slo_ms={"tpot": 50})
     assert m.request_goodput == pytest.approx(1.0)         # A (33 ms), B (TPOT 0)
     assert calculate_metrics(_hand_records(), 2.0).request_goodput is None
-    # no usage: re-tokenize the text, or count 1 without a tokenizer
+    # no usage: re-tokenize the text, or (vLLM counts 1) one token per content chunk without a tokenizer
     rec = RequestRecord(True, 3, 0, 0.1, [0.1], 0.2, 0.0, generated_text="a b c")
-    assert calculate_metrics([rec], 1.0).total_output == 1
-    assert calculate_metrics([rec], 1.0, count_tokens=lambda s: len(s.split())).total_output == 3
+    m = calculate_metrics([rec], 1.0)
+    assert m.total_output == 2 and m.output_count_methods == {"chunks": 1}
+    m = calculate_metrics([rec], 1.0, count_tokens=lambda s: len(s.split()), count_method="server /tokenize")
+    assert m.total_output == 3 and m.to_dict()["output_tokens_counted_by"] == {"server /tokenize": 1}
+    assert calculate_metrics(_hand_records(), 2.0).output_count_methods == {"usage": 3}
 
 
 def test_empty_and_all_failed():
@@ -102,7 +113,7 @@ _record = st.builds(
 def test_metric_invariants(records, duration):
     m = calculate_metrics(records, duration)
     ok = [r for r in records if r.success]
-    out = [r.output_tokens or 1 for r in ok]
+    out = [r.output_tokens or 1 + len(r.itl) for r in ok]     # usage, else one per content chunk
     assert m.completed == len(ok) and m.completed + m.failed == len(records)
     assert m.request_throughput * duration == pytest.approx(len(ok))
     assert m.output_throughput * duration == pytest.approx(sum(out))
@@ -175,6 +186,220 @@ def test_sse_decoder_split_invariant(cuts):
         last = p
     got += d.flush()
     assert got == ['{"choices": [{"text": "\u00e9t\u00e9"}]}', '{"choices": []}', '{"usage": {}}', "[DONE]"]
+
+
+# ----------------------------------------------------------------------------- stream parsing: usage anywhere
+
+def _usage_obj(completion: int, prompt: int, as_float: bool, cached: int | None) -> dict:
+    u = {"completion_tokens": float(completion) if as_float else completion, "prompt_tokens": prompt,
+         "total_tokens": completion + prompt}
+    if cached is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
+    return u
+
+
+@st.composite
+def _streams(draw):
+    """An OpenAI stream as some server sends it: content chunks; for chat maybe a role chunk
+    first; the finish reason on the last token's chunk (vLLM, vtool) or on a chunk of its own
+    with no output (llama-server); usage in a final chunk with empty or no choices (OpenAI,
+    vLLM), in the finish chunk (llama-server's completions), in every chunk (continuous), or
+    nowhere."""
+    chat = draw(st.booleans())
+    texts = draw(st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=8))
+    role = chat and draw(st.booleans())
+    finish = draw(st.sampled_from(["on_last", "separate", "none"]))
+    where = draw(st.sampled_from(["final_empty", "final_no_choices", "finish_chunk", "continuous", "none"]))
+    if where == "finish_chunk" and finish == "none":
+        finish = "separate"
+    as_float = draw(st.booleans())
+    prompt = draw(st.integers(0, 5000))
+    cached = draw(st.none() | st.integers(0, 100))
+    extra = draw(st.dictionaries(st.sampled_from(["timings", "system_fingerprint", "created", "object"]),
+                                 st.integers() | st.text(max_size=5), max_size=2))
+    n = len(texts)
+
+    def choice(text: str | None, reason: str | None) -> dict:
+        if chat:
+            delta = {} if text is None else {"content": text}
+            return {"index": 0, "delta": delta, "finish_reason": reason}
+        return {"index": 0, "text": "" if text is None else text, "logprobs": None, "finish_reason": reason}
+
+    chunks: list[dict] = []
+    if role:
+        chunks.append({"choices": [{"index": 0, "delta": {"role": "assistant", "content": None},
+                                    "finish_reason": None}], **extra})
+    for i, t in enumerate(texts):
+        c = {"choices": [choice(t, "length" if finish == "on_last" and i == n - 1 else None)], **extra}
+        if where == "continuous" or (where == "finish_chunk" and finish == "on_last" and i == n - 1):
+            c["usage"] = _usage_obj(i + 1, prompt, as_float, cached)
+        chunks.append(c)
+    if finish == "separate":
+        c = {"choices": [choice(None, "length")], **extra}
+        if where in ("finish_chunk", "continuous"):
+            c["usage"] = _usage_obj(n, prompt, as_float, cached)
+        chunks.append(c)
+    if where in ("final_empty", "continuous"):
+        chunks.append({"choices": [], "usage": _usage_obj(n, prompt, as_float, cached)})
+    elif where == "final_no_choices":
+        chunks.append({"usage": _usage_obj(n, prompt, as_float, cached), **extra})
+    return chat, texts, role, finish, where, prompt, cached, chunks
+
+
+@settings(max_examples=300, deadline=None)
+@given(_streams(), st.booleans())
+def test_stream_parser_reads_usage_wherever_it_is(stream, with_counter):
+    chat, texts, role, _finish, where, prompt, cached, chunks = stream
+    rec = RequestRecord(prompt_len=999, client_prompt_len=999)
+    parser = StreamParser(rec, 0.0, chat)
+    times = []
+    for i, c in enumerate(chunks):
+        times.append(float(i + 1))
+        parser.feed(json.dumps(c), float(i + 1))
+    parser.feed("[DONE]", 100.0)
+    parser.finish()
+    assert rec.success and rec.error == ""
+    assert rec.generated_text == "".join(texts)
+    assert rec.ttft == 1.0                                  # the first chunk with choices
+    # one gap per later token chunk (the role chunk counts as the first, as in vLLM); a finish
+    # chunk with no output adds none
+    assert len(rec.itl) == len(texts) - 1 + role
+    assert all(g == 1.0 for g in rec.itl)
+    with_choices = [t for t, c in zip(times, chunks) if c.get("choices")]
+    assert rec.latency == (times[-1] if chat else with_choices[-1])
+    count = (lambda s: len(s)) if with_counter else None   # noqa: E731 - one token per character
+    n, how = count_output_tokens(rec, count)
+    if where == "none":
+        assert rec.usage_completion_tokens is None and rec.prompt_len == 999
+        assert (n, how) == ((len("".join(texts)), "tokenizer") if with_counter else (len(texts), "chunks"))
+    else:
+        assert (n, how) == (len(texts), "usage")
+        assert rec.output_tokens == rec.usage_completion_tokens == len(texts)
+        assert rec.prompt_len == rec.usage_prompt_tokens == prompt
+        assert rec.usage_cached_tokens == cached
+
+
+_json_keys = st.sampled_from(["choices", "usage", "text", "delta", "content", "finish_reason", "error", "index",
+                              "completion_tokens", "prompt_tokens", "prompt_tokens_details", "cached_tokens",
+                              "role", "reasoning_content", "tool_calls"]) | st.text(max_size=4)
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_json_keys, inner, max_size=5),
+                     max_leaves=25)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.booleans(), st.lists(st.one_of(_json.map(json.dumps), st.text(max_size=20)), max_size=8))
+def test_stream_parser_never_crashes(chat, payloads):
+    """Any payload either parses or fails the request with a StreamError; counts stay whole and
+    non-negative, times ordered."""
+    rec = RequestRecord(prompt_len=5, client_prompt_len=5)
+    parser = StreamParser(rec, 0.0, chat)
+    try:
+        for i, data in enumerate(payloads):
+            parser.feed(data, float(i + 1))
+        parser.finish()
+    except StreamError:
+        return
+    n, _ = count_output_tokens(rec, None)
+    assert isinstance(rec.output_tokens, int) and rec.output_tokens >= 0 and n >= 0
+    assert isinstance(rec.prompt_len, int) and rec.prompt_len >= 0
+    assert all(g >= 0 for g in rec.itl) and rec.ttft >= 0 and rec.latency >= 0
+    assert isinstance(rec.generated_text, str)
+
+
+def test_stream_parser_llama_server_capture():
+    """The chunks llama-server 0c1e570 sent for one 3-token completion and one chat (trimmed)."""
+    completion = [
+        {"choices": [{"text": ",", "index": 0, "logprobs": None, "finish_reason": None}], "object": "text_completion"},
+        {"choices": [{"text": " a", "index": 0, "logprobs": None, "finish_reason": None}], "object": "text_completion"},
+        {"choices": [{"text": " group", "index": 0, "logprobs": None, "finish_reason": None}]},
+        {"choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": "length"}], "object": "text_completion",
+         "usage": {"completion_tokens": 3, "prompt_tokens": 4, "total_tokens": 7,
+                   "prompt_tokens_details": {"cached_tokens": 3}},
+         "timings": {"cache_n": 3, "prompt_n": 1, "predicted_n": 3}},
+    ]
+    chat = [
+        {"choices": [{"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}]},
+        {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": "Hello"}}]},
+        {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": "!"}}]},
+        {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}]},
+        {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 31, "total_tokens": 33,
+                                  "prompt_tokens_details": {"cached_tokens": 0}}, "timings": {}},
+    ]
+    for is_chat, chunks, text, prompt, out in ((False, completion, ", a group", 4, 3), (True, chat, "Hello!", 31, 2)):
+        rec = RequestRecord(prompt_len=1)
+        parser = StreamParser(rec, 0.0, is_chat)
+        for i, c in enumerate(chunks):
+            parser.feed(json.dumps(c), float(i + 1))
+        parser.finish()
+        assert (rec.success, rec.generated_text, rec.prompt_len, rec.output_tokens) == (True, text, prompt, out)
+        assert len(rec.itl) == 2 and rec.ttft == 1.0
+        assert rec.latency == (len(chunks) if is_chat else 4.0)
+    assert calculate_metrics([rec], 1.0).output_count_methods == {"usage": 1}
+
+
+def test_stream_parser_refuses_garbage():
+    for bad in ("not json", "[1, 2]", '{"error": {"message": "boom"}}'):
+        with pytest.raises(StreamError):
+            StreamParser(RequestRecord(), 0.0, False).feed(bad, 1.0)
+
+
+def test_stale_keepalive_connection_is_retried_once():
+    """llama-server closes the connection after each streamed response although it says keep-alive:
+    the next request on it fails before any response, and is sent again."""
+    calls = []
+    body = ('data: {"choices": [{"text": "hi", "finish_reason": "length"}], '
+            '"usage": {"completion_tokens": 1, "prompt_tokens": 2}}\n\ndata: [DONE]\n\n')
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if len(calls) % 2 == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            inp = RequestInput("x", 1, 1, "m", "http://test/v1/completions")
+            return await request_completions(client, inp)
+
+    rec = asyncio.run(go())
+    assert rec.success and rec.retries == 1 and rec.output_tokens == 1 and len(calls) == 2
+
+    def always(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+
+    async def go_always():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(always)) as client:
+            return await request_completions(client, RequestInput("x", 1, 1, "m", "http://test/v1/completions"))
+
+    calls.clear()
+    rec = asyncio.run(go_always())
+    assert not rec.success and "RemoteProtocolError" in rec.error and len(calls) == 2
+
+
+def test_server_tokenizer_probe_wants_vllms_shape():
+    def client_for(answer):
+        def handler(request: httpx.Request) -> httpx.Response:
+            body = json.loads(request.content)
+            return answer(body)
+        return httpx.Client(transport=httpx.MockTransport(handler))
+
+    def vllm(body):
+        n = len(body["prompt"].split())
+        return httpx.Response(200, json={"count": n, "tokens": list(range(n)), "max_model_len": 8})
+
+    count, why = probe_server_tokenizer(client_for(vllm), "http://s", "m")
+    assert why == "" and count("a b c") == 3
+    # llama-server: reads "content", answers {"tokens": []} to vLLM's request
+    llama = lambda body: httpx.Response(200, json={"tokens": [] if "content" not in body else [1, 2]})  # noqa: E731
+    count, why = probe_server_tokenizer(client_for(llama), "http://s", "m")
+    assert count is None and "vLLM's shape" in why
+    zero = lambda body: httpx.Response(200, json={"count": 0, "tokens": []})  # noqa: E731
+    assert probe_server_tokenizer(client_for(zero), "http://s", "m")[0] is None
+    missing = lambda body: httpx.Response(404, json={"detail": "Not Found"})  # noqa: E731
+    count, why = probe_server_tokenizer(client_for(missing), "http://s", "m")
+    assert count is None and "404" in why
 
 
 def test_options_parsing_and_urls():
@@ -372,9 +597,14 @@ def _make_app():
 
 @pytest.fixture(scope="module")
 def server():
+    with _serving(_make_app()) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def _serving(app):
     import uvicorn
 
-    app = _make_app()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -530,3 +760,188 @@ def test_failed_test_run_is_refused(server):
         run_bench(url, "tiny-model", [BenchPrompt("FAIL first", 2)], 2, [1], "completions", API_KEY, console)
     with pytest.raises(VtoolError, match="--endpoint"):
         run_bench(url, "tiny-model", [BenchPrompt("x", 1)], 2, [1], "embeddings", API_KEY, console)
+
+
+# ----------------------------------------------------------------------------- a llama-server-shaped server
+
+class BigWordTokenizer(WordTokenizer):
+    """WordTokenizer over 3000 words: enough distinct prompts for fresh prompts per run."""
+    vocab_size = 3000
+
+    def __init__(self):
+        self.words = ["<s>"] + [f"w{i}" for i in range(1, self.vocab_size)]
+        self.index = {w: i for i, w in enumerate(self.words)}
+
+    def encode(self, text, add_special_tokens=True):
+        return ([0] if add_special_tokens else []) + [self.index[w] for w in text.split() if w in self.index]
+
+
+def _make_llama_like_app():
+    """The shapes llama-server 0c1e570 sends (see test_stream_parser_llama_server_capture):
+    /tokenize reads {"content"} (vLLM's {"prompt"} gets {"tokens": []}); completions put usage in
+    the finish chunk, whose text is empty; chat sends a role chunk, the content, a finish chunk
+    with an empty delta, and usage in a chunk of its own only with include_usage. The prompt
+    is counted in words, plus a BOS on completions and a 5-token template on chat;
+    `app.state.usage` keeps every usage sent."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+    app.state.prompts = []
+    app.state.usage = []
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "/models/tiny.gguf", "object": "model", "owned_by": "llamacpp"}]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: Request):
+        body = await req.json()
+        return {"tokens": list(range(len(body["content"].split()))) if "content" in body else []}
+
+    async def stream(body: dict, chat: bool, prompt: str):
+        n = body.get("max_completion_tokens" if chat else "max_tokens")
+        p = len(prompt.split()) + (5 if chat else 1)
+        usage = {"completion_tokens": n, "prompt_tokens": p, "total_tokens": n + p,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+        app.state.usage.append(usage)
+        if chat:
+            yield "data: " + json.dumps({"choices": [{"finish_reason": None, "index": 0,
+                                                      "delta": {"role": "assistant", "content": None}}]}) + "\n\n"
+        for i in range(n):
+            await asyncio.sleep(0.002)
+            piece = {"delta": {"content": f" w{i + 1}"}} if chat else {"text": f" w{i + 1}", "logprobs": None}
+            yield "data: " + json.dumps({"choices": [{"index": 0, "finish_reason": None, **piece}]}) + "\n\n"
+        if chat:
+            yield "data: " + json.dumps({"choices": [{"finish_reason": "length", "index": 0, "delta": {}}]}) + "\n\n"
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield "data: " + json.dumps({"choices": [], "usage": usage, "timings": {}}) + "\n\n"
+        else:
+            yield "data: " + json.dumps({"choices": [{"text": "", "index": 0, "logprobs": None,
+                                                      "finish_reason": "length"}],
+                                         "usage": usage, "timings": {"predicted_n": n}}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def handle(req: Request, chat: bool):
+        body = await req.json()
+        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        app.state.prompts.append(prompt)
+        return StreamingResponse(stream(body, chat, prompt), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(req: Request):
+        return await handle(req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: Request):
+        return await handle(req, chat=True)
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def llama_like():
+    with _serving(_make_llama_like_app()) as served:
+        yield served
+
+
+def _quiet() -> Console:
+    return Console(file=io.StringIO(), width=150)
+
+
+def test_llama_like_server_needs_a_tokenizer(llama_like):
+    url, app = llama_like
+    opts = BenchOptions(url=url, num_prompts=2, input_len=8, output_len=3, concurrency=[1])
+    sent = len(app.state.prompts)
+    with pytest.raises(VtoolError, match="--tokenizer") as e:
+        bench_main(opts, console=_quiet())
+    assert "vLLM's shape" in str(e.value) and '{"tokens": []}' in str(e.value)
+    assert len(app.state.prompts) == sent                      # refused before sending anything
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_llama_like_server_counts(llama_like, endpoint):
+    url, app = llama_like
+    n_prompts, input_len, output_len = 3, 9, 4
+    first = len(app.state.usage)
+    opts = BenchOptions(url=url, endpoint=endpoint, num_prompts=n_prompts, input_len=input_len, output_len=output_len,
+                        concurrency=[1, 3], seed=11, save_detailed=True, ignore_eos=True)
+    report = bench_main(opts, tokenizer=BigWordTokenizer(), console=_quiet())
+    usage = app.state.usage[first:]
+    assert len(usage) == 1 + 2 * n_prompts                     # warm-up, then two runs
+    for run in report["runs"]:
+        assert (run["completed"], run["failed"]) == (n_prompts, 0)
+        assert run["output_tokens_counted_by"] == {"usage": n_prompts}
+        assert run["output_lens"] == [output_len] * n_prompts
+        overhead = 5 if endpoint == "chat" else 1              # the template; the BOS both sides add
+        assert run["usage_prompt_tokens"] == [input_len + overhead] * n_prompts
+        check = run["prompt_tokens_check"]
+        assert check["mismatched_requests"] == 0 and check["requested_total"] == n_prompts * input_len
+        assert check["server_total"] == n_prompts * (input_len + overhead)
+        assert check["expected_total"] == (None if endpoint == "chat" else check["server_total"])
+        assert all(len(itl) == output_len - 1 + (endpoint == "chat") for itl in run["itls"])
+    # the totals are the usage the server sent (the warm-up's left out)
+    assert sum(r["total_output_tokens"] for r in report["runs"]) == sum(u["completion_tokens"] for u in usage[1:])
+    assert sum(r["total_input_tokens"] for r in report["runs"]) == sum(u["prompt_tokens"] for u in usage[1:])
+    assert report["model_id"] == "/models/tiny.gguf" and report["fresh_prompts"] is True
+    if endpoint == "completions":   # a tokenizer that is not the served model's shows
+        class NoBos(BigWordTokenizer):
+            def encode(self, text, add_special_tokens=True):
+                return super().encode(text, add_special_tokens=False)
+
+        out = io.StringIO()
+        report = bench_main(dataclasses.replace(opts, concurrency=[2]), tokenizer=NoBos(),
+                            console=Console(file=out, width=300))
+        assert report["runs"][0]["prompt_tokens_check"]["mismatched_requests"] == n_prompts
+        assert "another prompt length than the client (e.g. requested 9, expected 9, server 10)" in out.getvalue()
+
+
+def test_llama_like_chat_without_usage_counts_the_text(llama_like):
+    url, _ = llama_like
+    tok = BigWordTokenizer()
+    prompts = [BenchPrompt("w5 w6 w7", 3), BenchPrompt("w8 w9", 2)]
+    out = io.StringIO()
+    no_usage = {"stream_options": {"include_usage": False}}
+    report = run_bench(url, None, prompts, 5, [2], "chat", console=Console(file=out, width=150), warmup=False,
+                       count_tokens=lambda s: len(tok.encode(s, add_special_tokens=False)), extra_body=no_usage)
+    run = report["runs"][0]
+    assert run["completed"] == 2 and run["output_tokens_counted_by"] == {"tokenizer": 2}
+    assert run["total_output_tokens"] == 10 and run["input_tokens_from_usage"] == 0
+    assert "output tokens counted: 2 by tokenizer" in " ".join(out.getvalue().split())
+    # no tokenizer either: a token per chunk with output (the role chunk and the finish chunk are not)
+    report = run_bench(url, None, prompts, 5, [2], "chat", console=_quiet(), warmup=False, extra_body=no_usage)
+    assert report["runs"][0]["output_tokens_counted_by"] == {"chunks": 2}
+    assert report["runs"][0]["total_output_tokens"] == 10 and report["output_token_fallback"] == "chunks"
+
+
+# ----------------------------------------------------------------------------- fresh prompts
+
+def test_fresh_prompts_per_run(llama_like, monkeypatch):
+    url, app = llama_like
+    tok = BigWordTokenizer()
+    opts = BenchOptions(url=url, num_prompts=4, input_len=7, output_len=2, concurrency=[1, 2, 4], seed=3)
+    plan = plan_prompts(opts, "m", [1, 2, 4], 3, tok, _quiet())
+    texts = [plan.warmup.prompt] + [bp.prompt for run in plan.runs for bp in run]
+    assert len(plan.runs) == 3 and len(set(texts)) == len(texts) == 13
+    assert all(len(tok.encode(t, False)) == 7 for t in texts)
+    again = plan_prompts(opts, "m", [1, 2, 4], 3, tok, _quiet())
+    assert [bp.prompt for run in again.runs for bp in run] == texts[1:]       # a seed reproduces them
+    other = plan_prompts(opts, "m", [1, 2, 4], 4, tok, _quiet())
+    assert not {bp.prompt for run in other.runs for bp in run} & set(texts)
+    same = plan_prompts(dataclasses.replace(opts, fresh_prompts=False), "m", [1, 2, 4], 3, tok, _quiet())
+    assert same.runs[0] == same.runs[1] == same.runs[2]
+
+    assert fresh_seed() != fresh_seed()                                   # 32 random bits per invocation
+    seeds = iter([1001, 2002])
+    monkeypatch.setattr(command, "fresh_seed", lambda: next(seeds))
+    first = len(app.state.prompts)
+    report = bench_main(dataclasses.replace(opts, seed=None), tokenizer=tok, console=_quiet())
+    sent = app.state.prompts[first:]
+    assert len(sent) == 1 + 3 * 4 and len(set(sent)) == len(sent)        # warm-up and every run: new prompts
+    assert len({s.split()[0] for s in sent}) == len(sent)                 # not even a first token shared
+    assert report["fresh_prompts"] is True and report["seed"] == 1001
+    first = len(app.state.prompts)
+    report2 = bench_main(dataclasses.replace(opts, seed=None), tokenizer=tok, console=_quiet())
+    assert report2["seed"] == 2002 and not set(app.state.prompts[first:]) & set(sent)
+    report = bench_main(dataclasses.replace(opts, fresh_prompts=False), tokenizer=tok, console=_quiet())
+    assert report["fresh_prompts"] is False

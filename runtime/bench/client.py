@@ -4,11 +4,21 @@ times it, and a run of many under a concurrency limit and a request rate.
 Per request (perf_counter clock; see shared/notes/serving-metrics.md):
 * `start_time` just before the POST; `ttft` when the first SSE chunk with non-empty `choices`
   arrives; `itl` one gap per later chunk with choices, measured from `most_recent_timestamp`;
-* completions: `most_recent_timestamp` moves only on chunks with choices, so `latency` ends at
-  the last content chunk; chat: it moves on every JSON chunk (the usage-only one too), so
-  `latency` ends at the last JSON chunk; `[DONE]` never counts;
-* `output_tokens` / `prompt_len` come from the usage chunk (stream_options.include_usage);
+  one exception to vLLM: a later chunk whose choices carry no output at all but a
+  `finish_reason` (llama-server ends every stream with such a chunk: `"text": ""` or
+  `"delta": {}`) is a terminator, not a token, so it adds no ITL sample (vLLM would add a ~0
+  gap per request against llama-server and none against vLLM or vtool, which put the finish
+  reason on the last token's chunk);
+* completions: `most_recent_timestamp` moves only on chunks with choices (a terminator
+  included), so `latency` ends at the last of them; chat: it moves on every JSON chunk (the
+  usage-only one too), so `latency` ends at the last JSON chunk; `[DONE]` never counts;
+* `usage` is read wherever a server puts it: a final chunk with empty `choices`
+  (stream_options.include_usage: vLLM, vtool, llama-server's chat), the finish chunk itself
+  (llama-server's completions), or every chunk (continuous usage: the last one wins).
+  `output_tokens` / `prompt_len` come from it; without usage `output_tokens` stays 0 and
+  metrics.py counts the generated text instead (and says so);
 * success: HTTP 200 and, for completions, at least one chunk with choices; for chat, HTTP 200.
+  A chunk that is not JSON, not an object, or an in-band `{"error": ...}` fails the request.
 """
 from __future__ import annotations
 
@@ -132,67 +142,156 @@ def chat_payload(inp: RequestInput) -> dict[str, Any]:
                           "max_completion_tokens": inp.output_len})
 
 
+class StreamError(RuntimeError):
+    """A stream the client cannot read as OpenAI SSE chunks (recorded against the request)."""
+
+
+def _int_or_none(x: Any) -> int | None:
+    """A usage count: a non-negative whole number (ints, or floats such as 12.0), else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x if x >= 0 else None
+    if isinstance(x, float) and math.isfinite(x) and x >= 0 and x == int(x):
+        return int(x)
+    return None
+
+
+def _text(x: Any) -> str:
+    return x if isinstance(x, str) else ""
+
+
+class StreamParser:
+    """The per-request state of one streamed response: feed it each SSE data payload with its
+    arrival time; it fills `record` (ttft, itl, latency, text, usage). Pure: no I/O, no clock.
+    Raises StreamError for a payload that is not an OpenAI chunk (the caller fails the request)."""
+
+    def __init__(self, record: RequestRecord, start: float, chat: bool) -> None:
+        self.record = record
+        self.start = start
+        self.chat = chat
+        self.most_recent = start
+        self.first_chunk = False        # a chunk with choices arrived (vLLM's first_chunk_received)
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+
+    def _output(self, choice: dict[str, Any]) -> tuple[str, str, bool]:
+        """(content text, reasoning text, whether the choice carries any output)."""
+        if self.chat:
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                delta = {}
+            content = _text(delta.get("content"))
+            reasoning = _text(delta.get("reasoning_content")) or _text(delta.get("reasoning"))
+            other = bool(delta.get("tool_calls")) or bool(_text(delta.get("refusal")))
+            return content, reasoning, bool(content or reasoning or other)
+        text = _text(choice.get("text"))
+        return text, "", bool(text)
+
+    def feed(self, data: str, timestamp: float) -> None:
+        payload = data.strip()
+        if not payload or payload == "[DONE]":
+            return
+        try:
+            obj = json.loads(payload)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise StreamError(f"a stream chunk is not JSON ({e}): {payload[:200]!r}") from None
+        if not isinstance(obj, dict):
+            raise StreamError(f"a stream chunk is not a JSON object: {payload[:200]!r}")
+        if obj.get("error"):
+            raise StreamError(f"server error in stream: {json.dumps(obj['error'])[:500]}")
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            completion = _int_or_none(usage.get("completion_tokens"))
+            prompt = _int_or_none(usage.get("prompt_tokens"))
+            if completion is not None:
+                self.record.usage_completion_tokens = completion
+            if prompt is not None:
+                self.record.usage_prompt_tokens = prompt
+            details = usage.get("prompt_tokens_details")
+            cached = _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
+            if cached is not None:
+                self.record.usage_cached_tokens = cached
+        choices = obj.get("choices")
+        if isinstance(choices, list) and choices:
+            c0 = choices[0] if isinstance(choices[0], dict) else {}
+            content, reasoning, has_output = self._output(c0)
+            terminator = self.first_chunk and not has_output and c0.get("finish_reason") is not None
+            if not self.first_chunk:
+                self.first_chunk = True
+                self.record.ttft = timestamp - self.start
+            elif not terminator:
+                self.record.itl.append(timestamp - self.most_recent)
+            self.most_recent = timestamp   # a terminator still ends the request, as in vLLM
+            role_only = self.chat and not has_output and isinstance(c0.get("delta"), dict) and "role" in c0["delta"]
+            if not terminator and not role_only:
+                self.record.output_chunks = (self.record.output_chunks or 0) + 1
+            self._text.append(content)
+            self._reasoning.append(reasoning)
+        if self.chat:   # chat: every JSON chunk moves the end, the usage chunk included
+            self.most_recent = timestamp
+
+    def finish(self) -> None:
+        """End of the stream: text, latency, usage into the record, and success."""
+        rec = self.record
+        rec.generated_text = "".join(self._text)
+        rec.reasoning_text = "".join(self._reasoning)
+        if rec.usage_completion_tokens is not None:
+            rec.output_tokens = rec.usage_completion_tokens
+        if rec.usage_prompt_tokens is not None:
+            rec.prompt_len = rec.usage_prompt_tokens
+        rec.output_chunks = rec.output_chunks or 0
+        rec.latency = self.most_recent - self.start
+        if self.first_chunk or self.chat:
+            rec.success = True
+        else:
+            rec.error = NO_TTFT_ERROR
+
+
+# A kept-alive connection the server has closed fails the next request before any response:
+# llama-server (cpp-httplib) closes the connection after every streamed response although its
+# headers say keep-alive. Such a request never reached the server, so it is sent once more on a
+# new connection, as curl does ("Connection died, retrying a fresh connect"); the clock restarts.
+STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
 async def _stream_request(client: httpx.AsyncClient, inp: RequestInput, chat: bool) -> RequestRecord:
     payload = chat_payload(inp) if chat else completions_payload(inp)
     headers = {"Content-Type": "application/json", **auth_headers(inp.api_key)}
-    out = RequestRecord(prompt_len=inp.prompt_len)
-    text_parts: list[str] = []
-    st = time.perf_counter()
-    out.start_time = st
-    most_recent = st
-    first_chunk = False
-    try:
-        async with client.stream("POST", inp.api_url, json=payload, headers=headers,
-                                 timeout=REQUEST_TIMEOUT_S) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode("utf-8", "replace").strip()
-                out.error = f"HTTP {response.status_code} {response.reason_phrase}"
-                if body:
-                    out.error += f": {body[:500]}"
-                return out
-            decoder = SSEDecoder()
-
-            def handle(events: list[str]) -> None:
-                nonlocal most_recent, first_chunk
-                for data in events:
-                    if data.strip() == "[DONE]":
-                        continue
-                    timestamp = time.perf_counter()
-                    obj = json.loads(data)
-                    choices = obj.get("choices")
-                    if choices:
-                        if not first_chunk:
-                            first_chunk = True
-                            out.ttft = timestamp - st
-                        else:
-                            out.itl.append(timestamp - most_recent)
-                        c0 = choices[0] or {}
-                        piece = (c0.get("delta") or {}).get("content") if chat else c0.get("text")
-                        text_parts.append(piece or "")
-                        most_recent = timestamp
-                    else:
-                        usage = obj.get("usage")
-                        if usage:
-                            out.output_tokens = int(usage.get("completion_tokens") or 0)
-                            if usage.get("prompt_tokens") is not None:
-                                out.prompt_len = int(usage["prompt_tokens"])
-                        if obj.get("error"):
-                            raise RuntimeError(f"server error in stream: {json.dumps(obj['error'])[:500]}")
-                        if chat:   # chat: every JSON chunk moves the end, the usage chunk included
-                            most_recent = timestamp
-
-            async for chunk in response.aiter_bytes():
-                handle(decoder.feed(chunk))
-            handle(decoder.flush())
-        out.generated_text = "".join(text_parts)
-        if first_chunk or chat:
-            out.success = True
-        else:
-            out.error = NO_TTFT_ERROR
-        out.latency = most_recent - st
-    except Exception as e:  # noqa: BLE001 - any failure is recorded against the request
-        out.success = False
-        out.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    out = RequestRecord(prompt_len=inp.prompt_len, client_prompt_len=inp.prompt_len)
+    for attempt in range(2):
+        st = time.perf_counter()
+        out.start_time = st
+        parser = StreamParser(out, st, chat)
+        responded = False
+        try:
+            async with client.stream("POST", inp.api_url, json=payload, headers=headers,
+                                     timeout=REQUEST_TIMEOUT_S) as response:
+                responded = True
+                if response.status_code != 200:
+                    body = (await response.aread()).decode("utf-8", "replace").strip()
+                    out.error = f"HTTP {response.status_code} {response.reason_phrase}"
+                    if body:
+                        out.error += f": {body[:500]}"
+                    return out
+                decoder = SSEDecoder()
+                async for chunk in response.aiter_bytes():
+                    for data in decoder.feed(chunk):
+                        parser.feed(data, time.perf_counter())
+                for data in decoder.flush():
+                    parser.feed(data, time.perf_counter())
+            parser.finish()
+            return out
+        except STALE_CONNECTION_ERRORS as e:
+            if attempt == 0 and not responded:
+                out.retries += 1
+                continue
+            out.success = False
+            out.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        except Exception as e:  # noqa: BLE001 - any failure is recorded against the request
+            out.success = False
+            out.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return out
     return out
 
 

@@ -3,6 +3,20 @@
 
 The CLI builds a BenchOptions (vLLM's flag names) and calls bench_main(); a caller that already
 has prompts calls run_bench() directly.
+
+Against any OpenAI-compatible server (vLLM, vtool, llama.cpp's llama-server, ...):
+* prompts are measured in the served model's tokens with a local tokenizer (--tokenizer: a
+  tokenizer.json, a model folder or a .gguf file, as `vtool tokenize` reads them), as vLLM's
+  bench does; without one, the server's /tokenize is used only if it answers vLLM's shape
+  ({model, prompt, add_special_tokens} -> {count, tokens}), else the synthetic dataset is
+  refused (llama-server's /tokenize takes {"content"} and answers {"tokens": []} to vLLM's
+  request: trusting it built prompts ~11x too long);
+* output tokens come from the server's usage wherever it sends it (client.py), else from the
+  generated text re-tokenized; each run says which (`output_tokens_counted_by`);
+* every run (concurrency level), and the warm-up request, gets prompts of its own, and the
+  seed is fresh per invocation unless --seed is given, so no prompt cache helps one run from
+  another (`fresh_prompts`); the server's usage.prompt_tokens is checked against what the
+  local tokenizer expects (`prompt_tokens_check`).
 """
 from __future__ import annotations
 
@@ -27,7 +41,7 @@ from rich.text import Text
 
 from vtool import VtoolError
 from vtool.runtime.bench.client import (ENDPOINT_PATHS, RequestInput, api_base, auth_headers, endpoint_url,
-                                        fetch_models, httpx, make_client, run_requests)
+                                        fetch_models, make_client, run_requests)
 from vtool.runtime.bench.metrics import (DEFAULT_PERCENTILES, METRIC_NAMES, BenchMetrics, RequestRecord,
                                          calculate_metrics, format_percentile)
 
@@ -50,6 +64,7 @@ class BenchPrompt:
     prompt: str
     prompt_len: int                 # the client's own count; the server's usage.prompt_tokens replaces it
     output_len: int | None = None   # None: run_bench's output_len
+    expected_server_len: int | None = None   # what usage.prompt_tokens should say (BOS / chat template in)
 
 
 @dataclasses.dataclass
@@ -68,7 +83,9 @@ class BenchOptions:
     burstiness: float = 1.0                     # --burstiness
     ignore_eos: bool = False                    # --ignore-eos
     api_key: str | None = None                  # --api-key (else $OPENAI_API_KEY, as vLLM)
-    seed: int = 0                               # --seed
+    seed: int | None = 0                        # --seed; None: a fresh one per invocation (reported)
+    tokenizer: str | None = None                # --tokenizer: tokenizer.json, model folder or .gguf
+    fresh_prompts: bool = True                  # each run (level) gets prompts of its own
     result_json: str | None = None              # --result-json PATH
     save_result: bool = False                   # --save-result (default file name in the cwd)
     save_detailed: bool = False                 # --save-detailed (per-request lists in the JSON)
@@ -216,23 +233,49 @@ def decode_to_target_len(tokenizer: Any, token_ids: list[int], target_len: int, 
         tries -= 1
 
 
-def synthetic_prompts(tokenizer: Any, num_prompts: int, input_len: int, seed: int = 0) -> list[BenchPrompt]:
-    """vLLM's random dataset (range ratio 0): each prompt is a run of consecutive non-special token
-    ids from a random offset, decoded and re-encoded until it is exactly `input_len` tokens."""
-    if input_len < 1:
-        raise VtoolError(f"--input-len must be at least 1, got {input_len}")
-    rng = np.random.default_rng(seed)
+def allowed_ids(tokenizer: Any) -> np.ndarray:
+    """The ids synthetic prompts are made of: every non-special id of the vocabulary."""
     specials = _special_ids(tokenizer)
     allowed = np.array([i for i in range(_vocab_size(tokenizer)) if i not in specials], dtype=np.int64)
     if len(allowed) == 0:
         raise VtoolError("the tokenizer has no non-special tokens to build synthetic prompts from")
+    return allowed
+
+
+def synthetic_prompts(tokenizer: Any, num_prompts: int, input_len: int, seed: int = 0,
+                      starts: Sequence[int] | None = None) -> list[BenchPrompt]:
+    """vLLM's random dataset (range ratio 0): each prompt is a run of consecutive non-special token
+    ids from a random offset, decoded and re-encoded until it is exactly `input_len` tokens.
+    `starts` gives each prompt's first position in allowed_ids instead (distinct starts: no two
+    prompts share a first token, so none is a prefix-cache hit for another)."""
+    if input_len < 1:
+        raise VtoolError(f"--input-len must be at least 1, got {input_len}")
+    rng = np.random.default_rng(seed)
+    allowed = allowed_ids(tokenizer)
     offsets = rng.integers(0, len(allowed), size=num_prompts)
+    if starts is not None:
+        if len(starts) != num_prompts:
+            raise ValueError(f"{len(starts)} starts for {num_prompts} prompts")
+        offsets = np.asarray(starts, dtype=np.int64) - np.arange(num_prompts)
     prompts = []
     for i in range(num_prompts):
         ids = allowed[(int(offsets[i]) + i + np.arange(input_len)) % len(allowed)].tolist()
         text, n = decode_to_target_len(tokenizer, ids, input_len, rng, allowed)
         prompts.append(BenchPrompt(text, n))
     return prompts
+
+
+def distinct_starts(n_allowed: int, counts: Sequence[int], seed: int) -> list[list[int]]:
+    """One list of start positions per entry of `counts`, all distinct across the lists while the
+    vocabulary has room (else drawn with repetition)."""
+    rng = np.random.default_rng(seed)
+    total = sum(counts)
+    flat = rng.choice(n_allowed, size=total, replace=total > n_allowed).tolist()
+    out, at = [], 0
+    for c in counts:
+        out.append(flat[at:at + c])
+        at += c
+    return out
 
 
 _WORDS = ("time year people way day man thing woman life child world school state family student group "
@@ -371,59 +414,187 @@ def discover_model(url: str, api_key: str | None = None) -> str:
     return ids[0]
 
 
-def server_token_counter(client: httpx.Client, url: str, model: str, api_key: str | None = None,
-                         add_special_tokens: bool = False) -> Callable[[str], int] | None:
-    """A counter backed by the server's POST /tokenize (vLLM's: {model, prompt, add_special_tokens}
-    -> {count, tokens}), or None when the server does not offer it."""
+def _vllm_tokenize_count(body: Any) -> int:
+    """The count of a vLLM-shaped /tokenize answer ({"count": n, "tokens": [n ids], ...}); raises
+    ValueError for any other shape (llama-server's {"tokens": [...]} without "count", say)."""
+    if not isinstance(body, dict):
+        raise ValueError(f"not a JSON object: {str(body)[:200]}")
+    count, tokens = body.get("count"), body.get("tokens")
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise ValueError(f"no integer 'count' in {json.dumps(body)[:200]}")
+    if not isinstance(tokens, list) or len(tokens) != count or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise ValueError(f"'tokens' is not a list of {count} ids in {json.dumps(body)[:200]}")
+    return count
+
+
+TOKENIZE_PROBES = ("hello", "hello world, this is a tokenizer probe: 12345 tokens.")
+
+
+def probe_server_tokenizer(client: httpx.Client, url: str, model: str, api_key: str | None = None,
+                           add_special_tokens: bool = False) -> tuple[Callable[[str], int] | None, str]:
+    """(a counter backed by the server's POST /tokenize, "") when it answers vLLM's shape
+    ({model, prompt, add_special_tokens} -> {count, tokens}) with plausible counts (both probes
+    counted, the longer one longer); else (None, why not)."""
     base = api_base(url)
 
     def count(text: str) -> int:
         r = client.post(base + "/tokenize", headers=auth_headers(api_key),
                         json={"model": model, "prompt": text, "add_special_tokens": add_special_tokens})
         r.raise_for_status()
-        body = r.json()
-        return int(body["count"]) if "count" in body else len(body["tokens"])
+        return _vllm_tokenize_count(r.json())
 
     try:
-        count("hello")
-    except (httpx.HTTPError, KeyError, TypeError, ValueError):
-        return None
+        short, long = (count(t) for t in TOKENIZE_PROBES)
+    except httpx.HTTPStatusError as e:
+        return None, f"answered HTTP {e.response.status_code}"
+    except httpx.HTTPError as e:
+        return None, f"could not be reached ({type(e).__name__})"
+    except ValueError as e:   # JSON errors included
+        return None, f"does not answer vLLM's shape ({e})"
+    if not 0 < short < long:
+        return None, (f"counted {short} tokens in {TOKENIZE_PROBES[0]!r} and {long} in a longer text "
+                      "(a server that reads another request shape answers 0)")
+    return count, ""
+
+
+def server_token_counter(client: httpx.Client, url: str, model: str, api_key: str | None = None,
+                         add_special_tokens: bool = False) -> Callable[[str], int] | None:
+    """probe_server_tokenizer's counter, or None."""
+    return probe_server_tokenizer(client, url, model, api_key, add_special_tokens)[0]
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer `vtool tokenize` reads: a tokenizer.json, a model folder or a .gguf file."""
+    from vtool.runtime.text.tokenizer import Tokenizer
+
+    return Tokenizer.load(path)
+
+
+def run_seed(seed: int, run: int) -> int:
+    """The seed of run `run` (0: the warm-up request, 1..: the levels) under the invocation seed."""
+    return int(np.random.SeedSequence([int(seed) & (2**63 - 1), run]).generate_state(1, np.uint64)[0])
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+@dataclasses.dataclass
+class PromptPlan:
+    """The prompts of one invocation: the warm-up request's, one set per run, and how the
+    generated text is counted when the server sends no usage."""
+
+    warmup: BenchPrompt
+    runs: list[list[BenchPrompt]]
+    count_tokens: Callable[[str], int] | None
+    count_method: str                   # metrics' name for count_tokens ("tokenizer", "server /tokenize")
+    prompt_source: str                  # how prompt lengths were measured, for the report
+
+
+def _server_counter(url: str, model: str, api_key: str | None) -> Callable[[str], int]:
+    """Counts text (no special tokens) with the server's vLLM-shaped /tokenize, one keep-alive
+    client for the whole invocation."""
+    client = httpx.Client(timeout=60)
+    base = api_base(url)
+
+    def count(text: str) -> int:
+        r = client.post(base + "/tokenize", headers=auth_headers(api_key),
+                        json={"model": model, "prompt": text, "add_special_tokens": False})
+        r.raise_for_status()
+        return _vllm_tokenize_count(r.json())
     return count
+
+
+def _token_counter(tokenizer: Any) -> Callable[[str], int]:
+    def count(text: str) -> int:
+        return len(_encode(tokenizer, text, add_special_tokens=False))
+    return count
+
+
+def expected_server_len(tokenizer: Any, prompt: str, endpoint: str) -> int | None:
+    """The prompt tokens a server running this tokenizer should report: completions, the text
+    with the tokenizer's own special tokens (BOS where the model asks for it); chat, the chat
+    template around one user message (None when the tokenizer has no template to render)."""
+    try:
+        if endpoint == "chat":
+            if not callable(getattr(tokenizer, "apply_chat_template", None)) or \
+                    getattr(tokenizer, "chat_template", None) is None:
+                return None
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return len(_encode(tokenizer, text, add_special_tokens=False))
+        return len(_encode(tokenizer, prompt, add_special_tokens=True))
+    except Exception:  # noqa: BLE001 - a template that does not render leaves the check out
+        return None
+
+
+def _with_expected(prompts: list[BenchPrompt], tokenizer: Any, endpoint: str) -> list[BenchPrompt]:
+    for bp in prompts:
+        bp.expected_server_len = expected_server_len(tokenizer, bp.prompt, endpoint)
+    return prompts
+
+
+def plan_prompts(opts: BenchOptions, model: str, levels: Sequence[int], seed: int, tokenizer: Any = None,
+                 console: Console | None = None) -> PromptPlan:
+    """The prompts opts describe, for `levels` runs plus the warm-up request: the dataset file,
+    or synthetic prompts of exactly --input-len tokens of `tokenizer`; without a tokenizer, of
+    the server's vLLM-shaped /tokenize, else refused. Fresh prompts: run i draws with
+    run_seed(seed, i); otherwise every run sends run 1's prompts."""
+    console = console or Console(stderr=True)
+    if opts.num_prompts < 1:
+        raise VtoolError(f"--num-prompts must be at least 1, got {opts.num_prompts}")
+    n_runs = len(levels) if opts.fresh_prompts else 1
+    count_tokens = _token_counter(tokenizer) if tokenizer is not None else None
+    count_method = "tokenizer"
+    why = ""
+    if tokenizer is None:
+        with httpx.Client(timeout=60) as client:
+            found, why = probe_server_tokenizer(client, opts.url, model, opts.resolved_api_key())
+        if found is not None:
+            count_tokens = _server_counter(opts.url, model, opts.resolved_api_key())
+            count_method = "server /tokenize"
+
+    starts: list[list[int]] | None = None
+    if not opts.dataset_path and tokenizer is not None:   # no first token shared by two prompts
+        starts = distinct_starts(len(allowed_ids(tokenizer)), [1] + [opts.num_prompts] * n_runs, run_seed(seed, 0))
+
+    def build(run: int, n: int) -> list[BenchPrompt]:
+        rs = run_seed(seed, run)
+        if opts.dataset_path:
+            return load_dataset_prompts(opts.dataset_path, n, rs, opts.output_len, tokenizer)
+        if tokenizer is not None:
+            return _with_expected(synthetic_prompts(tokenizer, n, opts.input_len, rs, starts[run] if starts else None),
+                                  tokenizer, opts.endpoint)
+        return word_prompts(n, opts.input_len, rs, count_tokens)
+
+    if opts.dataset_path:
+        source = f"dataset {opts.dataset_path}" + (" (lengths by the local tokenizer)" if tokenizer is not None
+                                                  else " (lengths from the server's usage)")
+    elif tokenizer is not None:
+        source = f"synthetic, exactly {opts.input_len} tokens of the local tokenizer"
+    elif count_tokens is not None:
+        source = f"synthetic words, fitted to {opts.input_len} tokens by the server's /tokenize"
+    else:
+        raise VtoolError(
+            f"--input-len {opts.input_len}: building prompts of that many tokens needs the served model's "
+            f"tokenizer, and the server's /tokenize at {api_base(opts.url)} {why}. Pass --tokenizer (the "
+            f"model's tokenizer.json, its folder or its .gguf file), or --dataset-path")
+    with console.status("building prompts"):
+        warmup = build(0, 1)[0]
+        runs = [build(i + 1, opts.num_prompts) for i in range(n_runs)]
+    if not opts.fresh_prompts:
+        runs = runs * len(levels)
+    if tokenizer is not None and opts.dataset_path:
+        for prompts in runs:
+            _with_expected(prompts, tokenizer, opts.endpoint)
+    return PromptPlan(warmup, runs, count_tokens, count_method, source)
 
 
 def prepare_prompts(opts: BenchOptions, model: str, tokenizer: Any = None,
                     console: Console | None = None) -> list[BenchPrompt]:
-    """The prompts opts describe: the dataset file, or synthetic prompts of --input-len tokens
-    (exact with a tokenizer, checked against the server's /tokenize when it has one)."""
-    console = console or Console(stderr=True)
-    if opts.num_prompts < 1:
-        raise VtoolError(f"--num-prompts must be at least 1, got {opts.num_prompts}")
-    if opts.dataset_path:
-        return load_dataset_prompts(opts.dataset_path, opts.num_prompts, opts.seed, opts.output_len, tokenizer)
-    with httpx.Client(timeout=60) as client:
-        return _synthetic(opts, model, tokenizer, console,
-                          server_token_counter(client, opts.url, model, opts.resolved_api_key()))
-
-
-def _synthetic(opts: BenchOptions, model: str, tokenizer: Any, console: Console,
-               server_count: Callable[[str], int] | None) -> list[BenchPrompt]:
-    if tokenizer is None:
-        if server_count is None:
-            console.print(f"[yellow]warning: no tokenizer and no /tokenize on the server: synthetic prompts are "
-                          f"{opts.input_len} random words, about {opts.input_len} tokens[/]", highlight=False)
-        return word_prompts(opts.num_prompts, opts.input_len, opts.seed, server_count)
-    prompts = synthetic_prompts(tokenizer, opts.num_prompts, opts.input_len, opts.seed)
-    if server_count is not None:
-        off = 0
-        for bp in prompts:
-            n = server_count(bp.prompt)
-            if n != bp.prompt_len:
-                off += 1
-                bp.prompt_len = n
-        if off:
-            console.print(f"[yellow]warning: {off} of {len(prompts)} synthetic prompts tokenize to a different "
-                          f"length on the server than with the local tokenizer[/]", highlight=False)
-    return prompts
+    """One run's prompts (plan_prompts' first set, seed opts.seed or 0)."""
+    seed = opts.seed if opts.seed is not None else 0
+    return plan_prompts(opts, model, [0], seed, tokenizer, console).runs[0]
 
 
 # --------------------------------------------------------------------------- reporting
@@ -498,27 +669,34 @@ def _jsonable(x: Any) -> Any:
 
 # --------------------------------------------------------------------------- the benchmark
 
-async def _run_all(url: str, model: str, prompts: Sequence[BenchPrompt], output_len: int, levels: Sequence[int],
-                   endpoint: str, api_key: str | None, console: Console, request_rate: float, burstiness: float,
-                   ignore_eos: bool, seed: int, warmup: bool,
+def _inputs(prompts: Sequence[BenchPrompt], model: str, api_url: str, output_len: int, ignore_eos: bool,
+            api_key: str | None, extra_body: dict[str, Any] | None) -> list[RequestInput]:
+    return [RequestInput(prompt=bp.prompt, prompt_len=bp.prompt_len,
+                         output_len=bp.output_len if bp.output_len is not None else output_len,
+                         model=model, api_url=api_url, ignore_eos=ignore_eos, api_key=api_key,
+                         extra_body=extra_body) for bp in prompts]
+
+
+async def _run_all(url: str, model: str, prompt_sets: Sequence[Sequence[BenchPrompt]], warmup_prompt: BenchPrompt | None,
+                   output_len: int, levels: Sequence[int], endpoint: str, api_key: str | None, console: Console,
+                   request_rate: float, burstiness: float, ignore_eos: bool, seed: int, warmup: bool,
                    extra_body: dict[str, Any] | None) -> list[tuple[int, list[RequestRecord], float]]:
     api_url = endpoint_url(url, endpoint)  # type: ignore[arg-type]
-    inputs = [RequestInput(prompt=bp.prompt, prompt_len=bp.prompt_len,
-                           output_len=bp.output_len if bp.output_len is not None else output_len,
-                           model=model, api_url=api_url, ignore_eos=ignore_eos, api_key=api_key,
-                           extra_body=extra_body) for bp in prompts]
     if warmup:
         console.print("Starting initial single prompt test run...", highlight=False)
-        recs, _ = await run_requests(inputs[:1], endpoint, max_concurrency=1)  # type: ignore[arg-type]
+        first = _inputs([warmup_prompt or prompt_sets[0][0]], model, api_url, output_len, ignore_eos, api_key,
+                        extra_body)
+        recs, _ = await run_requests(first, endpoint, max_concurrency=1)  # type: ignore[arg-type]
         if not recs[0].success:
             raise VtoolError(f"initial test request to {api_url} failed: {recs[0].error}; check --url, --model, "
                              f"--endpoint and --api-key")
         console.print("Initial test run completed.", highlight=False)
     results = []
-    for level in levels:
-        # Every level sends the same prompts: without a reset, later levels would be
-        # served from the prefix cache the earlier ones filled. Best effort: a server
-        # without the endpoint (not vLLM-compatible) is measured as it is.
+    for level, prompts in zip(levels, prompt_sets):
+        inputs = _inputs(prompts, model, api_url, output_len, ignore_eos, api_key, extra_body)
+        # A level that sends the prompts of an earlier one would be served from the prefix
+        # cache that one filled: reset it. Best effort: a server without the endpoint (not
+        # vLLM-compatible) is measured as it is; fresh prompts per level need no reset.
         await _reset_prefix_cache(url, api_key)
         with Progress(TextColumn("[bold]concurrency {task.fields[level]}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("[red]{task.fields[failed]} failed"), TimeElapsedColumn(),
@@ -552,17 +730,62 @@ async def _reset_prefix_cache(url: str, api_key: str | None) -> bool:
         return False
 
 
-def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt], output_len: int,
-              concurrency_levels: Sequence[int] | str, endpoint: str = "completions", api_key: str | None = None,
-              console: Console | None = None, json_path: str | Path | None = None, *,
+def _no_prompt_reused(prompt_sets: Sequence[Sequence[BenchPrompt]], warmup_prompt: BenchPrompt | None,
+                      warmup: bool) -> bool:
+    """True when no prompt text is sent in two runs, nor both as the warm-up and in a run."""
+    seen: set[str] = {warmup_prompt.prompt} if warmup and warmup_prompt is not None else set()
+    for ps in prompt_sets:
+        texts = {bp.prompt for bp in ps}
+        if texts & seen:
+            return False
+        seen |= texts
+    return True
+
+
+def prompt_tokens_check(prompts: Sequence[BenchPrompt], records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """The prompt lengths asked for against what the server's usage said, per successful request:
+    `requested` (the client's count, --input-len for synthetic prompts), `expected` (the same text
+    with the tokenizer's special tokens or chat template, where the client knows them), `server`
+    (usage.prompt_tokens), and the requests where server != expected (or, with no expectation,
+    where server < requested)."""
+    requested = expected = server = 0
+    mismatched: list[dict[str, Any]] = []
+    have_expected = have_usage = 0
+    for bp, rec in zip(prompts, records):
+        if not rec.success:
+            continue
+        requested += bp.prompt_len
+        if bp.expected_server_len is not None:
+            expected += bp.expected_server_len
+            have_expected += 1
+        if rec.usage_prompt_tokens is None:
+            continue
+        have_usage += 1
+        server += rec.usage_prompt_tokens
+        want = bp.expected_server_len
+        if (want is not None and rec.usage_prompt_tokens != want) or \
+                (want is None and rec.usage_prompt_tokens < bp.prompt_len):
+            mismatched.append({"requested": bp.prompt_len, "expected": want, "server": rec.usage_prompt_tokens})
+    return {"requested_total": requested, "expected_total": expected if have_expected else None,
+            "server_total": server if have_usage else None, "requests_with_usage": have_usage,
+            "mismatched_requests": len(mismatched), "mismatch_examples": mismatched[:5]}
+
+
+def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt] | Sequence[Sequence[BenchPrompt]],
+              output_len: int, concurrency_levels: Sequence[int] | str, endpoint: str = "completions",
+              api_key: str | None = None, console: Console | None = None, json_path: str | Path | None = None, *,
               request_rate: float = math.inf, burstiness: float = 1.0, ignore_eos: bool = False, seed: int = 0,
               percentiles: Sequence[float] = DEFAULT_PERCENTILES, goodput: dict[str, float] | None = None,
               warmup: bool = True, save_detailed: bool = False, count_tokens: Callable[[str], int] | None = None,
-              extra_body: dict[str, Any] | None = None, dataset: str | None = None) -> dict[str, Any]:
-    """Run every prompt once per concurrency level (0 = no limit), print vLLM's result block per
+              count_method: str = "tokenizer", warmup_prompt: BenchPrompt | None = None,
+              extra_body: dict[str, Any] | None = None, dataset: str | None = None,
+              report_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the prompts once per concurrency level (0 = no limit), print vLLM's result block per
     level (and a summary when there are several), and return the report; write it as JSON to
-    `json_path` when given. `count_tokens` re-tokenizes generated text when the server sends no
-    usage (vLLM's fallback; else 1 token per response)."""
+    `json_path` when given. `prompts` is one list sent at every level, or one list per level
+    (fresh prompts); `warmup_prompt` is the untimed first request's (default: the first prompt).
+    Output tokens: the server's usage, else `count_tokens` on the generated text (reported as
+    `count_method`), else one per content chunk."""
     console = console or Console()
     if endpoint not in ENDPOINT_PATHS:
         raise VtoolError(f"--endpoint {endpoint!r}: give one of {', '.join(sorted(ENDPOINT_PATHS))}")
@@ -571,13 +794,19 @@ def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt], outpu
     if output_len < 1:
         raise VtoolError(f"--output-len must be at least 1, got {output_len}")
     levels = parse_concurrency(concurrency_levels if isinstance(concurrency_levels, str) else list(concurrency_levels))
+    per_level = not isinstance(prompts[0], BenchPrompt)
+    prompt_sets: list[list[BenchPrompt]] = [list(p) for p in prompts] if per_level else \
+        [list(prompts)] * len(levels)  # type: ignore[list-item]
+    if len(prompt_sets) != len(levels) or not all(prompt_sets):
+        raise VtoolError(f"{len(prompt_sets)} prompt sets for {len(levels)} concurrency levels (one non-empty set each)")
     if model is None:
         model = discover_model(url, api_key)
         console.print(f"model: {model} (from {api_base(url)}/v1/models)", highlight=False)
 
-    results = asyncio.run(_run_all(url, model, prompts, output_len, levels, endpoint, api_key, console,
-                                   request_rate, burstiness, ignore_eos, seed, warmup, extra_body))
-
+    results = asyncio.run(_run_all(url, model, prompt_sets, warmup_prompt, output_len, levels, endpoint, api_key,
+                                   console, request_rate, burstiness, ignore_eos, seed, warmup, extra_body))
+    fresh = _no_prompt_reused(prompt_sets, warmup_prompt if warmup_prompt is not None or not warmup
+                              else prompt_sets[0][0], warmup)
     report: dict[str, Any] = {
         "date": _dt.datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "vtool",
@@ -586,26 +815,33 @@ def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt], outpu
         "base_url": api_base(url),
         "model_id": model,
         "dataset": dataset,
-        "num_prompts": len(prompts),
+        "num_prompts": len(prompt_sets[0]),
         "output_len": output_len,
         "request_rate": request_rate,
         "burstiness": burstiness,
         "ignore_eos": ignore_eos,
         "seed": seed,
+        "fresh_prompts": fresh,
+        "output_token_fallback": count_method if count_tokens is not None else "chunks",
+        **(report_extra or {}),
         "percentiles": [float(p) for p in percentiles],
         "goodput_slo_ms": goodput,
         "runs": [],
     }
-    for level, records, duration in results:
-        m = calculate_metrics(records, duration, percentiles, count_tokens, goodput)
+    for (level, records, duration), prompts_sent in zip(results, prompt_sets):
+        m = calculate_metrics(records, duration, percentiles, count_tokens, goodput, count_method)
         errors = [r.error for r in records if not r.success]
         if errors:
             console.print(f"[red]{len(errors)} failed request(s) (showing up to 10):[/]", highlight=False)
             for i, e in enumerate(errors[:10]):
                 console.print(f"  Error {i}: {e}", highlight=False, markup=False)
         console.print(result_table(m, level or None, request_rate))
+        check = prompt_tokens_check(prompts_sent, records)
+        _warn_counts(console, level, m, check)
         run: dict[str, Any] = {"max_concurrency": level or None, "request_rate": request_rate,
                                "burstiness": burstiness, "num_prompts": len(records), **m.to_dict(),
+                               "prompt_tokens_check": check,
+                               "stale_connection_retries": sum(r.retries for r in records),
                                "failed_errors": errors[:10]}
         if save_detailed:
             run.update({
@@ -617,6 +853,9 @@ def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt], outpu
                 "start_times": [r.start_time for r in records],
                 "generated_texts": [r.generated_text for r in records],
                 "errors": [r.error for r in records],
+                "usage_prompt_tokens": [r.usage_prompt_tokens for r in records],
+                "usage_completion_tokens": [r.usage_completion_tokens for r in records],
+                "usage_cached_tokens": [r.usage_cached_tokens for r in records],
             })
         report["runs"].append(run)
     if len(report["runs"]) > 1:
@@ -631,23 +870,48 @@ def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt], outpu
     return report
 
 
+def _warn_counts(console: Console, level: int, m: BenchMetrics, check: dict[str, Any]) -> None:
+    """Say how tokens were counted where it is not the server's usage, and any prompt-length
+    mismatch, under the level's result table."""
+    conc = f"concurrency {level or 'no limit'}"
+    others = {k: v for k, v in m.output_count_methods.items() if k != "usage"}
+    if others:
+        how = ", ".join(f"{v} by {k}" for k, v in sorted(others.items()))
+        note = " (one token per content chunk: a lower bound; pass --tokenizer)" if "chunks" in others else ""
+        console.print(f"[yellow]{conc}: the server sent no usage for some requests; output tokens counted: "
+                      f"{how}{note}[/]", highlight=False)
+    if check["mismatched_requests"]:
+        ex = check["mismatch_examples"][0]
+        console.print(f"[yellow]warning: {conc}: {check['mismatched_requests']} request(s) where the server counted "
+                      f"another prompt length than the client (e.g. requested {ex['requested']}, expected "
+                      f"{ex['expected']}, server {ex['server']}): is --tokenizer the served model's?[/]",
+                      highlight=False)
+
+
 def bench_main(opts: BenchOptions, tokenizer: Any = None, console: Console | None = None) -> dict[str, Any]:
     """`vtool bench` end to end: discover the model, build the prompts, run every level, report.
-    `tokenizer` (encode/decode/vocab_size) makes synthetic prompts exact; it may be None."""
+    `tokenizer` (encode/decode/vocab_size; the local server's) makes synthetic prompts exact;
+    without it opts.tokenizer is loaded, and without that the server's vLLM-shaped /tokenize is
+    used or synthetic prompts are refused."""
     console = console or Console()
     api_key = opts.resolved_api_key()
     model = opts.model or discover_model(opts.url, api_key)
     if not opts.model:
         console.print(f"model: {model} (from {api_base(opts.url)}/v1/models)", highlight=False)
-    prompts = prepare_prompts(opts, model, tokenizer, console)
-    count_tokens = None
-    if tokenizer is not None:
-        def count_tokens(text: str) -> int:
-            return len(_encode(tokenizer, text, add_special_tokens=False))
+    levels = parse_concurrency(opts.concurrency)
+    seed = opts.seed if opts.seed is not None else fresh_seed()
+    tokenizer_source = "the local server's model" if tokenizer is not None else None
+    if opts.tokenizer:
+        tokenizer = load_tokenizer(opts.tokenizer)
+        tokenizer_source = str(opts.tokenizer)
+    plan = plan_prompts(opts, model, levels, seed, tokenizer, console)
     output_len = opts.output_len if opts.output_len is not None else DEFAULT_OUTPUT_LEN
     dataset = opts.dataset_path or f"random(input_len={opts.input_len})"
-    return run_bench(opts.url, model, prompts, output_len, parse_concurrency(opts.concurrency), opts.endpoint,
+    extra = {"tokenizer": tokenizer_source, "prompt_lengths": plan.prompt_source}
+    return run_bench(opts.url, model, plan.runs, output_len, levels, opts.endpoint,
                      api_key, console, opts.json_path(model), request_rate=opts.request_rate,
-                     burstiness=opts.burstiness, ignore_eos=opts.ignore_eos, seed=opts.seed,
+                     burstiness=opts.burstiness, ignore_eos=opts.ignore_eos, seed=seed,
                      percentiles=opts.percentiles, goodput=opts.goodput, warmup=opts.warmup,
-                     save_detailed=opts.save_detailed, count_tokens=count_tokens, dataset=dataset)
+                     save_detailed=opts.save_detailed, count_tokens=plan.count_tokens,
+                     count_method=plan.count_method, warmup_prompt=plan.warmup, dataset=dataset,
+                     report_extra=extra)

@@ -4,6 +4,8 @@ Pure functions, no I/O. The definitions follow vLLM's `calculate_metrics`
 (`vllm/benchmarks/serve.py`) as written down in shared/notes/serving-metrics.md:
 
 * only successful requests enter the latency lists; a failed one adds 0 output tokens;
+* output tokens: the server's usage, else the generated text re-tokenized, else (where vLLM
+  counts 1) one per content chunk; the result says which (`output_tokens_counted_by`);
 * TTFT, E2EL: one sample per request; TPOT = (latency - ttft) / (output_len - 1), only for
   requests with output_len > 1; ITL: every per-chunk gap of every request pooled in one list;
 * throughputs divide by the benchmark's wall duration;
@@ -31,7 +33,7 @@ class RequestRecord:
     from time.perf_counter(); `start_time` is the perf_counter value just before the POST."""
 
     success: bool = False
-    prompt_len: int = 0
+    prompt_len: int = 0             # usage.prompt_tokens when the server sent it, else the client's count
     output_tokens: int = 0          # usage.completion_tokens; 0 when the server sent no usage
     ttft: float = 0.0
     itl: list[float] = dataclasses.field(default_factory=list)
@@ -39,6 +41,21 @@ class RequestRecord:
     start_time: float = 0.0
     error: str = ""
     generated_text: str = ""
+    reasoning_text: str = ""        # chat: delta.reasoning_content / reasoning (thinking models)
+    client_prompt_len: int | None = None      # the client's own count of the prompt it sent
+    usage_prompt_tokens: int | None = None    # what the server's usage said, None without usage
+    usage_completion_tokens: int | None = None
+    usage_cached_tokens: int | None = None    # usage.prompt_tokens_details.cached_tokens
+    retries: int = 0                # sent again after a stale keep-alive connection failed it (client.py)
+    output_chunks: int | None = None          # chunks with choices that were neither role-only nor a terminator
+
+    @property
+    def content_chunks(self) -> int:
+        """Chunks that carried output: as the client counted them, else the first one and one
+        per ITL gap."""
+        if self.output_chunks is not None:
+            return self.output_chunks
+        return 1 + len(self.itl) if self.success else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +92,9 @@ class BenchMetrics:
     max_output_tokens_per_s: float
     max_concurrent_requests: int
     output_lens: tuple[int, ...]      # per request, 0 for failed ones (vLLM's actual_output_lens)
+    output_count_methods: dict[str, int] = dataclasses.field(default_factory=dict)  # method -> successful requests
+    input_from_usage: int = 0         # successful requests whose prompt length came from usage
+    cached_prompt_tokens: int | None = None   # sum of usage.prompt_tokens_details.cached_tokens, None if never sent
 
     def to_dict(self) -> dict[str, Any]:
         """The summary keys of vLLM's result JSON (duration, completed, ..., p99_ttft_ms, ...)."""
@@ -90,6 +110,9 @@ class BenchMetrics:
             "total_token_throughput": self.total_token_throughput,
             "max_output_tokens_per_s": self.max_output_tokens_per_s,
             "max_concurrent_requests": self.max_concurrent_requests,
+            "output_tokens_counted_by": dict(self.output_count_methods),
+            "input_tokens_from_usage": self.input_from_usage,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
         }
         for name in METRIC_NAMES:
             st: LatencyStats = getattr(self, name)
@@ -117,14 +140,28 @@ def latency_stats(values_s: Sequence[float], percentiles: Iterable[float] = DEFA
     )
 
 
-def request_output_len(rec: RequestRecord, count_tokens: Callable[[str], int] | None = None) -> int:
-    """usage.completion_tokens; without it the generated text re-tokenized (no special tokens),
-    and with no tokenizer 1, as vLLM does."""
+# How a request's output tokens were counted (BenchMetrics.output_count_methods):
+USAGE = "usage"               # the server's usage.completion_tokens
+TOKENIZER = "tokenizer"       # the generated text re-tokenized with the client's tokenizer
+CHUNKS = "chunks"             # no usage, no tokenizer: one token per chunk with output (a lower bound)
+
+
+def count_output_tokens(rec: RequestRecord, count_tokens: Callable[[str], int] | None = None,
+                        method: str = TOKENIZER) -> tuple[int, str]:
+    """(output tokens, how they were counted): usage.completion_tokens when the server sent a
+    positive one (vLLM's rule: 0 counts as missing); else the generated text (reasoning
+    included) re-tokenized without special tokens by `count_tokens`, named `method`; else
+    one per content chunk (vLLM counts 1 per request here, which makes output throughput
+    meaningless against a server that sends no usage)."""
     if rec.output_tokens:
-        return int(rec.output_tokens)
-    if count_tokens is None:
-        return 1
-    return int(count_tokens(rec.generated_text))
+        return int(rec.output_tokens), USAGE
+    if count_tokens is not None:
+        return int(count_tokens(rec.reasoning_text + rec.generated_text)), method
+    return rec.content_chunks, CHUNKS
+
+
+def request_output_len(rec: RequestRecord, count_tokens: Callable[[str], int] | None = None) -> int:
+    return count_output_tokens(rec, count_tokens)[0]
 
 
 def tpot_of(rec: RequestRecord, output_len: int) -> float | None:
@@ -173,9 +210,11 @@ def calculate_metrics(
     percentiles: Iterable[float] = DEFAULT_PERCENTILES,
     count_tokens: Callable[[str], int] | None = None,
     goodput_slo_ms: dict[str, float] | None = None,
+    count_method: str = TOKENIZER,
 ) -> BenchMetrics:
     """vLLM's calculate_metrics. `goodput_slo_ms` maps any of ttft/tpot/e2el to an SLO in ms; a
-    successful request is good when every given SLO >= its value (TPOT 0 for output_len <= 1)."""
+    successful request is good when every given SLO >= its value (TPOT 0 for output_len <= 1).
+    Output tokens: count_output_tokens (`count_method` names `count_tokens` in the result)."""
     if duration_s <= 0 or not math.isfinite(duration_s):
         raise ValueError(f"benchmark duration must be a positive number of seconds, got {duration_s!r}")
     percentiles = tuple(float(p) for p in percentiles)
@@ -187,13 +226,20 @@ def calculate_metrics(
     all_tpots: list[float] = []
     itls: list[float] = []
     e2els: list[float] = []
+    methods: dict[str, int] = {}
+    from_usage = 0
+    cached: int | None = None
     for rec in records:
         if not rec.success:
             output_lens.append(0)
             continue
-        n = request_output_len(rec, count_tokens)
+        n, how = count_output_tokens(rec, count_tokens, count_method)
+        methods[how] = methods.get(how, 0) + 1
         output_lens.append(n)
         total_input += int(rec.prompt_len)
+        from_usage += rec.usage_prompt_tokens is not None
+        if rec.usage_cached_tokens is not None:
+            cached = (cached or 0) + rec.usage_cached_tokens
         tpot = tpot_of(rec, n)
         if tpot is not None:
             tpots.append(tpot)
@@ -234,4 +280,7 @@ def calculate_metrics(
         max_output_tokens_per_s=peak_tok,
         max_concurrent_requests=peak_conc,
         output_lens=tuple(output_lens),
+        output_count_methods=methods,
+        input_from_usage=from_usage,
+        cached_prompt_tokens=cached,
     )
