@@ -34,8 +34,9 @@ ALLOWED: dict[str, set[str]] = {
     "vtool.runtime.engine": {"vtool.runtime.artifact", "vtool.runtime.sampling", "vtool.runtime.text"},
     "vtool.runtime.session": {"vtool.runtime.artifact", "vtool.runtime.weights", "vtool.runtime.text",
                               "vtool.runtime.engine"},
+    # The engine core process (serving/engine_core.py) opens the model like any runtime command.
     "vtool.runtime.serving": {"vtool.runtime.engine", "vtool.runtime.sampling", "vtool.runtime.text",
-                              "vtool.runtime.session", "vtool.runtime.weights"},
+                              "vtool.runtime.session", "vtool.runtime.weights", "vtool.runtime.artifact"},
     # The load generator is a client: it speaks HTTP and reads a tokenizer, nothing of the engine.
     "vtool.runtime.bench": {"vtool.runtime.text"},
     "vtool.runtime.run_cmd": {"vtool.runtime.engine", "vtool.runtime.sampling", "vtool.runtime.session",

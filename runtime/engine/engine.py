@@ -226,8 +226,6 @@ class Engine:
         ran = self.runner.execute(scheduled)
         self.counters.steps += 1
         observer = self.observer
-        if observer is not None:
-            observer.observe_iteration(scheduled.num_tokens)
         now = time.monotonic()
         outputs = []
         for request, sequence, result in zip(requests, scheduled.sequences, ran.results):
@@ -244,6 +242,10 @@ class Engine:
                 if out.finish_reason is not None:
                     self._finish(request, out.finish_reason, out.stop_reason)
                 outputs.append(out)
+        if observer is not None:
+            # vLLM's iteration tokens: tokens generated, plus each prompt that got its first token.
+            observer.observe_iteration(len(outputs) + sum(o.num_prompt_tokens for o in outputs
+                                                          if o.num_output_tokens == 1))
         return outputs
 
     def _account(self, request: Request, sequence: ScheduledSequence, logits: Any) -> None:

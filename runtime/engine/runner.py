@@ -38,13 +38,24 @@ class StepLogits:
         the tensor itself can be sampled on the device)."""
         return self.owners.tolist() == list(items)
 
+    def host(self) -> np.ndarray:
+        """Every row on the host, [n, V] (copied from the device once)."""
+        if self._host is None:
+            self._host = self.model.to_numpy(self.tensor).reshape(len(self.owners), self.vocab_size)
+        return self._host
+
+    def last_rows(self, items: list[int]) -> np.ndarray:
+        """The last row of each of these sequences, [len(items), V]: the host array itself
+        (no copy) when the rows are exactly these sequences', one each, in order."""
+        if self.rows_are(items):
+            return self.host()
+        return np.stack([self.rows(i)[-1] for i in items])
+
     def rows(self, item: int) -> np.ndarray | None:
         """A sequence's rows on the host, [k, V], or None when the step computed none for it."""
         if not (self.owners == item).any():
             return None
-        if self._host is None:
-            self._host = self.model.to_numpy(self.tensor).reshape(len(self.owners), self.vocab_size)
-        return self._host[self.owners == item]
+        return self.host()[self.owners == item]
 
 
 class ModelRunner:
@@ -81,7 +92,7 @@ class ModelRunner:
                     and all(sequence_on_device(s) for s in samplers)):
                 drawn = self.device_sampler.sample_batch(logits.tensor, samplers)
             else:
-                drawn = sample_batch(np.stack([logits.rows(i)[-1] for i in to_sample]), samplers)
+                drawn = sample_batch(logits.last_rows(to_sample), samplers)
             for i, result in zip(to_sample, drawn):
                 results[i].sampled = result
         return ModelRunnerOutput(results)

@@ -124,6 +124,15 @@ class SequenceSampler:
         check_token_ids(self.prompt_token_ids, vocab_size, "prompt token id")
         self.vocab_size = vocab_size
 
+    def needs_processing(self) -> bool:
+        """Whether process_logits would change anything now (else the raw row is the one to
+        choose from, and a greedy row needs no copy of it)."""
+        p = self.params
+        return bool(self.logits_processors or self._bias_ids.size
+                    or (self.num_generated < p.min_tokens and self._min_tokens_ids.size)
+                    or (p.repetition_penalty != 1.0 and self._seen)
+                    or (self._counts and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)))
+
     def process_logits(self, raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The logits the choice is made from, before temperature (float32; into `out` if given)."""
         p = self.params
@@ -163,6 +172,17 @@ class _Scratch:
         self.g = np.empty(vocab, np.float32)
         self.bucket = np.empty(vocab, np.intp)
         self.mask = np.empty(vocab, bool)
+        self.vocab = vocab
+
+
+_SCRATCH = threading.local()  # one set of buffers per thread (the engine's, a Generator's)
+
+
+def _scratch(vocab: int) -> _Scratch:
+    s = getattr(_SCRATCH, "buffers", None)
+    if s is None or s.vocab != vocab:
+        s = _SCRATCH.buffers = _Scratch(vocab)
+    return s
 
 
 def sample_batch(logits: np.ndarray, seqs: Sequence[SequenceSampler]) -> list[SampleResult]:
@@ -172,11 +192,21 @@ def sample_batch(logits: np.ndarray, seqs: Sequence[SequenceSampler]) -> list[Sa
         raise VtoolError(f"sample_batch needs logits of shape [{len(seqs)}, vocab] for {len(seqs)} "
                          f"sequences, got {logits.shape}")
     vocab = logits.shape[1]
-    scratch = _Scratch(vocab)
+    scratch = _scratch(vocab)
     results = []
     for i, seq in enumerate(seqs):
         seq._check_vocab(vocab)
-        raw = np.ascontiguousarray(logits[i], dtype=np.float32)
+        raw = np.ascontiguousarray(logits[i], dtype=np.float32)  # a view when it is already so
+        if seq.params.greedy and not seq.needs_processing():
+            # The plain greedy row: one pass finds the token and the maximum together (NaN
+            # is found first by argmax, so it is refused below as before).
+            token = int(np.argmax(raw))
+            raw_max = raw[token]
+            if not np.isfinite(raw_max):
+                raise VtoolError(f"logits row {i} has no finite maximum ({raw_max}): the model produced NaN/inf")
+            seq.append_token(token)
+            results.append(_raw_logprobs(raw, raw_max, token, seq.params.logprobs, scratch))
+            continue
         raw_max = raw.max()
         if not np.isfinite(raw_max):
             raise VtoolError(f"logits row {i} has no finite maximum ({raw_max}): the model produced NaN/inf")

@@ -165,10 +165,10 @@ def run_engine_core(launch: CoreLaunch, ready: Connection, parent_pid: int) -> N
         checkpoint = open_checkpoint(launch.model_path)
         session = open_session(launch.artifact, checkpoint, launch.tokenizer_config, launch.max_model_len)
         engine = Engine(session, launch.engine_config)
-        metrics = ServerMetrics(launch.metrics_model_name) if launch.metrics_model_name else None
+        metrics = ServerMetrics(launch.metrics_model_name, max_model_len=engine.max_model_len) \
+            if launch.metrics_model_name else None
         if metrics is not None:
             engine.observer = metrics
-        if metrics is not None and hasattr(metrics, "set_cache_config"):
             metrics.set_cache_config(block_size=engine.kv.block_size, num_blocks=engine.kv.blocks.num_blocks,
                                      enable_prefix_caching=launch.engine_config.enable_prefix_caching)
         context = zmq.Context()

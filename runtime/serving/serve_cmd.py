@@ -175,6 +175,7 @@ def _supervise(spec: ApiServerSpec, sock: socket.socket, core: EngineCoreProcess
             ended = wait(list(watched), timeout=0.5)
             if ended:
                 gone = watched[ended[0]]
+                gone.join(5)  # reaped, so its exit code is known
                 log.error("%s (pid %d) exited with code %s; stopping the server", gone.name, gone.pid, gone.exitcode)
                 break
         for p in servers:
@@ -240,7 +241,11 @@ def _serve_in_process(artifact: Path, checkpoint: Checkpoint, config: EngineConf
                       console: Console, sock: socket.socket, names: list[str], defaults: dict[str, Any]) -> None:
     session = open_session(artifact, checkpoint, opts.tokenizer_config, opts.max_model_len)
     engine = Engine(session, config)
-    client = AsyncEngine(engine, None if opts.disable_metrics else ServerMetrics(names[0]))
+    metrics = None if opts.disable_metrics else ServerMetrics(names[0], max_model_len=engine.max_model_len)
+    if metrics is not None:
+        metrics.set_cache_config(block_size=engine.kv.block_size, num_blocks=engine.kv.blocks.num_blocks,
+                                 enable_prefix_caching=config.enable_prefix_caching)
+    client = AsyncEngine(engine, metrics)
     manifest = session.model.manifest
     info = ServerInfo(model_path=str(checkpoint.path), artifact=str(artifact), target=manifest["target"]["name"],
                       dtype=manifest["dtype"], engine={**dataclasses.asdict(config),
