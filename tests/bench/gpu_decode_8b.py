@@ -9,7 +9,7 @@ through its normal loader. Measured in the same process:
   * vtool batch-1 decode through the `decode` entry point, the host synchronised once per
     loop (the model step alone), and through the single-sequence generator, which copies
     logits to the host every step (what `vtool run` pays);
-  * vtool `batch_decode` steps at batch 1, 8, 32;
+  * vtool `batch_decode` steps at batch 1, 8, 32, 64;
   * vtool prefill of 128 and 2048 tokens;
   * transformers with StaticCache + torch.compile(mode="reduce-overhead") at batch 1, and
     its eager prefill of 128/2048 tokens.
@@ -200,7 +200,7 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
         sync(model.device, 0)
         record(step=f"vtool_prefill_{n_prompt}", ms=round((time.perf_counter() - t0) * 1e3, 2))
 
-    for batch in (1, 8, 32):
+    for batch in (1, 8, 32, 64):
         ms = batch_decode_timer(model, batch)(32) * 1e3
         record(step=f"vtool_batch_decode_b{batch}", ms_per_step=round(ms, 3), tok_s=round(batch * 1e3 / ms, 1))
     del model
