@@ -86,6 +86,7 @@ class BenchOptions:
     seed: int | None = 0                        # --seed; None: a fresh one per invocation (reported)
     tokenizer: str | None = None                # --tokenizer: tokenizer.json, model folder or .gguf
     fresh_prompts: bool = True                  # each run (level) gets prompts of its own
+    extra_body: dict[str, Any] | None = None    # merged into every request body (e.g. {"temperature": 0})
     result_json: str | None = None              # --result-json PATH
     save_result: bool = False                   # --save-result (default file name in the cwd)
     save_detailed: bool = False                 # --save-detailed (per-request lists in the JSON)
@@ -907,11 +908,11 @@ def bench_main(opts: BenchOptions, tokenizer: Any = None, console: Console | Non
     plan = plan_prompts(opts, model, levels, seed, tokenizer, console)
     output_len = opts.output_len if opts.output_len is not None else DEFAULT_OUTPUT_LEN
     dataset = opts.dataset_path or f"random(input_len={opts.input_len})"
-    extra = {"tokenizer": tokenizer_source, "prompt_lengths": plan.prompt_source}
+    extra = {"tokenizer": tokenizer_source, "prompt_lengths": plan.prompt_source, "extra_body": opts.extra_body}
     return run_bench(opts.url, model, plan.runs, output_len, levels, opts.endpoint,
                      api_key, console, opts.json_path(model), request_rate=opts.request_rate,
                      burstiness=opts.burstiness, ignore_eos=opts.ignore_eos, seed=seed,
                      percentiles=opts.percentiles, goodput=opts.goodput, warmup=opts.warmup,
                      save_detailed=opts.save_detailed, count_tokens=plan.count_tokens,
                      count_method=plan.count_method, warmup_prompt=plan.warmup, dataset=dataset,
-                     report_extra=extra)
+                     extra_body=opts.extra_body, report_extra=extra)
