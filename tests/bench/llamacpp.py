@@ -285,7 +285,7 @@ def llama_server(model: str | Path, *, parallel: int, threads: int, ctx_size: in
                  extra: tuple[str, ...] = (), log_dir: Path | None = None,
                  startup_timeout: float = 300.0) -> Iterator[dict[str, Any]]:
     """A running `llama-server -m model -np parallel -t/-tb threads -c ctx_size --metrics` on
-    127.0.0.1 and a free port; yields {"url", "command", "repack", "log"} and stops it after.
+    127.0.0.1 and a free port; yields {"url", "command", "repack", "log", "pid"} and stops it after.
     llama.cpp's defaults first (CPU weight repacking on); if the server dies while starting (it
     segfaults with repacking on an AMX Xeon, as llama-bench's pp512 does) it is started again
     with --no-repack, and "repack" says which setting is running."""
@@ -321,7 +321,7 @@ def llama_server(model: str | Path, *, parallel: int, threads: int, ctx_size: in
             proc.wait()
             raise BenchError(f"llama-server did not become healthy in {startup_timeout:.0f} s; log {log_path}")
         try:
-            yield {"url": url, "command": " ".join(cmd), "repack": repack, "log": str(log_path)}
+            yield {"url": url, "command": " ".join(cmd), "repack": repack, "log": str(log_path), "pid": proc.pid}
         finally:
             proc.terminate()
             try:
