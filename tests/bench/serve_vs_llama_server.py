@@ -314,6 +314,7 @@ def main() -> None:
         "levels_result": result_levels,
         "other_load_cores": {name: [rd["other_load_cores"] for rd in rds] for name, rds in rounds.items()},
         "server_cores": {name: [rd["server_cores"] for rd in rds] for name, rds in rounds.items()},
+        "other_load_cores_before": {name: [rd["other_load_cores_before"] for rd in rds] for name, rds in rounds.items()},
         "reports": {name: [rd["report"] for rd in rds] for name, rds in rounds.items()},
     }
     out = a.out or root / "serve_vs_llama_server.json"
