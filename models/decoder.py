@@ -12,6 +12,8 @@ Entry points (the runtime calls these by name; the manifest lists them):
   decode(embeds[1, 1, H], kv) -> logits[1, 1, V]
   batch_prefill(embeds[1, n, H], logit_positions[b], kv) -> logits[1, b, V]
   batch_decode(embeds[b, 1, H], kv) -> logits[b, 1, V]
+    (CUDA builds add batch_decode_captured, a copy run from CUDA graphs per batch size:
+    toolchain/pipeline.py; its symbolic batch is the spec's "batch_size")
   create_tir_paged_kv_cache(max_batch, max_total_len, prefill_chunk, page_size, sliding)
 """
 from __future__ import annotations

@@ -130,21 +130,24 @@ def compile_cuda(plan: BuildPlan, library_path: Path, progress: Progress) -> dic
 
         if cuda.cuda_runtime_loaded():
             return compile_cuda_here(plan.config, plan.target, plan.dtype, library_path, progress, gemm=plan.gemm,
-                                     attention=plan.attention, records=plan.records)
+                                     attention=plan.attention, records=plan.records,
+                                     cuda_graph_sizes=plan.cuda_graph_sizes)
     request = {"config": plan.config.to_dict(), "target": plan.target.name, "dtype": plan.dtype,
-               "library": str(library_path), "gemm": plan.gemm, "attention": plan.attention, "records": plan.records}
+               "library": str(library_path), "gemm": plan.gemm, "attention": plan.attention, "records": plan.records,
+               "cuda_graph_sizes": list(plan.cuda_graph_sizes)}
     return cuda.run_worker(request, progress)
 
 
 def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
                       progress: Progress, in_subprocess: bool = False, gemm: str = "tir",
-                      attention: str = "tir", records: bool = True) -> dict[str, Any]:
+                      attention: str = "tir", records: bool = True,
+                      cuda_graph_sizes: tuple[int, ...] = ()) -> dict[str, Any]:
     """The CUDA compile proper, in a process whose TVM has its CUDA runtime loaded (the
     worker subprocess, or this one when a real driver is installed)."""
     import tvm
 
     from vtool.toolchain import cuda
-    from vtool.toolchain.pipeline import build_pipeline, describe, pass_context
+    from vtool.toolchain.pipeline import build_pipeline, describe, graph_entry_points, pass_context
 
     if not cuda.cuda_runtime_loaded():
         raise cuda.CudaBuildError(
@@ -158,6 +161,8 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
         fi = flashinfer_attention.build_objects(dtype, cfg.head_dim, target_spec.archs, progress)
     t0 = time.perf_counter()
     target, mod, params, entry_points = model_module(cfg, target_spec, dtype, progress, attention=attention)
+    graph_sizes = tuple(cuda_graph_sizes)
+    entry_points = entry_points + graph_entry_points(graph_sizes)  # batch_decode_captured (toolchain/pipeline.py)
     t_export = time.perf_counter() - t0
     tuning = _tuning_records(target_spec, progress, records)
     record: dict[str, Any] = {"archs": list(target_spec.archs), "ptx": target_spec.ptx}
@@ -167,8 +172,8 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     try:
         with cuda.fatbin_callback(target_spec.archs, target_spec.ptx, record), target, \
                 pass_context(target_spec.family):
-            executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, target_spec.family, gemm,
-                                                                                      records=tuning))
+            executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(
+                target, target_spec.family, gemm, records=tuning, graph_sizes=graph_sizes))
     except Exception:
         nvcc_error = record.pop("_error", None)
         if nvcc_error is not None:
@@ -198,7 +203,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     })
     from vtool.runtime.sampling.device import FUNCTIONS as SAMPLER_FUNCTIONS
 
-    return {"params": params, "entry_points": entry_points, "pipeline": describe(target_spec.family, gemm),
+    return {"params": params, "entry_points": entry_points, "pipeline": describe(target_spec.family, gemm, graph_sizes),
             "cuda": record, "sampler": list(SAMPLER_FUNCTIONS), "tuning": tuning.summary()}
 
 
@@ -206,7 +211,7 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
                    output: str | Path | None = None, progress: Progress | None = None,
                    checkpoint: Checkpoint | None = None, force: bool = False, gemm: str = "auto",
                    quantization: str = "auto", attention: str = "auto", activations: str = "auto",
-                   records: bool = True) -> Path:
+                   records: bool = True, cuda_graph_sizes: str = "auto") -> Path:
     """Build (or find in the cache) the artifact for one checkpoint, target and dtype: the
     options (BuildOptions: plan.py says what each value does) are resolved into a BuildPlan,
     refused there by name when they cannot work, and the plan is built.
@@ -221,10 +226,13 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
     gemm: "auto" | "tir" | "cublas" (toolchain/gemm_offload.py): which kernels run the
     prefill and batched-decode matmuls of a CUDA build.
 
-    records: apply the tuning records found for the target (toolchain/records.py)."""
+    records: apply the tuning records found for the target (toolchain/records.py).
+
+    cuda_graph_sizes: "auto" | "none" | "1,2,4,..." (plan.resolve_cuda_graph_sizes): the batch
+    sizes whose batched decode a CUDA build captures in CUDA graphs."""
     progress = progress or (lambda _msg: None)
     options = BuildOptions(dtype=dtype, quantization=quantization, activations=activations, gemm=gemm,
-                           attention=attention, records=records)
+                           attention=attention, records=records, cuda_graph_sizes=cuda_graph_sizes)
     # The options as asked, for the manifest's provenance (the plan holds what they resolve to).
     requested = {"target": target_name, **dataclasses.asdict(options)}
     target_spec = check_request(target_name, options)  # refused before the checkpoint is read

@@ -16,7 +16,7 @@ from vtool.toolchain.dist_cli import dist
 
 def build_with_progress(model_path: Path, target: str, dtype: str, output: str | None = None,
                         force: bool = False, gemm: str = "auto", quantization: str = "auto",
-                        attention: str = "auto", activations: str = "auto") -> Path:
+                        attention: str = "auto", activations: str = "auto", cuda_graph_sizes: str = "auto") -> Path:
     """Build with vtool's own progress line; what TVM's C++ side prints while compiling goes to
     a log file (named on failure) instead of the terminal."""
     from vtool.toolchain.build import build_artifact
@@ -30,7 +30,8 @@ def build_with_progress(model_path: Path, target: str, dtype: str, output: str |
                     terminal.print(f"[dim]{msg}[/]", highlight=False)
 
             return build_artifact(model_path, target, dtype, output=output, progress=report, force=force, gemm=gemm,
-                                  quantization=quantization, attention=attention, activations=activations)
+                                  quantization=quantization, attention=attention, activations=activations,
+                                  cuda_graph_sizes=cuda_graph_sizes)
 
 
 def _builder(model_path: Path, target: str, dtype: str, *, quantization: str = "auto",
@@ -64,11 +65,15 @@ def _attention_option(fn: Callable) -> Callable:
 @_attention_option
 @quantization_option
 @activations_option
+@click.option("--cuda-graph-sizes", "cuda_graph_sizes", default="auto", show_default=True,
+              help="CUDA: batch sizes at which batched decode runs from CUDA graphs, e.g. 1,2,4,8,16 (a step is "
+                   "padded up to the next; larger batches run uncaptured); auto = 1,2,4,8,16,24,32,48,64,96,128; "
+                   "none = batched decode uncaptured")
 def build(model: str | None, revision: str | None, target: str, dtype: str, output: str | None, force: bool, gemm: str,
-          attention: str, quantization: str, activations: str) -> None:
+          attention: str, quantization: str, activations: str, cuda_graph_sizes: str) -> None:
     """Compile a model into an artifact folder (model.so + manifest.json)."""
     folder = build_with_progress(resolve_model(model, revision), target, dtype, output, force, gemm, quantization, attention,
-                                 activations)
+                                 activations, cuda_graph_sizes)
     out.print(str(folder), highlight=False)
 
 

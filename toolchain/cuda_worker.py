@@ -37,7 +37,8 @@ def main(argv: list[str]) -> int:
         result = compile_cuda_here(ModelConfig.from_dict(request["config"]), lookup(request["target"]),
                                    request["dtype"], Path(request["library"]), progress, in_subprocess=True,
                                    gemm=request.get("gemm", "tir"), attention=request.get("attention", "tir"),
-                                   records=request.get("records", True))
+                                   records=request.get("records", True),
+                                   cuda_graph_sizes=tuple(request.get("cuda_graph_sizes", ())))
     except VtoolError as err:
         print("vtool-error: " + str(err).replace("\n", "\\n"), flush=True)
         return 2

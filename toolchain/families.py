@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 
 Progress = Callable[[str], None]
 
+# The entry point a build with CUDA graph batch sizes adds: batch_decode, captured per batch
+# size (toolchain/pipeline.py). The runtime calls it by this name (runtime/engine/decode_buckets.py
+# writes it too; a test holds the two equal), and the pass that makes it is named in the manifest.
+CAPTURED_BATCH_DECODE = "batch_decode_captured"
+CAPTURE_PASS = "VtoolCaptureBatchDecode"
+
 
 class FamilyError(VtoolError):
     """A target family with no entry in the table."""
@@ -52,8 +58,12 @@ class Family:
     schedules: str  # the rule set under vtool.schedules (a subpackage exporting schedule_pass())
     opt_level: int | None  # the PassContext it compiles under; None: the ambient one
     pass_config: Mapping[str, Any]
+    # batch sizes whose batched decode runs from CUDA graphs (what --cuda-graph-sizes auto picks;
+    # () for a family without graphs, where any other value is refused)
+    graph_batch_sizes: tuple[int, ...]
     extra_modules: Callable[[ModelConfig], list[Any]]  # Relax modules a library holds beside the model's
-    describe_pipeline: Callable[[Family, str], dict[str, Any]]  # the manifest's build.pipeline, given --gemm
+    # the manifest's build.pipeline, given --gemm and the resolved --cuda-graph-sizes
+    describe_pipeline: Callable[[Family, str, tuple[int, ...]], dict[str, Any]]
     # --- the build
     check_model: Callable[[ModelConfig], None]  # refuses shapes its kernels cannot run
     toolchain: Callable[[TargetSpec], dict[str, str]]  # external tools' versions (cache key); {} when none
@@ -114,7 +124,7 @@ def _cpu_compile(plan: BuildPlan, library: Path, progress: Progress) -> dict[str
     return compile_cpu(plan, library, progress)
 
 
-def _describe_cpu(_family: Family, _gemm: str) -> dict[str, Any]:
+def _describe_cpu(_family: Family, _gemm: str, _graph_sizes: tuple[int, ...] = ()) -> dict[str, Any]:
     return {"passes": ["FuseTransposeMatmul", "cpu.library_dispatch", "cpu.legalize", "vtool.schedules.cpu",
                        "cpu.dataflow_lower", "cpu.finalize"]}
 
@@ -151,16 +161,21 @@ def _cuda_compile(plan: BuildPlan, library: Path, progress: Progress) -> dict[st
     return compile_cuda(plan, library, progress)
 
 
-def _describe_cuda(family: Family, gemm: str) -> dict[str, Any]:
+def _describe_cuda(family: Family, gemm: str, graph_sizes: tuple[int, ...] = ()) -> dict[str, Any]:
     from vtool.schedules.cuda import describe as schedules
 
     offload = ["VtoolOffloadGemmToCublas"] if gemm == "cublas" else []
-    return {"gemm": gemm,
-            "passes": [name for name, _ in family.model_passes] + offload + [
-                "FuseTransposeMatmul", "cuda.library_dispatch", "LegalizeOps", "AnnotateTIROpPattern",
-                "FoldConstant", "FuseOps", "FuseTIR", "vtool.schedules.cuda", "cuda.dataflow_lower", "cuda.finalize"],
-            "schedules": schedules(), "cuda_graph": bool(family.pass_config["relax.backend.use_cuda_graph"]),
-            "pass_config": dict(family.pass_config), "opt_level": family.opt_level}
+    described = {"gemm": gemm,
+                 "passes": [name for name, _ in family.model_passes] + offload + [
+                     "FuseTransposeMatmul", "cuda.library_dispatch", "LegalizeOps", "AnnotateTIROpPattern",
+                     "FoldConstant", "FuseOps", "FuseTIR", "vtool.schedules.cuda"]
+                 + ([CAPTURE_PASS] if graph_sizes else []) + ["cuda.dataflow_lower", "cuda.finalize"],
+                 "schedules": schedules(), "cuda_graph": bool(family.pass_config["relax.backend.use_cuda_graph"]),
+                 "pass_config": dict(family.pass_config), "opt_level": family.opt_level}
+    if graph_sizes:  # the runtime pads a decode step to one of these (runtime/engine/decode_buckets.py)
+        described["cuda_graph_batch"] = {"entry": CAPTURED_BATCH_DECODE, "sizes": list(graph_sizes),
+                                         "max_batch": max(graph_sizes)}
+    return described
 
 
 # --- the table -------------------------------------------------------------------------------
@@ -172,7 +187,7 @@ def _cpu(name: str, label: str, int8_isa: Callable[[TargetSpec], str | None]) ->
         name=name, label=label, device="cpu",
         quantized_kernels=True, int8_isa=int8_isa, gemm=("tir",), gemm_auto=MappingProxyType({}), attention=("tir",),
         relax_backend="tvm.relax.backend.cpu_generic", model_passes=(), schedules="cpu", opt_level=None,
-        pass_config=MappingProxyType({}), extra_modules=_nothing, describe_pipeline=_describe_cpu,
+        pass_config=MappingProxyType({}), graph_batch_sizes=(), extra_modules=_nothing, describe_pipeline=_describe_cpu,
         check_model=_no_check, toolchain=_cpu_toolchain, compile=_cpu_compile,
         min_rule_us=5.0, tensor_intrinsics=False)
 
@@ -192,6 +207,9 @@ CUDA = Family(
     # pass emits a use before its definition in the KV cache's llama3-rope kernels for CUDA
     # ("cse_v18 has been used before definition").
     pass_config=MappingProxyType({"relax.backend.use_cuda_graph": True, "tirx.disable_cse_tir": True}),
+    # batch_decode's kernel runs captured per batch size, at these sizes (vLLM's default list, to
+    # 128); a decode step is padded up to the next one (toolchain/pipeline.py, decode_buckets.py)
+    graph_batch_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128),
     extra_modules=_cuda_extra_modules, describe_pipeline=_describe_cuda,
     check_model=_cuda_check_model, toolchain=_cuda_toolchain, compile=_cuda_compile,
     # a decode step is hundreds of kernels of a few microseconds each, run from a CUDA graph

@@ -14,6 +14,18 @@ RewriteCUDAGraph in the finalize passes reads. It captures only the static regio
 function: the kernel runs between KV-cache calls in `prefill`/`decode`, whose shapes are
 fixed. In the symbolic-shape functions (batch_prefill, batch_decode) nothing is static,
 so they stay uncaptured and unchanged.
+
+Batched decode in CUDA graphs (`--cuda-graph-sizes`): after the schedules, `batch_decode`
+is copied into `batch_decode_captured` (the same kernels, not one more to compile) with two
+function attributes RewriteCUDAGraph and StaticPlanBlockMemory read in TVM 0.27:
+`relax.rewrite_cuda_graph.capture_symbolic_vars = ["batch_size"]` lets a kernel run whose
+shapes hold only `batch_size` be captured, and the lifted region gets `batch_size` as a
+shape argument that vm.builtin.cuda_graph.run_or_capture also takes as its cache key (one
+graph per distinct batch size, captured on first use); `tir_var_upper_bound = {"batch_size":
+largest size}` makes the planner give its intermediates constant-size storage, which is
+what lets them be static. MLC-LLM captures its batch_decode the same way. `batch_decode`
+itself stays as it was: eager, for any batch size. The KV-cache calls (attention, its
+aux-data copies, kernels whose grids follow the batch) stay outside the graphs, between them.
 """
 from __future__ import annotations
 
@@ -22,7 +34,10 @@ from typing import Any
 import tvm
 from tvm import relax
 
-from vtool.toolchain.families import family_named
+from vtool.toolchain.families import CAPTURE_PASS, CAPTURED_BATCH_DECODE, family_named
+
+# The symbolic batch dimension of batch_decode (models/decoder.py's spec names it).
+BATCH_VAR = "batch_size"
 
 
 def pass_config(family: str) -> dict[str, Any]:
@@ -37,10 +52,42 @@ def pass_context(family: str) -> Any:
     return family_named(family).pass_context()
 
 
-def describe(family: str, gemm: str = "tir") -> dict[str, Any]:
+def describe(family: str, gemm: str = "tir", graph_sizes: tuple[int, ...] = ()) -> dict[str, Any]:
     """The manifest's record of the pipeline a library was built with."""
     entry = family_named(family)
-    return entry.describe_pipeline(entry, gemm)
+    return entry.describe_pipeline(entry, gemm, tuple(graph_sizes))
+
+
+def graph_entry_points(graph_sizes: tuple[int, ...]) -> list[str]:
+    """The entry points the capture pass adds to the model's (the manifest lists them)."""
+    return [CAPTURED_BATCH_DECODE] if graph_sizes else []
+
+
+def capture_batch_decode_pass(graph_sizes: tuple[int, ...]) -> tvm.transform.Pass:
+    """Add `batch_decode_captured`: a copy of `batch_decode` that RewriteCUDAGraph captures
+    once per batch size, for batch sizes up to max(graph_sizes) (the module docstring says
+    how). Run after the schedules, the copy calls the very kernels batch_decode does."""
+    bound = max(graph_sizes)
+
+    @tvm.transform.module_pass(opt_level=0, name=CAPTURE_PASS)
+    def _capture(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        if not any(gv.name_hint == "batch_decode" for gv in mod.get_global_vars()):
+            return mod
+        source = mod["batch_decode"]
+        defined = [v.name for v in relax.analysis.defined_symbolic_vars(source)]
+        if BATCH_VAR not in defined:
+            raise RuntimeError(f"batch_decode has no symbolic {BATCH_VAR!r} to capture per value (has {defined})")
+        # A copy with fresh variables: one function's Relax and TIR variables may not be another's.
+        captured = relax.utils.copy_with_new_vars(source).with_attrs({
+            "global_symbol": CAPTURED_BATCH_DECODE,
+            "tir_var_upper_bound": {BATCH_VAR: bound},
+            "relax.rewrite_cuda_graph.capture_symbolic_vars": [BATCH_VAR],
+        })
+        out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs, global_infos=mod.global_infos)
+        out[CAPTURED_BATCH_DECODE] = captured
+        return out
+
+    return _capture
 
 
 def kernel_passes() -> list[tvm.transform.Pass]:
@@ -51,16 +98,19 @@ def kernel_passes() -> list[tvm.transform.Pass]:
 
 
 def build_pipeline(target: tvm.target.Target, family: str, gemm: str = "tir",
-                   records: Any = None, until_schedules: bool = False) -> tvm.transform.Pass:
+                   records: Any = None, until_schedules: bool = False,
+                   graph_sizes: tuple[int, ...] = ()) -> tvm.transform.Pass:
     """The family's model passes, (with gemm="cublas", the prefill/batched matmuls to
     cuBLAS,) FuseTransposeMatmul, the family's Relax backend's library dispatch, legalize +
     fuse, the family's schedule rules (tuning records first when `records`, a
-    vtool.toolchain.records.RecordSet, is given), the backend's dataflow lowering and
+    vtool.toolchain.records.RecordSet, is given), (with graph_sizes, the plan's resolved
+    --cuda-graph-sizes: batch_decode_captured,) the backend's dataflow lowering and
     finalize passes. until_schedules: stop before the schedule pass (`vtool tune` extracts
     the kernels there)."""
     entry = family_named(family)
     backend = entry.backend()
     schedule_pass = entry.rules(records)
+    capture = [capture_batch_decode_pass(tuple(graph_sizes))] if graph_sizes else []
     # the family's own Relax passes (CUDA: the split-KV decode attention), then the cuBLAS offload
     offload: list[tvm.transform.Pass] = [make() for _name, make in entry.model_passes]
     if gemm == "cublas":
@@ -81,7 +131,8 @@ def build_pipeline(target: tvm.target.Target, family: str, gemm: str = "tir",
                 + kernel_passes()
             )
             if not until_schedules:
-                passes += [schedule_pass] + backend.dataflow_lower_passes(target) + backend.finalize_passes(target)
+                passes += ([schedule_pass] + capture + backend.dataflow_lower_passes(target)
+                           + backend.finalize_passes(target))
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

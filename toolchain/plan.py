@@ -40,6 +40,12 @@ QUANTIZATIONS = ("auto", "none", "gguf", *SCHEMES)
 # (schedules/cpu/int8_gemv.py): rows quantized to Q8_0 and integer dot products in decode ("decode",
 # what auto picks on integer-dot CPUs) or everywhere ("q8_0", llama.cpp's numerics), or float32.
 ACTIVATIONS = ("auto", "decode", "q8_0", "none")
+# --cuda-graph-sizes: "auto" = the family's list (toolchain/families.py; none off CUDA), "none" =
+# batch_decode stays uncaptured, or batch sizes "1,2,4,8,...": batched decode runs in CUDA graphs
+# captured per size up to the largest, and the runtime pads a step up to the next size.
+CUDA_GRAPH_SIZES_NONE = "none"
+MAX_CUDA_GRAPH_BATCH = 1024  # the static memory plan grows with the largest size
+
 # Families with kernels for weights kept in blocks (the CPU ones).
 QUANT_TARGET_FAMILIES = tuple(f.name for f in FAMILIES if f.quantized_kernels)
 
@@ -63,6 +69,7 @@ class BuildOptions:
     gemm: str = "auto"  # toolchain/gemm_offload.py GEMM_CHOICES
     attention: str = "auto"  # toolchain/flashinfer_attention.py ATTENTIONS
     records: bool = True  # apply the tuning records found for the target (tuning_logs/<target>/)
+    cuda_graph_sizes: str = "auto"  # "auto", "none" or comma-separated batch sizes (CUDA_GRAPH_SIZES_NONE above)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +94,8 @@ class BuildPlan:
     # External tools, resolved for builds only (`vtool tune` extracts kernels without them):
     toolchain: Mapping[str, str] | None  # nvcc's version, or the cross linker's; {} for a native CPU link
     attention_backend: str | None  # "tir" or "flashinfer-<version>"
+    # batch sizes whose batched decode is captured in CUDA graphs, ascending; () for none
+    cuda_graph_sizes: tuple[int, ...] = ()
 
     @property
     def family(self) -> Family:
@@ -133,6 +142,7 @@ class BuildPlan:
             "attention_backend": self.attention_backend,
             "tuning": {"records": self.records, "digest": self.tuning_digest},
             "toolchain": None if self.toolchain is None else dict(self.toolchain),
+            "cuda_graph_sizes": list(self.cuda_graph_sizes),
         }
 
     def quantization_key(self) -> str:
@@ -154,7 +164,7 @@ class BuildPlan:
         if self.toolchain is None or self.attention_backend is None:
             raise VtoolError("this plan was resolved without its tools (as `vtool tune` does): it has no cache key")
         return _key(self.source_config, self.target, self.dtype, self.quantization_key(), self.gemm,
-                    self.attention_backend, self.tuning_digest, self.toolchain)
+                    self.attention_backend, self.tuning_digest, self.toolchain, self.cuda_graph_sizes)
 
 
 # --- the cache key -----------------------------------------------------------------------------
@@ -171,7 +181,7 @@ def compiler_source_digest() -> str:
 
 
 def _key(source_cfg: Mapping[str, Any], target: TargetSpec, dtype: str, quantization: str, gemm: str,
-         attention: str, tuning: str, toolchain: Mapping[str, str]) -> str:
+         attention: str, tuning: str, toolchain: Mapping[str, str], graph_sizes: tuple[int, ...] = ()) -> str:
     payload = {"config": dict(source_cfg), "target": target.describe(), "dtype": dtype,
                "quantization": quantization, "gemm": gemm, "versions": installed_versions(),
                "compiler": compiler_source_digest()}
@@ -181,16 +191,22 @@ def _key(source_cfg: Mapping[str, Any], target: TargetSpec, dtype: str, quantiza
         payload["tuning"] = tuning
     if toolchain:
         payload["toolchain"] = dict(toolchain)
+    if graph_sizes:  # the captured batch_decode and its memory plan; builds without keep their keys
+        payload["cuda_graph_sizes"] = list(graph_sizes)
     blob = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 def cache_key(raw_config: dict[str, Any], target: TargetSpec, dtype: str, quantization: str,
-              gemm: str = "tir", attention: str = "tir", tuning: str = "") -> str:
-    """The key for explicit parts (`quantization` as BuildPlan.quantization_key gives it);
-    a build takes BuildPlan.cache_key, which is this for its own parts."""
+              gemm: str = "tir", attention: str = "tir", tuning: str = "",
+              cuda_graph_sizes: tuple[int, ...] | None = None) -> str:
+    """The key for explicit parts (`quantization` as BuildPlan.quantization_key gives it;
+    cuda_graph_sizes None: what --cuda-graph-sizes auto picks for the target); a build
+    takes BuildPlan.cache_key, which is this for its own parts."""
+    family = family_of(target)
+    graph_sizes = family.graph_batch_sizes if cuda_graph_sizes is None else tuple(cuda_graph_sizes)
     return _key(source_config(raw_config), target, dtype, quantization, gemm, attention, tuning,
-                family_of(target).toolchain(target))
+                family.toolchain(target), graph_sizes)
 
 
 # --- resolving --------------------------------------------------------------------------------
@@ -234,13 +250,42 @@ def resolve_plan(checkpoint: Checkpoint, target: str | TargetSpec, options: Buil
     backend = attention_key(attention) if tools else None
     digest = _records_digest(spec) if options.records else ""
     toolchain = family.toolchain(spec) if tools else None
+    graph_sizes = resolve_cuda_graph_sizes(options.cuda_graph_sizes, spec)
     return BuildPlan(
         target=spec, config=cfg, source_config=MappingProxyType(source_config(raw)), source_format=checkpoint.format,
         dtype=options.dtype, quantization=quantization, kept=MappingProxyType(dict(kept)),
         dense=MappingProxyType(dict(dense)), left_float=left_float, quantized_sources=MappingProxyType(qsources),
         weights_key=weights_key, activations=activations, gemm=gemm, attention=attention, records=options.records,
         tuning_digest=digest, toolchain=None if toolchain is None else MappingProxyType(dict(toolchain)),
-        attention_backend=backend)
+        attention_backend=backend, cuda_graph_sizes=graph_sizes)
+
+
+def resolve_cuda_graph_sizes(requested: str, target_spec: TargetSpec) -> tuple[int, ...]:
+    """The batch sizes whose batched decode a build captures in CUDA graphs, ascending and
+    distinct, for --cuda-graph-sizes `requested`: "auto" (the family's list, none off CUDA),
+    "none", or sizes such as "1,2,4,8,16"; what cannot work is refused by name."""
+    family = family_of(target_spec)
+    text = str(requested).strip().lower()
+    if text == "auto":
+        return tuple(family.graph_batch_sizes)
+    if text in (CUDA_GRAPH_SIZES_NONE, ""):
+        return ()
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise VtoolError(f"--cuda-graph-sizes {requested!r} is not a list of positive batch sizes such as "
+                         f"'1,2,4,8,16'; or use auto or {CUDA_GRAPH_SIZES_NONE}")
+    if sizes[-1] > MAX_CUDA_GRAPH_BATCH:
+        raise VtoolError(f"--cuda-graph-sizes {requested!r}: the largest size is {sizes[-1]}, past "
+                         f"{MAX_CUDA_GRAPH_BATCH} (the captured batch_decode plans its memory for the largest)")
+    if not family.graph_batch_sizes:
+        offered = " or ".join(f.label for f in FAMILIES if f.graph_batch_sizes) or "no"
+        raise VtoolError(f"--cuda-graph-sizes {requested!r} needs a {offered} target: target "
+                         f"{target_spec.name!r} ({target_spec.family}) has no CUDA graphs; use auto or "
+                         f"{CUDA_GRAPH_SIZES_NONE}")
+    return tuple(sizes)
 
 
 def _records_digest(spec: TargetSpec) -> str:
