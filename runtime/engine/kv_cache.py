@@ -27,6 +27,7 @@ class PagedKVCache:
             "kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_fork_sequence",
             "kv_state_begin_forward", "kv_state_end_forward", "attention_kv_cache_get_num_available_pages")}
         self._shape = shape
+        self.max_num_seqs = max_num_seqs  # TVM sizes a step's arrays by it: no step may run more rows
         # TVM may round the page count up; the mirror starts from what TVM reports.
         self.blocks = KVBlockManager(self.tvm_free_blocks(), block_size)
         self.block_size = block_size

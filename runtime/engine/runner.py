@@ -15,6 +15,7 @@ import numpy as np
 
 from vtool import VtoolError
 from vtool.runtime.artifact.tvm_runtime import global_func
+from vtool.runtime.engine.decode_buckets import DecodeBuckets
 from vtool.runtime.engine.kv_cache import PagedKVCache
 from vtool.runtime.engine.step_types import ModelRunnerOutput, SchedulerOutput, SequenceResult
 from vtool.runtime.sampling.device import DeviceSampler, sequence_on_device
@@ -65,6 +66,7 @@ class ModelRunner:
         self.vocab_size = model.vocab_size
         self._create_view = global_func("runtime.TVMTensorCreateView")
         self.device_sampler = self._make_device_sampler() if device_sampling else None
+        self.decode_buckets = DecodeBuckets.for_model(model, kv)  # None: no captured batch_decode
 
     def _make_device_sampler(self) -> DeviceSampler | None:
         """The library's sampling functions on a GPU (the full logits then stay there), or
@@ -101,6 +103,11 @@ class ModelRunner:
         """Run the batch; the logits of the rows the sequences want, left on the device."""
         m = self.model
         sequences = step.sequences
+        if step.all_decode and self.decode_buckets is not None:  # CUDA graphs, padded (decode_buckets.py)
+            padded = self.decode_buckets.forward(step)
+            if padded is not None:
+                owners = [i if s.num_logit_rows else -1 for i, s in enumerate(sequences)]
+                return StepLogits(m, padded, self.vocab_size, owners)
         tokens = [t for s in sequences for t in s.token_ids]
         seq_ids = [s.seq_id for s in sequences]
         lengths = [s.num_tokens for s in sequences]
