@@ -111,6 +111,15 @@ def test_a_disconnected_stream_is_aborted_in_the_core_and_frees_its_blocks(serve
     assert 3 <= generated < 300, generated  # stopped long before its 500 tokens
 
 
+def test_the_step_profile_counts_every_part_of_the_engines_time(server):
+    httpx.post(f"{server.url}/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi", "max_tokens": 8})
+    steps = server.metric("vtool:engine_steps_total", model_name=MODEL)
+    parts = {p: server.metric("vtool:engine_step_phase_seconds_total", model_name=MODEL, phase=p)
+             for p in ("schedule", "forward", "sample", "output", "io")}
+    assert steps >= 8 and all(v > 0 for v in parts.values()), parts
+    assert parts["forward"] > parts["schedule"]  # a model step costs more than deciding it
+
+
 def test_a_stop_string_found_on_the_api_side_ends_the_request_in_the_core(server):
     body = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "temperature": 0,

@@ -102,6 +102,10 @@ class EngineCounters:
     computed_prefill_tokens: int = 0  # prompt tokens actually run through the model
     steps: int = 0
     finished: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Host seconds per part of a step (the runner adds "forward" and "sample"): where the
+    # engine's time goes, read as rates between two snapshots.
+    schedule_seconds: float = 0.0
+    output_seconds: float = 0.0
 
 
 class EngineObserver(Protocol):
@@ -215,7 +219,9 @@ class Engine:
     def step_core(self) -> list[CoreOutput]:
         """One step: schedule, run, sample; token ids out. Requests a stop token or the
         length limit ended are finished (their blocks freed) before this returns."""
+        t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        self.counters.schedule_seconds += time.perf_counter() - t0
         self.last_step_tokens = scheduled.num_tokens
         if scheduled.is_empty:
             return []
@@ -224,6 +230,7 @@ class Engine:
         for request in requests:
             request.first_scheduled_time = request.first_scheduled_time or now
         ran = self.runner.execute(scheduled)
+        t1 = time.perf_counter()
         self.counters.steps += 1
         observer = self.observer
         now = time.monotonic()
@@ -246,6 +253,7 @@ class Engine:
             # vLLM's iteration tokens: tokens generated, plus each prompt that got its first token.
             observer.observe_iteration(len(outputs) + sum(o.num_prompt_tokens for o in outputs
                                                           if o.num_output_tokens == 1))
+        self.counters.output_seconds += time.perf_counter() - t1
         return outputs
 
     def _account(self, request: Request, sequence: ScheduledSequence, logits: Any) -> None:
@@ -305,4 +313,5 @@ class Engine:
             "prefix_cache_queries": self.prefix_cache.queries if self.prefix_cache else 0,
             "prefix_cache_hits": self.prefix_cache.hits if self.prefix_cache else 0,
             **dataclasses.asdict(self.counters),
+            "forward_seconds": self.runner.seconds["forward"], "sample_seconds": self.runner.seconds["sample"],
         }

@@ -9,6 +9,7 @@ host. It knows nothing of queues, requests' text or stop strings.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -66,6 +67,9 @@ class ModelRunner:
         self.vocab_size = model.vocab_size
         self._create_view = global_func("runtime.TVMTensorCreateView")
         self.device_sampler = self._make_device_sampler() if device_sampling else None
+        # Host seconds spent in each half of execute: launching the model (on a GPU the
+        # kernels are queued, not waited for) and sampling (on a GPU: the wait for the step).
+        self.seconds = {"forward": 0.0, "sample": 0.0}
         self.decode_buckets = DecodeBuckets.for_model(model, kv)  # None: no captured batch_decode
 
     def _make_device_sampler(self) -> DeviceSampler | None:
@@ -81,7 +85,16 @@ class ModelRunner:
             return None
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
         logits = self._forward(step)
+        t1 = time.perf_counter()
+        self.seconds["forward"] += t1 - t0
+        try:
+            return self._sample(step, logits)
+        finally:
+            self.seconds["sample"] += time.perf_counter() - t1
+
+    def _sample(self, step: SchedulerOutput, logits: StepLogits) -> ModelRunnerOutput:
         sequences = step.sequences
         results = [SequenceResult(s.request_id) for s in sequences]
         for i, s in enumerate(sequences):

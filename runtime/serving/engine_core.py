@@ -64,19 +64,26 @@ class EngineCoreLoop:
         self.engine, self.socket, self.metrics, self.parent_pid = engine, socket, metrics, parent_pid
         self.owners: dict[str, bytes] = {}  # request id -> the client (ROUTER identity) that added it
         self.clients: set[bytes] = set()
+        self.io_seconds = 0.0  # receiving and sending, for the step profile
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         while True:
             busy = self.engine.has_unfinished()
+            t0 = time.perf_counter()
             if poller.poll(0 if busy else IDLE_POLL_MS):
                 self._drain()
             if os.getppid() != self.parent_pid:
                 log.error("the server process (pid %d) is gone; the engine core exits", self.parent_pid)
                 return
             if busy or self.engine.has_unfinished():
-                self._send_outputs(self.engine.step_core())
+                if busy:
+                    self.io_seconds += time.perf_counter() - t0
+                outputs = self.engine.step_core()
+                t1 = time.perf_counter()
+                self._send_outputs(outputs)
+                self.io_seconds += time.perf_counter() - t1
 
     # -- incoming ------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -112,11 +119,11 @@ class EngineCoreLoop:
         if method == "ping":
             return None
         if method == "stats":
-            return self.engine.stats()
+            return {**self.engine.stats(), "io_seconds": self.io_seconds}
         if method == "metrics_text":
             if self.metrics is None:
                 raise VtoolError("metrics are disabled (--disable-metrics)")
-            self.metrics.update_from_engine(self.engine.stats())
+            self.metrics.update_from_engine({**self.engine.stats(), "io_seconds": self.io_seconds})
             return self.metrics.render().decode()
         if method == "reset_prefix_cache":
             return self.engine.reset_prefix_cache()

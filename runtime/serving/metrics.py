@@ -94,6 +94,15 @@ class ServerMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.success = counter("vllm:request_success", "Count of successfully processed requests.",
                                ("finished_reason",))
+        # vtool's own: where the engine core's host time goes, per part of a step (rates between
+        # two scrapes give the profile of a running server; a GPU's "sample" includes the wait
+        # for the step's kernels).
+        self.engine_steps = counter("vtool:engine_steps", "Engine steps run.")
+        self.engine_phase_seconds = counter(
+            "vtool:engine_step_phase_seconds",
+            "Host seconds the engine core spent per part of its steps: schedule, forward (model launch), "
+            "sample (incl. the wait for the device), outputs (stop checks, output records, metrics), io "
+            "(receiving requests, sending outputs).", ("phase",))
         # histograms of counts
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
                                                token_buckets)
@@ -234,6 +243,15 @@ class ServerMetrics:
             delta = stats[key] - self._last_engine.get(key, 0)
             if delta > 0:
                 counter.labels(m, e).inc(delta)
+            self._last_engine[key] = stats[key]
+        for key, counter, labels in (("steps", self.engine_steps, ()),
+                                     *((f"{p}_seconds", self.engine_phase_seconds, (p,))
+                                       for p in ("schedule", "forward", "sample", "output", "io"))):
+            if key not in stats:
+                continue
+            delta = stats[key] - self._last_engine.get(key, 0)
+            if delta > 0:
+                counter.labels(m, e, *labels).inc(delta)
             self._last_engine[key] = stats[key]
 
     def render(self) -> bytes:
