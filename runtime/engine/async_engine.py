@@ -163,6 +163,15 @@ class RequestStream:
     async def _iterate(self) -> AsyncIterator[StepOutput]:
         while not self.finished:
             item = await self._q.get()
+            # Whatever else already waits comes along in the same delta: a consumer that fell
+            # behind (a busy API server, a slow client) sends fewer, larger chunks instead of
+            # falling further behind, as vLLM's output collector does.
+            while not isinstance(item, BaseException) and not item.finished and not self._q.empty():
+                later = self._q.get_nowait()
+                if isinstance(later, BaseException):
+                    item = later
+                    break
+                item = item.merged(later)
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item

@@ -117,3 +117,15 @@ class StepOutput:
     num_cached_tokens: int
     prompt_logprobs: list[Any] | None = None
     cumulative_logprob: float = 0.0
+
+    def merged(self, later: StepOutput) -> StepOutput:
+        """This delta and the next one of the same request as one (a consumer that fell
+        behind takes what is waiting in one piece, as vLLM's output collector does)."""
+        return StepOutput(
+            request_id=self.request_id, new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text, new_logprobs=self.new_logprobs + later.new_logprobs,
+            finished=later.finished, finish_reason=later.finish_reason, stop_reason=later.stop_reason,
+            num_prompt_tokens=later.num_prompt_tokens, num_output_tokens=later.num_output_tokens,
+            num_cached_tokens=later.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            cumulative_logprob=later.cumulative_logprob)
