@@ -21,7 +21,7 @@ from vtool.runtime.engine.kv_cache import PagedKVCache
 from vtool.runtime.engine.output_processor import OutputProcessor
 from vtool.runtime.engine.prefix_cache import PrefixCache
 from vtool.runtime.engine.request import CoreOutput, FinishedRequestStats, Request, Status, StepOutput
-from vtool.runtime.engine.runner import ModelRunner
+from vtool.runtime.engine.runner import InFlightStep, ModelRunner
 from vtool.runtime.engine.scheduler import POLICIES, Scheduler, SchedulerConfig
 from vtool.runtime.engine.step_types import ScheduledSequence
 from vtool.runtime.engine.text_stage import TextStage
@@ -57,6 +57,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     max_new_tokens_ceiling: int | None = None  # server-side cap on an unset max_tokens
     max_model_len: int | None = None  # None: the session's
+    # On a GPU, launch step N+1 before building step N's outputs (vLLM's async scheduling);
+    # False runs one step at a time. The CPU always does (its launches are the computation).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in POLICIES:
@@ -106,6 +109,14 @@ class EngineCounters:
     # engine's time goes, read as rates between two snapshots.
     schedule_seconds: float = 0.0
     output_seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step the runner has queued, with the requests it serves, in batch order."""
+
+    requests: list[Request]
+    flight: InFlightStep
 
 
 class EngineObserver(Protocol):
@@ -158,6 +169,9 @@ class Engine:
         self.counters = EngineCounters()
         self.observer: EngineObserver | None = None
         self.last_step_tokens = 0
+        # Overlapped steps (step_core) where a launch returns before the device is done.
+        self._overlap = config.async_scheduling and self.runner.queues_work
+        self._in_flight: _Launched | None = None
 
     @property
     def device_sampler(self) -> Any:
@@ -200,7 +214,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -218,42 +232,81 @@ class Engine:
 
     def step_core(self) -> list[CoreOutput]:
         """One step: schedule, run, sample; token ids out. Requests a stop token or the
-        length limit ended are finished (their blocks freed) before this returns."""
+        length limit ended are finished (their blocks freed) before this returns.
+
+        On a GPU (config.async_scheduling) the steps overlap: this collects the step launched
+        by the previous call, schedules and launches the next one, and only then builds the
+        collected step's outputs, so that host work runs while the device computes. Its
+        outputs therefore come one call later; has_unfinished() stays true until the last
+        launched step has been collected."""
+        collected = []
+        if self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            collected.append(self._collect(launched))
+        launched = self._launch()
+        if launched is not None:
+            if self._overlap:
+                self._in_flight = launched
+            else:
+                collected.append(self._collect(launched))
+        t0 = time.perf_counter()
+        outputs = [out for taken, now in collected for out in self._emit(taken, now)]
+        self.counters.output_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _launch(self) -> _Launched | None:
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.counters.schedule_seconds += time.perf_counter() - t0
         self.last_step_tokens = scheduled.num_tokens
         if scheduled.is_empty:
-            return []
+            return None
         now = time.monotonic()
         requests = [self.requests[s.request_id] for s in scheduled.sequences]
         for request in requests:
             request.first_scheduled_time = request.first_scheduled_time or now
-        ran = self.runner.execute(scheduled)
-        t1 = time.perf_counter()
         self.counters.steps += 1
-        observer = self.observer
+        return _Launched(requests, self.runner.launch(scheduled))
+
+    def _collect(self, launched: _Launched) -> tuple[list[tuple[Request, Any, str | None, int | None, float | None]], float]:
+        """Wait for a launched step and take its tokens into the requests (what scheduling
+        the next step needs); requests that ended are finished. Requests aborted while the
+        step ran are skipped: their blocks are already free and nothing they computed counts."""
+        ran = self.runner.finish(launched.flight)
+        t0 = time.perf_counter()
         now = time.monotonic()
-        outputs = []
-        for request, sequence, result in zip(requests, scheduled.sequences, ran.results):
+        taken = []
+        for request, sequence, result in zip(launched.requests, launched.flight.step.sequences, ran.results):
+            if request.finished:
+                continue
             self._account(request, sequence, result.logits)
             if result.sampled is not None:
                 self.counters.generation_tokens += 1
                 last = request.last_token_time
-                out = self.output_processor.process(request, result.sampled, now)
-                if observer is not None:
-                    if last is None:
-                        observer.observe_first_token(now - request.arrival_time)
-                    else:
-                        observer.observe_inter_token(now - last)
-                if out.finish_reason is not None:
-                    self._finish(request, out.finish_reason, out.stop_reason)
-                outputs.append(out)
-        if observer is not None:
+                finish, stop_reason = self.output_processor.update(request, result.sampled, now)
+                taken.append((request, result.sampled, finish, stop_reason, last))
+                if finish is not None:
+                    self._finish(request, finish, stop_reason)
+        self.counters.output_seconds += time.perf_counter() - t0
+        return taken, now
+
+    def _emit(self, taken: list[tuple[Request, Any, str | None, int | None, float | None]],
+              now: float) -> list[CoreOutput]:
+        """The outputs of collected tokens, and what the observer records of them."""
+        observer = self.observer
+        outputs = []
+        for request, sampled, finish, stop_reason, last in taken:
+            out = self.output_processor.record(request, sampled, finish, stop_reason)
+            if observer is not None:
+                if last is None:
+                    observer.observe_first_token(now - request.arrival_time)
+                else:
+                    observer.observe_inter_token(now - last)
+            outputs.append(out)
+        if observer is not None and taken:
             # vLLM's iteration tokens: tokens generated, plus each prompt that got its first token.
             observer.observe_iteration(len(outputs) + sum(o.num_prompt_tokens for o in outputs
                                                           if o.num_output_tokens == 1))
-        self.counters.output_seconds += time.perf_counter() - t1
         return outputs
 
     def _account(self, request: Request, sequence: ScheduledSequence, logits: Any) -> None:

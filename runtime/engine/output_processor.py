@@ -21,25 +21,36 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def process(self, request: Request, result: SampleResult, now: float | None = None) -> CoreOutput:
-        now = time.monotonic() if now is None else now
+        """update() then record(): the token taken and its CoreOutput."""
+        finish, stop_reason = self.update(request, result, time.monotonic() if now is None else now)
+        return self.record(request, result, finish, stop_reason)
+
+    def update(self, request: Request, result: SampleResult, now: float) -> tuple[str | None, int | None]:
+        """Take the sampled token into the request; (finish reason, stop token id) when it
+        ends the request. All the scheduler needs before the next step."""
         token = result.token_id
         request.output_ids.append(token)
         request.cumulative_logprob += result.logprob
-        new_logprobs = [result.logprobs_dict()] if request.params.logprobs is not None else []
-        if new_logprobs:
-            request.output_logprobs.extend(new_logprobs)
+        if request.params.logprobs is not None:
+            request.output_logprobs.append(result.logprobs_dict())
         request.first_token_time = request.first_token_time or now
         request.last_token_time = now
-
-        finish, stop_reason = None, None
         if request.sampler.is_stop_token(token):
-            finish = "stop"
-            stop_reason = token if token in request.params.stop_token_ids else None  # eos reports None
-        elif len(request.output_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            finish = "length"
+            # eos reports no stop reason; a stop_token_ids entry reports itself
+            return "stop", token if token in request.params.stop_token_ids else None
+        if len(request.output_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def record(self, request: Request, result: SampleResult, finish: str | None,
+               stop_reason: int | None) -> CoreOutput:
+        """The CoreOutput for a token update() took (the request may have moved on since:
+        its counts are read as of that token)."""
+        num_output = len(request.output_ids)
         return CoreOutput(
-            request_id=request.request_id, new_token_ids=[token], new_logprobs=new_logprobs,
+            request_id=request.request_id, new_token_ids=[result.token_id],
+            new_logprobs=[request.output_logprobs[num_output - 1]] if request.params.logprobs is not None else [],
             finish_reason=finish, stop_reason=stop_reason, num_prompt_tokens=len(request.prompt_ids),
-            num_output_tokens=len(request.output_ids), num_cached_tokens=request.cached_prompt_tokens,
+            num_output_tokens=num_output, num_cached_tokens=request.cached_prompt_tokens,
             cumulative_logprob=request.cumulative_logprob,
-            prompt_logprobs=request.prompt_logprobs if len(request.output_ids) == 1 else None)
+            prompt_logprobs=request.prompt_logprobs if num_output == 1 else None)

@@ -8,6 +8,7 @@ host. It knows nothing of queues, requests' text or stop strings.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -60,6 +61,27 @@ class StepLogits:
         return self.host()[self.owners == item]
 
 
+def logit_owners(step: SchedulerOutput) -> list[int]:
+    """The sequence each row of the step's logits belongs to (-1: a row only there because
+    an entry point needs one), as _forward lays them out."""
+    if step.all_decode:
+        return [i if s.num_logit_rows else -1 for i, s in enumerate(step.sequences)]
+    owners = [i for i, s in enumerate(step.sequences) for _ in range(s.num_logit_rows)]
+    return owners or [-1]
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A launched step: its logits (on the device) and, when the device draws, the draw."""
+
+    step: SchedulerOutput
+    logits: StepLogits
+    to_sample: list[int]
+    samplers: list[Any]
+    on_device: bool
+    draw: Any = None
+
+
 class ModelRunner:
     def __init__(self, model: Any, kv: PagedKVCache, device_sampling: bool = True):
         self.model = model
@@ -84,33 +106,50 @@ class ModelRunner:
             log.warning("sampling on the host: %s", err)
             return None
 
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        t0 = time.perf_counter()
-        logits = self._forward(step)
-        t1 = time.perf_counter()
-        self.seconds["forward"] += t1 - t0
-        try:
-            return self._sample(step, logits)
-        finally:
-            self.seconds["sample"] += time.perf_counter() - t1
+    @property
+    def queues_work(self) -> bool:
+        """Whether launch() returns before the device has finished (a GPU): then the engine
+        can do the host work of one step while the device runs the next."""
+        return bool(getattr(self.model, "on_gpu", False))
 
-    def _sample(self, step: SchedulerOutput, logits: StepLogits) -> ModelRunnerOutput:
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        return self.finish(self.launch(step))
+
+    def launch(self, step: SchedulerOutput) -> InFlightStep:
+        """Queue the step: the model, and the draw when the device samples every row that
+        samples (its inputs uploaded first: a host-to-device copy waits for the queued work)."""
+        t0 = time.perf_counter()
         sequences = step.sequences
-        results = [SequenceResult(s.request_id) for s in sequences]
-        for i, s in enumerate(sequences):
-            if s.return_logits:
-                results[i].logits = logits.rows(i)
         to_sample = [i for i, s in enumerate(sequences) if s.sample]
-        if to_sample:
-            samplers = [sequences[i].sampler for i in to_sample]
-            if (self.device_sampler is not None and logits.rows_are(to_sample)
-                    and all(sequence_on_device(s) for s in samplers)):
-                drawn = self.device_sampler.sample_batch(logits.tensor, samplers)
-            else:
-                drawn = sample_batch(logits.last_rows(to_sample), samplers)
-            for i, result in zip(to_sample, drawn):
-                results[i].sampled = result
-        return ModelRunnerOutput(results)
+        samplers = [sequences[i].sampler for i in to_sample]
+        prepared = None
+        if (to_sample and self.device_sampler is not None and logit_owners(step) == to_sample
+                and all(sequence_on_device(s) for s in samplers)):
+            prepared = self.device_sampler.prepare_batch(samplers)
+        logits = self._forward(step)
+        draw = self.device_sampler.launch(logits.tensor, prepared) if prepared is not None else None
+        self.seconds["forward"] += time.perf_counter() - t0
+        return InFlightStep(step, logits, to_sample, samplers, prepared is not None, draw)
+
+    def finish(self, flight: InFlightStep) -> ModelRunnerOutput:
+        """Wait for a launched step and sample what the device did not: the results."""
+        t0 = time.perf_counter()
+        try:
+            sequences = flight.step.sequences
+            results = [SequenceResult(s.request_id) for s in sequences]
+            for i, s in enumerate(sequences):
+                if s.return_logits:
+                    results[i].logits = flight.logits.rows(i)
+            if flight.to_sample:
+                if flight.on_device:
+                    drawn = self.device_sampler.finish_batch(flight.samplers, flight.draw)
+                else:
+                    drawn = sample_batch(flight.logits.last_rows(flight.to_sample), flight.samplers)
+                for i, result in zip(flight.to_sample, drawn):
+                    results[i].sampled = result
+            return ModelRunnerOutput(results)
+        finally:
+            self.seconds["sample"] += time.perf_counter() - t0
 
     def _forward(self, step: SchedulerOutput) -> StepLogits:
         """Run the batch; the logits of the rows the sequences want, left on the device."""

@@ -12,6 +12,7 @@ can_sample_on_device says which.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +58,15 @@ def sequence_on_device(seq: SequenceSampler) -> bool:
     return not seq.logits_processors and can_sample_on_device(seq.params, seq.num_generated)
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedDraw:
+    """A draw ready to launch: how many rows, which compiled function, its arguments (on the device)."""
+
+    rows: int
+    function: str
+    args: tuple
+
+
 class DeviceSampler:
     """The compiled sampling functions of one loaded library.
 
@@ -93,34 +103,50 @@ class DeviceSampler:
         the vocabulary is off, as on the host. A row whose logits hold a NaN or no finite
         maximum raises VtoolError, as the host sampler does.
         """
+        prepared = self.prepare(params, rngs)
+        return self.collect(self.launch(logits, prepared))
+
+    def prepare(self, params: Sequence[SamplingParams],
+                rngs: Sequence[np.random.Generator | None]) -> PreparedDraw:
+        """Everything a draw needs but the logits, on the device: the parameters and each
+        random row's uniform (drawn now, one per random step). Done before the model step is
+        queued, because a host-to-device copy waits for the work queued before it."""
         b = len(params)
         if len(rngs) != b:
             raise VtoolError(f"DeviceSampler.sample: {b} params but {len(rngs)} generators")
-        if b == 0:
-            return np.zeros(0, np.int32), np.zeros(0, np.float64)
-        view = self._rows(logits, b)
         greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=b)
+        if b == 0:
+            return PreparedDraw(0, ARGMAX, ())
         temperature, top_p, top_k, min_p = self._parameters(params, greedy)  # refuses, whatever the batch
         if greedy.all():
-            out = self._fns[ARGMAX](view)
-        else:
-            uniform = np.zeros(b, np.float64)
-            for i in np.flatnonzero(~greedy):
-                rng = rngs[i]
-                if rng is None:
-                    raise VtoolError(f"DeviceSampler.sample: row {i} samples at random but has no Generator")
-                uniform[i] = rng.random()  # one per random step, as the host's _sample_filtered
-            m, V = self.model, self.vocab_size
-            args_t = m.upload(temperature, "float32", slot="sampler.temperature")
-            args_m = m.upload(min_p, "float32", slot="sampler.min_p")
-            args_u = m.upload(uniform, "float64", slot="sampler.uniform")
-            filtered = (top_p < 1.0) | ((top_k > 0) & (top_k < V))
-            if filtered[~greedy].any():
-                out = self._fns[TOP_P_TOP_K](
-                    view, args_t, m.upload(top_p, "float64", slot="sampler.top_p"),
-                    m.upload(top_k, "int32", slot="sampler.top_k"), args_m, args_u)
-            else:  # no sort needed
-                out = self._fns[TEMPERATURE](view, args_t, args_m, args_u)
+            return PreparedDraw(b, ARGMAX, ())
+        uniform = np.zeros(b, np.float64)
+        for i in np.flatnonzero(~greedy):
+            rng = rngs[i]
+            if rng is None:
+                raise VtoolError(f"DeviceSampler.sample: row {i} samples at random but has no Generator")
+            uniform[i] = rng.random()  # one per random step, as the host's _sample_filtered
+        m, V = self.model, self.vocab_size
+        args_t = m.upload(temperature, "float32", slot="sampler.temperature")
+        args_m = m.upload(min_p, "float32", slot="sampler.min_p")
+        args_u = m.upload(uniform, "float64", slot="sampler.uniform")
+        filtered = (top_p < 1.0) | ((top_k > 0) & (top_k < V))
+        if filtered[~greedy].any():
+            return PreparedDraw(b, TOP_P_TOP_K, (args_t, m.upload(top_p, "float64", slot="sampler.top_p"),
+                                                 m.upload(top_k, "int32", slot="sampler.top_k"), args_m, args_u))
+        return PreparedDraw(b, TEMPERATURE, (args_t, args_m, args_u))  # no sort needed
+
+    def launch(self, logits: Any, prepared: PreparedDraw) -> Any:
+        """Queue the draw on the device; collect() waits for it."""
+        if prepared.rows == 0:
+            return None
+        view = self._rows(logits, prepared.rows)
+        return self._fns[prepared.function](view, *prepared.args)
+
+    def collect(self, out: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The drawn (token ids, logprobs) on the host: waits for the device."""
+        if out is None:
+            return np.zeros(0, np.int32), np.zeros(0, np.float64)
         tokens = np.array(self.model.to_numpy(out[0]), dtype=np.int32, copy=True)
         logprobs = np.array(self.model.to_numpy(out[1]), dtype=np.float64, copy=True)
         bad = np.flatnonzero(tokens < 0)
@@ -133,12 +159,21 @@ class DeviceSampler:
         """runtime.sampling.sample_batch on the device: one token per row for seqs[i], which
         records it. Every sequence must pass sequence_on_device (else the host must sample
         it: a ValueError, a caller's mistake)."""
+        prepared = self.prepare_batch(seqs)
+        return self.finish_batch(seqs, self.launch(logits, prepared))
+
+    def prepare_batch(self, seqs: Sequence[SequenceSampler]) -> PreparedDraw:
+        """prepare() for these sequences (checked as sample_batch checks them)."""
         for i, seq in enumerate(seqs):
             if not sequence_on_device(seq):
                 raise ValueError(f"sequence {i} needs the host sampler (logprobs, penalties, logit_bias "
                                  "or min_tokens); check sequence_on_device first")
             seq._check_vocab(self.vocab_size)  # the host's per-vocabulary validation
-        tokens, logprobs = self.sample(logits, [s.params for s in seqs], [s.rng for s in seqs])
+        return self.prepare([s.params for s in seqs], [s.rng for s in seqs])
+
+    def finish_batch(self, seqs: Sequence[SequenceSampler], out: Any) -> list[SampleResult]:
+        """Wait for a launched draw; each sequence records its token."""
+        tokens, logprobs = self.collect(out)
         results = []
         for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
             seq.append_token(token)
