@@ -218,6 +218,8 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
 @click.option("--disable-metrics", is_flag=True)
 @click.option("--enable-force-include-usage", is_flag=True)
 @click.option("--api-key", default=None, envvar="VLLM_API_KEY", help="require this Bearer key on /v1 routes")
+@click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
+              help="GPU: build step N's outputs while the device runs step N+1")
 @click.option("--api-server-count", default=1, show_default=True, type=click.IntRange(min=1),
               help="API-server processes in front of the one engine core process (they share the port)")
 @click.option("--trust-remote-code", is_flag=True, help="accepted for vLLM recipes; no effect")
@@ -231,7 +233,8 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
           gpu_memory_utilization: float,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
           scheduling_policy: str, enable_log_requests: bool, enable_log_outputs: bool, max_log_len: int,
-          disable_metrics: bool, enable_force_include_usage: bool, api_key: str | None, api_server_count: int,
+          disable_metrics: bool, enable_force_include_usage: bool, api_key: str | None, async_scheduling: bool,
+          api_server_count: int,
           trust_remote_code: bool,
           enable_auto_tool_choice: bool, quantization: str, activations: str, artifact: str | None,
           threads: int | None) -> None:
@@ -250,7 +253,7 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
     engine_config = EngineConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
         num_blocks=num_blocks, kv_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
-        enable_prefix_caching=enable_prefix_caching,
+        enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
         scheduling_policy=scheduling_policy, max_model_len=max_model_len)
     opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, tokenizer_config=tokenizer_config,
                         max_model_len=max_model_len, api_key=api_key, disable_metrics=disable_metrics,

@@ -134,9 +134,10 @@ def decode_timer(model, gen, prompt: int = 128):  # noqa: ANN001, ANN201 - () ->
     return timed_decode
 
 
-def batch_decode_timer(model, batch: int, tokens: int = 384):  # noqa: ANN001, ANN201 - (steps) -> s/step
-    """Seconds per `batch_decode` step of `batch` one-token sequences (a fresh paged cache
-    with room for `tokens` steps, warm-up steps included, per sequence)."""
+def batch_decode_timer(model, batch: int, tokens: int = 384, entry: str = "batch_decode"):  # noqa: ANN001, ANN201
+    """Seconds per `entry` step of `batch` one-token sequences (a fresh paged cache with room
+    for `tokens` steps, warm-up steps included, per sequence); `batch_decode_captured` runs
+    from CUDA graphs (captured in the warm-up)."""
     from vtool.runtime.engine.kv_cache import PagedKVCache
     from vtool.runtime.artifact.tvm_runtime import global_func
 
@@ -151,7 +152,7 @@ def batch_decode_timer(model, batch: int, tokens: int = 384):  # noqa: ANN001, A
 
     def one() -> None:
         kv.begin_forward(list(range(batch)), [1] * batch)
-        model.function("batch_decode")(embeds, kv.tvm, model.params)
+        model.function(entry)(embeds, kv.tvm, model.params)
         kv.end_forward()
 
     def timed(n: int) -> float:
@@ -203,6 +204,11 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
     for batch in (1, 8, 32, 64):
         ms = batch_decode_timer(model, batch)(32) * 1e3
         record(step=f"vtool_batch_decode_b{batch}", ms_per_step=round(ms, 3), tok_s=round(batch * 1e3 / ms, 1))
+    if "batch_decode_captured" in model.manifest.get("entry_points", []):
+        for batch in (8, 32, 64):
+            ms = batch_decode_timer(model, batch, entry="batch_decode_captured")(32) * 1e3
+            record(step=f"vtool_batch_decode_captured_b{batch}", ms_per_step=round(ms, 3),
+                   tok_s=round(batch * 1e3 / ms, 1))
     del model
 
 
