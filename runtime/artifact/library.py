@@ -30,6 +30,7 @@ from vtool.runtime.weights.weights_file import WeightsFile, check_source
 
 _DL_CPU = 1
 _DL_CUDA = 2
+_NAIVE_ALLOCATOR = 1
 _POOLED_ALLOCATOR = 2
 # Target family -> (tvm_ffi device type, DLPack device type).
 DEVICES = {"x86": ("cpu", _DL_CPU), "arm": ("cpu", _DL_CPU), "cuda": ("cuda", _DL_CUDA)}
@@ -113,7 +114,13 @@ class CompiledModel:
         library = self.ffi.load_module(str(self.folder / LIBRARY_NAME))
         self.vm = library["vm_load_executable"]()
         if self.device_type == "cpu":
-            self.vm["vm_initialization"](_DL_CPU, 0, _POOLED_ALLOCATOR)
+            # Naive, not pooled: TVM's PooledAllocator keeps every freed buffer for reuse at exactly
+            # its page-rounded size and never gives one back. batch_prefill's intermediates are sized
+            # by the step's packed token count, new almost every step under load, so the pool kept
+            # about 31 KB per token of each new count for SmolLM2-135M (58 counts: +0.94 GB), without
+            # bound (issue #13; tests/test_memory_bounded.py). On the CPU the naive allocator's
+            # posix_memalign/free is as fast here (measured), and a freed buffer goes back to malloc.
+            self.vm["vm_initialization"](_DL_CPU, 0, _NAIVE_ALLOCATOR)
         else:  # (device type, index, allocator) per device, the host last
             self.vm["vm_initialization"](dl_type, self.device_index, _POOLED_ALLOCATOR, _DL_CPU, 0, _POOLED_ALLOCATOR)
         t = time.perf_counter()
