@@ -160,6 +160,18 @@ def test_killing_the_engine_core_ends_the_server_without_a_hang(tiny_model_dir, 
         s.stop()
 
 
+def test_sigterm_stops_the_server_and_its_engine_core_cleanly(tiny_model_dir, tmp_path):
+    s = Server(tiny_model_dir, tmp_path / "server.log")
+    try:
+        s.proc.terminate()
+        assert s.proc.wait(timeout=30) == 0
+        _wait(lambda: not _alive(s.core_pid), 5, "the engine core to be stopped")
+        log = s.log.read_text()
+        assert "Finished server process" in log and "is gone" not in log, log  # stopped, not orphaned
+    finally:
+        s.stop()
+
+
 def test_killing_the_api_server_ends_the_engine_core(tiny_model_dir, tmp_path):
     s = Server(tiny_model_dir, tmp_path / "server.log")
     try:

@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import tempfile
+import threading
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,22 @@ def _uvicorn(app: Any, level: str) -> Any:
     return uvicorn.Server(uvicorn.Config(app, log_level=level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
 
 
+def _run_uvicorn(server: Any, sock: socket.socket) -> None:
+    """server.run, then back here however it was stopped. uvicorn raises the SIGTERM or
+    SIGINT that stopped it again once it has shut down, which with the default handlers
+    ends the process on the spot: the engine core would then be left to notice its parent
+    is gone, and the socket folder to stay behind. While it runs, those signals only
+    record; uvicorn's own handlers do the stopping."""
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, _frame: None) for s in stops} \
+        if threading.current_thread() is threading.main_thread() else {}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def run_api_server(spec: ApiServerSpec, sock: socket.socket, index: int) -> int:
     """One API server on `sock`, a client of the engine core; returns the exit status
     (1 when it stopped because the engine core was gone)."""
@@ -147,7 +164,7 @@ def run_api_server(spec: ApiServerSpec, sock: socket.socket, index: int) -> int:
     client = CoreClient(spec.core_address, spec.core_pid, tokenizer, client_identity(index), on_dead)
     server = _uvicorn(create_app(_state(spec, client, tokenizer), spec.info, spec.opts.api_key),
                       spec.opts.uvicorn_log_level)
-    server.run(sockets=[sock])
+    _run_uvicorn(server, sock)
     if dead:
         log.error("API server %d stopped: %s", index, dead[0])
         return 1
@@ -260,7 +277,7 @@ def _serve_in_process(artifact: Path, checkpoint: Checkpoint, config: EngineConf
                   f"{engine.max_model_len}[/]", highlight=False)
     console.print(f"serving {checkpoint.path.name} on http://{opts.host}:{opts.port}/v1", highlight=False)
     try:
-        _uvicorn(create_app(_state(spec, client, session.tokenizer), info, opts.api_key),
-                 opts.uvicorn_log_level).run(sockets=[sock])
+        _run_uvicorn(_uvicorn(create_app(_state(spec, client, session.tokenizer), info, opts.api_key),
+                              opts.uvicorn_log_level), sock)
     finally:
         sock.close()
