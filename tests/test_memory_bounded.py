@@ -25,7 +25,7 @@ GROWTH_LIMIT_MB = 32
 
 def rss_mb() -> float:
     gc.collect()
-    return int(re.search(r"^VmRSS:\s+(\d+)", Path("/proc/self/status").read_text(), re.M).group(1)) / 1024
+    return int(re.search(r"^VmRSS:\s+(\d+)", Path("/proc/self/status").read_text(), re.MULTILINE).group(1)) / 1024
 
 
 def prefill_step(engine, lengths: list[int], rng: random.Random, tag: str) -> tuple[int, int]:
