@@ -168,7 +168,63 @@ def batch_decode_timer(model, batch: int, tokens: int = 384, entry: str = "batch
     return timed
 
 
-def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool = False) -> None:
+def serving_split(model, batch: int = 64, steps: int = 32, tokens: int = 384) -> None:  # noqa: ANN001
+    """Where a serving step's time goes beyond the model step (issue 13): the same captured
+    batch_decode at `batch`, run the way the engine runs it (token ids uploaded and embedded
+    each step, the host waiting for every step) and then with the device sampler's draw, at
+    temperature 1 and greedy; the host time spent queueing is recorded apart. Against the
+    pipelined figure (batch_decode_timer: steps queued back to back, one wait at the end),
+    the difference is what waiting for each step and the draw cost."""
+    from vtool.runtime.artifact.tvm_runtime import global_func
+    from vtool.runtime.engine.kv_cache import PagedKVCache
+    from vtool.runtime.sampling.device import DeviceSampler
+    from vtool.runtime.sampling.params import SamplingParams
+
+    sync = global_func("runtime.Device_StreamSync")
+    view = global_func("runtime.TVMTensorCreateView")
+    S = model.ffi.Shape
+    entry = "batch_decode_captured" if "batch_decode_captured" in model.manifest.get("entry_points", []) else "batch_decode"
+    sampler = DeviceSampler(model)
+    for mode in ("forward", "sample_t1", "sample_greedy"):
+        kv = PagedKVCache(model, num_blocks=batch * (tokens // 16 + 1) + 8, block_size=16, max_num_seqs=batch,
+                          prefill_chunk=2048)
+        for seq in range(batch):
+            kv.add(seq)
+        params = [SamplingParams(temperature=0.0 if mode == "sample_greedy" else 1.0, seed=i) for i in range(batch)]
+        rngs = [np.random.default_rng(i) for i in range(batch)]
+        ids = np.full(batch, 1234, dtype=np.int32)
+        launch_s = 0.0
+
+        def one() -> None:
+            nonlocal launch_s
+            t = time.perf_counter()
+            prepared = sampler.prepare(params, rngs) if mode != "forward" else None
+            flat = model.function("embed")(model.upload(ids, slot="ids"), model.params)
+            embeds = view(flat, S([batch, 1, model.hidden_size]), model.dtype, 0)
+            kv.begin_forward(list(range(batch)), [1] * batch)
+            logits, _ = model.function(entry)(embeds, kv.tvm, model.params)
+            kv.end_forward()
+            out = sampler.launch(logits, prepared) if prepared is not None else None
+            launch_s += time.perf_counter() - t
+            if out is not None:
+                sampler.collect(out)
+            else:
+                sync(model.device, 0)
+
+        for _ in range(4):
+            one()
+        launch_s = 0.0
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            one()
+        ms = (time.perf_counter() - t0) / steps * 1e3
+        record(step=f"vtool_serving_split_{mode}_b{batch}", entry=entry, ms_per_step=round(ms, 3),
+               host_queueing_ms=round(launch_s / steps * 1e3, 3))
+        del kv
+
+
+def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool = False,
+                split: bool = False) -> None:
     from vtool.runtime.artifact.library import CompiledModel
     from vtool.runtime.weights.checkpoint import open_checkpoint
     from vtool.runtime.engine.generate import Generator
@@ -204,6 +260,9 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
     for batch in (1, 8, 32, 64):
         ms = batch_decode_timer(model, batch)(32) * 1e3
         record(step=f"vtool_batch_decode_b{batch}", ms_per_step=round(ms, 3), tok_s=round(batch * 1e3 / ms, 1))
+    if split:
+        for batch in (1, 64):
+            serving_split(model, batch)
     if "batch_decode_captured" in model.manifest.get("entry_points", []):
         for batch in (8, 32, 64):
             ms = batch_decode_timer(model, batch, entry="batch_decode_captured")(32) * 1e3
@@ -295,6 +354,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of 16 decode steps (torch.profiler)")
+    ap.add_argument("--serving-split", action="store_true",
+                    help="also time batch_decode steps waited for one by one, with and without the device draw")
     ap.add_argument("--logits-check", action="store_true", help="only compare bf16 logits with the float32 truth")
     args = ap.parse_args()
     make_checkpoint(args.checkpoint)
@@ -304,7 +365,7 @@ def main() -> None:
     bw = copy_bandwidth()
     record(step="copy_bandwidth", gb_s=round(bw, 1), weight_gb=round(weight_bytes_per_step() / 1e9, 2),
            roofline_ms=round(weight_bytes_per_step() / bw / 1e6, 3))
-    bench_vtool(args.artifact, args.checkpoint, args.steps, args.profile)
+    bench_vtool(args.artifact, args.checkpoint, args.steps, args.profile, args.serving_split)
     if not args.skip_hf:
         bench_transformers(args.checkpoint, args.steps)
     by = {r["step"]: r for r in RESULTS}
