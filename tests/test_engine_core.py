@@ -92,6 +92,8 @@ def test_the_engine_core_is_its_own_process(server):
     with open(f"/proc/{server.core_pid}/status") as f:
         parent = int(re.search(r"PPid:\s+(\d+)", f.read()).group(1))
     assert parent == server.proc.pid  # one API server: the `vtool serve` process itself
+    with open(f"/proc/{server.core_pid}/comm") as f:
+        assert f.read().strip() == "vtool-engine"  # what ps and top show
 
 
 def test_a_disconnected_stream_is_aborted_in_the_core_and_frees_its_blocks(server):

@@ -160,8 +160,20 @@ class EngineCoreLoop:
                 pass
 
 
+def name_process(name: str) -> None:
+    """The name `ps -o comm`, top and /proc/PID/comm show (Linux; 15 bytes), so a spawned
+    process is not just "python"."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def run_engine_core(launch: CoreLaunch, ready: Connection, parent_pid: int) -> None:
     """The core process's main: open the model, say ready (or why not), then loop."""
+    name_process("vtool-engine")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from vtool.runtime.artifact.tvm_runtime import block_torch_import
     from vtool.runtime.session import open_session

@@ -33,7 +33,7 @@ from vtool.runtime.engine.engine import Engine, EngineConfig
 from vtool.runtime.serving.app import ServerInfo, create_app
 from vtool.runtime.serving.completions import ServingState
 from vtool.runtime.serving.core_client import CoreClient, client_identity
-from vtool.runtime.serving.engine_core import CoreLaunch, EngineCoreProcess
+from vtool.runtime.serving.engine_core import CoreLaunch, EngineCoreProcess, name_process
 from vtool.runtime.serving.metrics import ServerMetrics
 from vtool.runtime.session import load_tokenizer, open_session
 from vtool.runtime.weights.checkpoint import Checkpoint, open_checkpoint
@@ -172,6 +172,7 @@ def run_api_server(spec: ApiServerSpec, sock: socket.socket, index: int) -> int:
 
 
 def _api_server_main(spec: ApiServerSpec, sock: socket.socket, index: int) -> None:
+    name_process(f"vtool-api-{index}")
     raise SystemExit(run_api_server(spec, sock, index))
 
 
