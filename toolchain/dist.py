@@ -130,6 +130,7 @@ RUNTIME_REQUIREMENTS = {
     "click": "", "rich": "", "psutil": "", "fastapi": "", "pydantic": "", "uvicorn": "",
     "prometheus-client": "", "pyzmq": "", "msgspec": "", "httpx": "", "huggingface-hub": ">=0.20",
     "ml-dtypes": ">=0.4",  # the checkpoint readers' bfloat16 (apache-tvm brings it in a full install)
+    "llguidance": "",  # grammar-constrained decoding (runtime/sampling/grammar.py)
 }
 # `vtool-runtime[cuda]`: the CUDA 13 runtime TVM's libtvm_runtime_cuda.so links and cuBLAS
 # (libcublas.so.13) for artifacts built with `--gemm cublas`.
