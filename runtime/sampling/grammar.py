@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field as _field
 from typing import Any, Iterable, Mapping, Sequence
@@ -259,8 +260,6 @@ class GrammarCompiler:
                 self.hits += 1
                 return hit
             self.misses += 1
-        import time
-
         llg = _llg()
         start = time.perf_counter()
         matcher = llg.LLMatcher(self.ll_tokenizer, spec.grammar, log_level=0)
@@ -330,8 +329,9 @@ class GrammarProcessor:
             what = self._compiler.describe_token(token_id) if self._compiler else ""
             reason = "the grammar is already complete" if self.matcher.is_stopped() and "stopped" in \
                 (self.matcher.get_error() or "") else "the grammar does not allow it here"
-            raise GrammarError(f"token {token_id} {what} rejected by the {self.compiled.spec.kind.replace('_', ' ')} "
-                               f"grammar of {self.compiled.spec.field}: {reason}".replace("  ", " "))
+            token = f"token {token_id} {what}" if what else f"token {token_id}"
+            raise GrammarError(f"{token} rejected by the {self.compiled.spec.kind.replace('_', ' ')} "
+                               f"grammar of {self.compiled.spec.field}: {reason}")
         self.num_accepted += 1
 
     # state
