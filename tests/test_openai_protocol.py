@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from vtool import VtoolError
 from vtool.runtime.serving.errors import (NotFoundError, OpenAIError, error_json, install_error_handlers,
                                          validation_message)
+from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.serving.protocol import (MAX_LOGPROBS, ChatCompletionRequest, ChatCompletionResponse,
                                            ChatCompletionStreamResponse, CompletionRequest,
                                            CompletionResponse, CompletionStreamResponse, DetokenizeRequest,
@@ -32,7 +33,7 @@ SAMPLING_KEYS = {
     "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids",
     "include_stop_str_in_output", "ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens",
-    "spaces_between_special_tokens",
+    "spaces_between_special_tokens", "structured_outputs",
 }
 
 USER = [{"role": "user", "content": "hi"}]
@@ -161,6 +162,7 @@ def _check_mapping(body: dict, kwargs: dict, chat: bool, defaults: dict) -> None
     stop = body.get("stop")
     assert kwargs["stop"] == ([] if stop is None else [stop] if isinstance(stop, str) else stop)
     assert kwargs["stop_token_ids"] == body.get("stop_token_ids", [])
+    assert kwargs["structured_outputs"] is None  # free text unless a grammar is asked for
     if "logit_bias" in body:
         assert kwargs["logit_bias"] == {int(k): max(-100.0, min(100.0, v)) for k, v in body["logit_bias"].items()}
         assert all(type(k) is int for k in kwargs["logit_bias"])
@@ -357,8 +359,9 @@ invalid_common = {
     "include_stop_str_in_output": not_a_bool,
     "user": st.one_of(st.integers(), st.booleans()),
     "priority": not_an_int,
-    "response_format": st.one_of(st.sampled_from([{"type": "json_object"}, {"type": "json_schema"},
-                                                  {"type": "xml"}]), st.integers()),
+    "response_format": st.one_of(st.sampled_from([{"type": "xml"}, {"type": "json_schema",
+                                                                      "json_schema": {"schema": {"type": "strin"}}}]),
+                                 st.integers()),
     "stream_options": st.just({"include_usage": True}),  # without stream=true
     "best_of": st.integers(min_value=2, max_value=5),    # != n (1)
 }
@@ -444,11 +447,7 @@ def test_unsupported_features_refused_by_name():
         (CompletionRequest, {"prompt": "x", "suffix": "tail"}, "suffix"),
         (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
          "tools"),
-        (ChatCompletionRequest, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}},
-         "response_format"),
-        (ChatCompletionRequest, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
         (ChatCompletionRequest, {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
-        (CompletionRequest, {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
         (CompletionRequest, {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ]
     for model, body, name in cases:
@@ -554,8 +553,8 @@ def test_nested_unknown_fields_are_named_with_their_path(caplog):
 
 def test_unknown_fields_do_not_hide_refusals():
     # known-but-unsupported fields, wrong types and ranges stay 400s next to unknown fields
-    message, param = refusal(CompletionRequest, {"prompt": "x", "guided_regex": "a+", "frobnicate": 1})
-    assert param == "guided_regex" and "frobnicate" not in message
+    message, param = refusal(CompletionRequest, {"prompt": "x", "use_beam_search": True, "frobnicate": 1})
+    assert param == "use_beam_search" and "frobnicate" not in message
     _, param = refusal(CompletionRequest, {"prompt": "x", "temperature": "hot", "frobnicate": 1})
     assert param == "temperature"
     _, param = refusal(ChatCompletionRequest, {"messages": USER, "top_p": 7, "bogus": None})
@@ -1111,3 +1110,44 @@ def test_continuous_usage_is_per_choice():
     forced = fake_client(force_include_usage=True)
     events = sse(forced.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "stream": True}))
     assert all("usage" in e for e in events) and events[-1]["choices"] == []
+
+
+# ============================================================================ structured output
+
+
+@pytest.mark.parametrize("body, kind, field", [
+    ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+     "json_schema", "response_format.json_schema"),
+    ({"structured_outputs": {"json": {"type": "boolean"}}}, "json_schema", "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "regex", "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", "structured_outputs.choice"),
+    ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, "grammar", "structured_outputs.grammar"),
+    ({"structured_outputs": {"json_object": True}}, "json_object", "structured_outputs.json_object"),
+    ({"guided_json": {"type": "integer"}}, "json_schema", "guided_json"),
+    ({"guided_regex": "a+"}, "regex", "guided_regex"),
+    ({"guided_choice": ["x"]}, "choice", "guided_choice"),
+    ({"guided_grammar": 'root ::= "a"'}, "grammar", "guided_grammar"),
+])
+@pytest.mark.parametrize("model, base", [(CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": USER})])
+def test_structured_output_fields_become_one_grammar(model, base, body, kind, field):
+    spec = model.model_validate({**base, **body}).to_sampling_kwargs()["structured_outputs"]
+    assert spec["kind"] == kind and spec["field"] == field
+    assert SamplingParams(**model.model_validate({**base, **body}).to_sampling_kwargs()).structured_outputs == spec
+
+
+@pytest.mark.parametrize("body, field, fragment", [
+    ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex", "invalid regex"),
+    ({"guided_json": {"type": "strin"}}, "guided_json", "invalid json schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}},
+     "response_format.json_schema", "invalid json schema"),
+    ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar", "invalid grammar"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs", "only one"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "only one"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern",
+     "not supported"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
+])
+def test_an_unusable_grammar_is_a_400_naming_its_field(body, field, fragment):
+    message, _ = refusal(CompletionRequest, {"prompt": "x", **body})
+    assert field in message and fragment in message, message

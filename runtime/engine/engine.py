@@ -166,6 +166,7 @@ class Engine:
         self.output_processor = OutputProcessor(self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextStage] = {}  # in-process text stages (add_request with_text)
+        self._grammar_compiler: Any = None  # sampling/grammar.GrammarCompiler, made on first use
         self.counters = EngineCounters()
         self.observer: EngineObserver | None = None
         self.last_step_tokens = 0
@@ -187,6 +188,8 @@ class Engine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         max_tokens = self.limits.check_request(prompt_ids, params)
+        if params.structured_outputs is not None:  # compiled here (cached): a bad grammar is refused now
+            logits_processors = [*(logits_processors or ()), self._grammar_processor(params.structured_outputs)]
         text = TextStage(self.tokenizer, list(prompt_ids), params) if with_text else None
         request = Request(
             request_id=request_id, prompt_ids=list(prompt_ids), params=params, max_tokens=max_tokens,
@@ -199,6 +202,17 @@ class Engine:
         self.counters.prompt_tokens += len(prompt_ids)
         self.scheduler.add(request)
         return request
+
+    def _grammar_processor(self, spec: dict[str, Any]) -> LogitsProcessor:
+        """The request's grammar as a logits processor, from the model's compiler (made on first use:
+        building the vocabulary takes a fraction of a second once)."""
+        from vtool.runtime.sampling.grammar import GrammarCompiler, GrammarSpec
+
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab_size=self.vocab_size,
+                                                     eos_token_ids=self.session.stop_ids)
+        fields = {k: spec[k] for k in ("kind", "source", "any_whitespace", "field") if k in spec}
+        return self._grammar_compiler.processor(GrammarSpec(**fields))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already done."""

@@ -38,6 +38,10 @@ class OutputProcessor:
         if request.sampler.is_stop_token(token):
             # eos reports no stop reason; a stop_token_ids entry reports itself
             return "stop", token if token in request.params.stop_token_ids else None
+        if any(getattr(p, "is_terminated", None) and p.is_terminated() for p in request.sampler.logits_processors):
+            # A grammar that is complete allows nothing but the end token: stop here, also under
+            # min_tokens or ignore_eos, where drawing the end token is not possible or not an end.
+            return "stop", None
         if len(request.output_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return "length", None
         return None, None
@@ -53,4 +57,5 @@ class OutputProcessor:
             finish_reason=finish, stop_reason=stop_reason, num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=num_output, num_cached_tokens=request.cached_prompt_tokens,
             cumulative_logprob=request.cumulative_logprob,
-            prompt_logprobs=request.prompt_logprobs if num_output == 1 else None)
+            prompt_logprobs=request.prompt_logprobs if num_output == 1 else None,
+            stop_token=finish == "stop" and request.sampler.is_stop_token(result.token_id))

@@ -99,6 +99,7 @@ class CoreOutput:
     num_cached_tokens: int
     cumulative_logprob: float
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with the first token only
+    stop_token: bool = False  # the last new token is a stop token (its text is never shown)
 
 
 @dataclasses.dataclass

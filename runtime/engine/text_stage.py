@@ -39,7 +39,7 @@ class TextStage:
         last = len(out.new_token_ids) - 1
         for i, token in enumerate(out.new_token_ids):
             self.num_output_tokens += 1
-            if finish == "stop" and i == last:
+            if out.stop_token and i == last:
                 continue  # a stop token's text is never shown
             text += self.detokenizer.push(token)
         if finish is not None:

@@ -53,6 +53,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # A grammar the output must follow (vLLM's structured_outputs): the fields of a
+    # runtime.sampling.grammar.GrammarSpec as a plain dict (kind, source, any_whitespace, field),
+    # so it crosses to the engine core as data; the engine compiles it.
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # The same normalisations vLLM applies before checking.
@@ -112,6 +116,10 @@ class SamplingParams:
         vocabulary, logprobs no larger than it); `max_logprobs` is the server's cap on
         logprobs/prompt_logprobs (vLLM's --max-logprobs, -1 = the vocabulary).
         """
+        so = self.structured_outputs
+        if so is not None and not (isinstance(so, dict) and isinstance(so.get("kind"), str)
+                                   and isinstance(so.get("source", ""), str)):
+            raise SamplingParamsError("structured_outputs", so, "None or a grammar spec {kind, source, ...}")
         _int("n", self.n, low=1, high=MAX_N)
         if self.best_of is not None:
             _int("best_of", self.best_of, low=1)

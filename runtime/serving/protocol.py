@@ -151,19 +151,14 @@ def _nested_ignored(value: Any, path: str) -> list[str]:
     return []
 
 
-_STRUCTURED = "structured output (guided decoding) is not supported by this server yet"
 _BEAM = "beam search is not supported by this server"
 _MULTIMODAL = "this server is text-only"
 
 _COMMON_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "guided_json": ((None,), _STRUCTURED),
-    "guided_regex": ((None,), _STRUCTURED),
-    "guided_choice": ((None,), _STRUCTURED),
-    "guided_grammar": ((None,), _STRUCTURED),
-    "guided_decoding_backend": ((None,), _STRUCTURED),
-    "guided_whitespace_pattern": ((None,), _STRUCTURED),
-    "structured_outputs": ((None,), _STRUCTURED),
-    "structural_tag": ((None,), _STRUCTURED),
+    "guided_whitespace_pattern": ((None,), "a custom JSON whitespace pattern is not supported by this server "
+                                           "(structured_outputs.disable_any_whitespace gives compact JSON)"),
+    "structural_tag": ((None,), "the top-level structural_tag field is not supported; send it as "
+                                "response_format {\"type\": \"structural_tag\", ...} or structured_outputs.structural_tag"),
     "use_beam_search": ((None, False), _BEAM),
     "length_penalty": ((None, 1.0, 1), _BEAM),
     "logits_processors": ((None, []), "custom logits processors are not supported by this server"),
@@ -189,20 +184,35 @@ class StreamOptions(_Request):
 
 
 class ResponseFormat(_Request):
-    type: Literal["text"]
+    """OpenAI's response_format: text, json_object, json_schema ({name, schema, strict}), or vLLM's
+    structural_tag ({structures, triggers}). Checked as a whole by _structured_spec."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: Optional[dict[str, Any]] = None
+    structures: Optional[list[Any]] = None
+    triggers: Optional[list[str]] = None
 
 
-_RESPONSE_FORMATS_UNSUPPORTED = ("json_object", "json_schema", "structural_tag", "grammar", "regex")
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: Optional[Union[dict[str, Any], str, bool]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[Union[dict[str, Any], str]] = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
 
 
 def _check_response_format(value: Any) -> Any:
-    if isinstance(value, dict):
-        kind = value.get("type")
-        if kind in _RESPONSE_FORMATS_UNSUPPORTED:
-            raise ValueError(f"type {kind!r} (structured output) is not supported by this server yet; "
-                             "only {'type': 'text'} is accepted")
-        if "type" in value and kind != "text":
-            raise ValueError(f"unknown type {kind!r}; only {{'type': 'text'}} is accepted")
+    if isinstance(value, dict) and "type" in value and value["type"] not in (
+            "text", "json_object", "json_schema", "structural_tag"):
+        raise ValueError(f"unknown type {value['type']!r}; one of text, json_object, json_schema, structural_tag")
     return value
 
 
@@ -251,6 +261,70 @@ def _check_max_tokens(field: str, value: Optional[int]) -> None:
         raise ValueError(f"{field}: must be at least 1, got {value}")
 
 
+def _structured_spec(req: Any) -> Optional[dict[str, Any]]:
+    """The one grammar a request asks for, from response_format, structured_outputs or the older
+    guided_* fields, as GrammarSpec fields (runtime/sampling/grammar.py); None for free text.
+    More than one constraint, or one the grammar engine cannot use, is a ValueError naming the
+    field (a 400)."""
+    from vtool.runtime.sampling.grammar import GrammarError, GrammarSpec
+
+    asked: list[tuple[str, Any]] = []  # (field, builder)
+    so = req.structured_outputs
+    # structured_outputs' options (compact JSON) apply to response_format's JSON too, as in vLLM
+    compact = not (so is not None and so.disable_any_whitespace)
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", lambda f: GrammarSpec.json_object(any_whitespace=compact, field=f)))
+    elif fmt is not None and fmt.type == "json_schema":
+        body = fmt.json_schema or {}
+        if not isinstance(body.get("schema", {}), (dict, bool)):
+            raise ValueError("response_format.json_schema.schema: must be a JSON schema object")
+        schema = body.get("schema", {})
+        asked.append(("response_format.json_schema",
+                      lambda f: GrammarSpec.json_schema(schema, any_whitespace=compact, field=f)))
+    elif fmt is not None and fmt.type == "structural_tag":
+        tag = {"structures": fmt.structures or [], "triggers": fmt.triggers or []}
+        asked.append(("response_format", lambda f: GrammarSpec.structural_tag(tag, field=f)))
+    if so is not None:
+        if so.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern: a custom whitespace pattern is not supported "
+                             "(disable_any_whitespace gives compact JSON)")
+        if so.disable_additional_properties:
+            raise ValueError("structured_outputs.disable_additional_properties: not supported; set "
+                             '"additionalProperties": false in the schema')
+        for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar),
+                            ("json_object", so.json_object or None), ("structural_tag", so.structural_tag)):
+            if value is None:
+                continue
+            field = f"structured_outputs.{name}"
+            builder = {"json": lambda f, v=value: GrammarSpec.json_schema(v, any_whitespace=compact, field=f),
+                       "regex": lambda f, v=value: GrammarSpec.regex(v, field=f),
+                       "choice": lambda f, v=value: GrammarSpec.choice(v, field=f),
+                       "grammar": lambda f, v=value: GrammarSpec.grammar_text(v, field=f),
+                       "json_object": lambda f: GrammarSpec.json_object(any_whitespace=compact, field=f),
+                       "structural_tag": lambda f, v=value: GrammarSpec.structural_tag(v, field=f)}[name]
+            asked.append((field, builder))
+    for name, value in (("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
+                        ("guided_choice", req.guided_choice), ("guided_grammar", req.guided_grammar)):
+        if value is not None:
+            builder = {"guided_json": lambda f, v=value: GrammarSpec.json_schema(v, field=f),
+                       "guided_regex": lambda f, v=value: GrammarSpec.regex(v, field=f),
+                       "guided_choice": lambda f, v=value: GrammarSpec.choice(v, field=f),
+                       "guided_grammar": lambda f, v=value: GrammarSpec.grammar_text(v, field=f)}[name]
+            asked.append((name, builder))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise ValueError(f"{asked[1][0]}: only one structured-output constraint per request; "
+                         f"this one also sets {', '.join(f for f, _ in asked if f != asked[1][0])}")
+    field, builder = asked[0]
+    try:
+        spec = builder(field)
+    except GrammarError as err:
+        raise ValueError(str(err)) from None
+    return {"kind": spec.kind, "source": spec.source, "any_whitespace": spec.any_whitespace, "field": spec.field}
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""
 
@@ -284,8 +358,15 @@ class _SamplingFields(_Request):
     request_id: Optional[str] = None
     # vLLM: the response carries token_ids (generated) and prompt_token_ids
     return_token_ids: Optional[bool] = None
+    # structured output: vLLM's structured_outputs, and the guided_* fields older clients send
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     _UNSUPPORTED = _COMMON_UNSUPPORTED
+    _grammar: Optional[dict[str, Any]] = None  # the GrammarSpec's fields, set by _check_common
 
     _check_stop = field_validator("stop", mode="before")(_check_stop)
     _check_stop_ids = field_validator("stop_token_ids", mode="before")(_check_token_ids)
@@ -295,6 +376,7 @@ class _SamplingFields(_Request):
     @model_validator(mode="after")
     def _check_common(self):
         self._check_max_tokens()
+        self._grammar = _structured_spec(self)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.prompt_logprobs and self.stream:
@@ -364,6 +446,7 @@ class _SamplingFields(_Request):
                             for k, v in self.logit_bias.items()}),
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "structured_outputs": self._grammar,
         }
 
 
@@ -984,7 +1067,7 @@ __all__ = [
     "FIELD_RANGES", 
     "MAX_LOGPROBS", "DEFAULT_SAMPLING", "SSE_DONE", "random_uuid", "completion_id", "chat_completion_id",
     "sse_event", "messages_to_dicts",
-    "StreamOptions", "ResponseFormat", "TextContentPart", "ChatMessage",
+    "StreamOptions", "ResponseFormat", "StructuredOutputs", "TextContentPart", "ChatMessage",
     "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
     "ErrorInfo", "ErrorResponse", "UsageInfo", "PromptTokenUsageInfo",
     "CompletionLogProbs", "CompletionResponseChoice", "CompletionResponse",
