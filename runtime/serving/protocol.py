@@ -9,6 +9,11 @@ serving/errors.py turns that into a 400 with an OpenAI error body). A few fields
 define but this server does not implement are refused with a message saying so, unless they carry
 their no-op value (`"use_beam_search": false` is accepted).
 
+Structured output: response_format (json_object, json_schema, structural_tag), structured_outputs
+and the older guided_* fields become one grammar spec (`_structured_spec`, runtime/sampling/
+grammar.py's GrammarSpec fields) in SamplingParams.structured_outputs; more than one constraint,
+or one the grammar engine cannot use, is a 400 naming the field.
+
 `to_sampling_kwargs()` maps a request onto keyword arguments for runtime.sampling_params.
 SamplingParams, following vLLM's `to_sampling_params`: fields the request leaves unset take the
 model's generation_config defaults (passed in as `defaults`), then vLLM's fallbacks.
