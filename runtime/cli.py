@@ -129,6 +129,24 @@ def threads_option(fn: Callable) -> Callable:
              "run on). Sets TVM_NUM_THREADS for the TVM runtime")(fn)
 
 
+def structured_outputs_option(json_schema: str | None, regex: str | None, choice: str | None) -> dict | None:
+    """`vtool run`'s --json-schema FILE / --regex R / --choice a,b as vLLM's structured_outputs
+    fields; at most one (a UsageError names them), a schema file that is not JSON is refused."""
+    given = {k: v for k, v in (("json", json_schema), ("regex", regex), ("choice", choice)) if v is not None}
+    if len(given) > 1:
+        raise click.UsageError("give one of --json-schema, --regex, --choice")
+    if "json" in given:
+        import json
+
+        try:
+            given["json"] = json.loads(Path(given["json"]).read_text())
+        except ValueError as err:
+            raise click.UsageError(f"--json-schema {json_schema}: not JSON ({err})") from None
+    if "choice" in given:
+        given["choice"] = [c for c in given["choice"].split(",")]
+    return given or None
+
+
 def runtime_process(threads: int | None) -> None:
     """Setup for the commands that run models: the thread count, set before the TVM runtime
     loads; and torch kept out of the process. tvm_ffi imports torch whenever it is installed
@@ -168,6 +186,10 @@ def model_options(fn: Callable) -> Callable:
 @click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1),
               help="load once, run N times, report warm decode tok/s")
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
+@click.option("--json-schema", "json_schema", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="the output follows this JSON schema (a .json file)")
+@click.option("--regex", default=None, help="the output matches this regular expression")
+@click.option("--choice", default=None, help="the output is one of these comma-separated strings")
 @click.option("--max-model-len", default=None, type=int, help="context length (default: model's, capped at 4096)")
 @quantization_option
 @activations_option
@@ -175,6 +197,7 @@ def model_options(fn: Callable) -> Callable:
 @threads_option
 def run(model: str | None, revision: str | None, target: str, dtype: str, prompt: str, tokenizer_config: str | None, max_tokens: int,
         temperature: float, top_p: float, top_k: int, seed: int | None, stream: bool, repeat: int, chat: bool,
+        json_schema: str | None, regex: str | None, choice: str | None,
         max_model_len: int | None, artifact: str | None, quantization: str, activations: str,
         threads: int | None) -> None:
     """Generate text from a prompt (builds the model on first use)."""
@@ -187,7 +210,8 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
     artifact_dir = artifact_for(model_path, artifact, target, dtype, quantization, activations)
     options = RunOptions(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                          seed=seed, stream=stream, repeat=repeat, chat=chat, tokenizer_config=tokenizer_config,
-                         max_model_len=max_model_len)
+                         max_model_len=max_model_len,
+                         structured_outputs=structured_outputs_option(json_schema, regex, choice))
     run_completion(artifact_dir, checkpoint, options, out, console)
 
 

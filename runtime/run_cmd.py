@@ -31,6 +31,8 @@ class RunOptions:
     chat: bool = False
     tokenizer_config: str | None = None
     max_model_len: int | None = None
+    # a grammar the output follows (vLLM's structured_outputs fields, e.g. {"regex": R})
+    structured_outputs: dict | None = None
 
 
 @dataclasses.dataclass
@@ -69,7 +71,8 @@ def run_completion(artifact: Path, checkpoint: Checkpoint, opts: RunOptions, out
     """engine_config: KV sizing (num_blocks, kv_memory_bytes, gpu_memory_utilization) and the
     like; one sequence at a time without prefix caching is imposed on it."""
     params = SamplingParams(temperature=max(opts.temperature, 0.0), top_p=opts.top_p, top_k=opts.top_k,
-                            seed=opts.seed, max_tokens=opts.max_tokens if opts.max_tokens > 0 else None)
+                            seed=opts.seed, max_tokens=opts.max_tokens if opts.max_tokens > 0 else None,
+                            structured_outputs=opts.structured_outputs)
     with Progress(TextColumn("loading weights"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   console=err, transient=True) as bar:
         task = bar.add_task("load", total=None)

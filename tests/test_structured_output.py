@@ -85,3 +85,31 @@ def test_a_bad_grammar_is_a_400_and_the_server_keeps_serving(server, client, ext
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"]
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def test_the_python_api_takes_vllms_structured_outputs(tiny_model_dir):
+    from vtool import LLM
+    from vtool.runtime.sampling.params import SamplingParams, SamplingParamsError
+
+    llm = LLM(model=tiny_model_dir, max_model_len=256)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=20, structured_outputs={"choice": ["left", "right"]})
+    out = llm.generate(["Turn", "Go"], params)
+    assert [o.outputs[0].text in ("left", "right") for o in out] == [True, True]
+    with pytest.raises(SamplingParamsError, match="structured_outputs.regex"):
+        SamplingParams(structured_outputs={"regex": "(("})
+
+
+def test_vtool_run_takes_a_regex_and_refuses_two_constraints(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "vtool.toolchain.cli", "run", "--model", str(tiny_model_dir),
+                               "--prompt", "Code:", "--max-tokens", "20", "--max-model-len", "256", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    done = run("--regex", "[0-9]{3}-[a-z]{2}")
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", done.stdout.strip()), done.stdout
+    refused = run("--regex", "a", "--choice", "a,b")
+    assert refused.returncode == 2 and "one of --json-schema, --regex, --choice" in refused.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -167,6 +168,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextStage] = {}  # in-process text stages (add_request with_text)
         self._grammar_compiler: Any = None  # sampling/grammar.GrammarCompiler, made on first use
+        self._grammar_thread: threading.Thread | None = None
         self.counters = EngineCounters()
         self.observer: EngineObserver | None = None
         self.last_step_tokens = 0
@@ -203,14 +205,36 @@ class Engine:
         self.scheduler.add(request)
         return request
 
-    def _grammar_processor(self, spec: dict[str, Any]) -> LogitsProcessor:
-        """The request's grammar as a logits processor, from the model's compiler (made on first use:
-        building the vocabulary takes a fraction of a second once)."""
-        from vtool.runtime.sampling.grammar import GrammarCompiler, GrammarSpec
+    def prepare_grammar(self) -> None:
+        """Build the grammar compiler's vocabulary on a thread now (0.3-1.4 s once per model), so
+        that a server's first structured-output request does not stall the engine loop for it."""
+        if self._grammar_thread is None and self._grammar_compiler is None:
+            self._grammar_thread = threading.Thread(target=self._make_grammar_compiler, args=(False,),
+                                                    name="vtool-grammar-vocab", daemon=True)
+            self._grammar_thread.start()
 
-        if self._grammar_compiler is None:
+    def _make_grammar_compiler(self, raise_errors: bool = True) -> None:
+        from vtool.runtime.sampling.grammar import GrammarCompiler
+
+        try:
             self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab_size=self.vocab_size,
                                                      eos_token_ids=self.session.stop_ids)
+        except Exception:
+            if raise_errors:
+                raise
+            # on the warm-up thread: a request that needs the compiler tries again and gets the error
+            log.exception("building the grammar vocabulary failed")
+
+    def _grammar_processor(self, spec: dict[str, Any]) -> LogitsProcessor:
+        """The request's grammar as a logits processor, from the model's compiler (made now unless
+        prepare_grammar built it already; compiled grammars are cached)."""
+        from vtool.runtime.sampling.grammar import GrammarSpec
+
+        if self._grammar_thread is not None:
+            self._grammar_thread.join()
+            self._grammar_thread = None
+        if self._grammar_compiler is None:
+            self._make_grammar_compiler()
         fields = {k: spec[k] for k in ("kind", "source", "any_whitespace", "field") if k in spec}
         return self._grammar_compiler.processor(GrammarSpec(**fields))
 

@@ -53,9 +53,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # A grammar the output must follow (vLLM's structured_outputs): the fields of a
-    # runtime.sampling.grammar.GrammarSpec as a plain dict (kind, source, any_whitespace, field),
-    # so it crosses to the engine core as data; the engine compiles it.
+    # A grammar the output must follow (vLLM's structured_outputs). Given as vLLM's
+    # StructuredOutputsParams fields ({"json": schema} or regex, choice, grammar, json_object,
+    # structural_tag; disable_any_whitespace), it is kept as the fields of a
+    # runtime.sampling.grammar.GrammarSpec (kind, source, any_whitespace, field): plain data that
+    # crosses to the engine core, which compiles it.
     structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -77,6 +79,8 @@ class SamplingParams:
             self.logprobs = 1 if self.logprobs else None
         if isinstance(self.prompt_logprobs, bool):
             self.prompt_logprobs = 1 if self.prompt_logprobs else None
+        if isinstance(self.structured_outputs, dict) and "kind" not in self.structured_outputs:
+            self.structured_outputs = grammar_spec_fields(self.structured_outputs)
         if self.logit_bias is not None and isinstance(self.logit_bias, dict):
             # JSON object keys arrive as strings ("50256": 5.0), as in vLLM's from_optional.
             self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}
@@ -228,3 +232,33 @@ def check_token_ids(ids: Any, vocab_size: int, what: str = "token id", error: ty
     if array.size and (array.min() < 0 or array.max() >= vocab_size):
         bad = int(array[(array < 0) | (array >= vocab_size)][0])
         raise error(f"{what} {bad} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+_STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                     "json_object": "json_object", "structural_tag": "structural_tag"}
+
+
+def grammar_spec_fields(given: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's StructuredOutputsParams fields -> GrammarSpec fields (checked: a SamplingParamsError
+    names what is wrong). Exactly one constraint."""
+    from vtool.runtime.sampling.grammar import GrammarError, GrammarSpec
+
+    asked = [k for k in _STRUCTURED_KINDS if given.get(k) not in (None, False)]
+    unknown = sorted(set(given) - set(_STRUCTURED_KINDS) - {"disable_any_whitespace"})
+    if unknown or len(asked) != 1:
+        raise SamplingParamsError("structured_outputs", given, "one of json, regex, choice, grammar, json_object "
+                                  "or structural_tag (plus disable_any_whitespace)")
+    kind, value = asked[0], given[asked[0]]
+    compact = not given.get("disable_any_whitespace", False)
+    field = f"structured_outputs.{kind}"
+    try:
+        spec = {"json": lambda: GrammarSpec.json_schema(value, any_whitespace=compact, field=field),
+                "regex": lambda: GrammarSpec.regex(value, field=field),
+                "choice": lambda: GrammarSpec.choice(value, field=field),
+                "grammar": lambda: GrammarSpec.grammar_text(value, field=field),
+                "json_object": lambda: GrammarSpec.json_object(any_whitespace=compact, field=field),
+                "structural_tag": lambda: GrammarSpec.structural_tag(value, field=field)}[kind]()
+    except GrammarError as err:
+        raise SamplingParamsError("structured_outputs", value, "a grammar the engine can use",
+                                  seen=str(err)) from None
+    return {"kind": spec.kind, "source": spec.source, "any_whitespace": spec.any_whitespace, "field": spec.field}

@@ -184,6 +184,7 @@ def run_engine_core(launch: CoreLaunch, ready: Connection, parent_pid: int) -> N
         checkpoint = open_checkpoint(launch.model_path)
         session = open_session(launch.artifact, checkpoint, launch.tokenizer_config, launch.max_model_len)
         engine = Engine(session, launch.engine_config)
+        engine.prepare_grammar()  # structured output's vocabulary, off the loop
         metrics = ServerMetrics(launch.metrics_model_name, max_model_len=engine.max_model_len) \
             if launch.metrics_model_name else None
         if metrics is not None:

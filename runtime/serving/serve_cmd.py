@@ -259,6 +259,7 @@ def _serve_in_process(artifact: Path, checkpoint: Checkpoint, config: EngineConf
                       console: Console, sock: socket.socket, names: list[str], defaults: dict[str, Any]) -> None:
     session = open_session(artifact, checkpoint, opts.tokenizer_config, opts.max_model_len)
     engine = Engine(session, config)
+    engine.prepare_grammar()
     metrics = None if opts.disable_metrics else ServerMetrics(names[0], max_model_len=engine.max_model_len)
     if metrics is not None:
         metrics.set_cache_config(block_size=engine.kv.block_size, num_blocks=engine.kv.blocks.num_blocks,
