@@ -242,6 +242,10 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
 @click.option("--disable-metrics", is_flag=True)
 @click.option("--enable-force-include-usage", is_flag=True)
 @click.option("--api-key", default=None, envvar="VLLM_API_KEY", help="require this Bearer key on /v1 routes")
+@click.option("--reasoning-parser", default=None, type=click.Choice(["deepseek_r1", "qwen3"]),
+              help="split the model's <think> section into the chat answer's `reasoning` field")
+@click.option("--default-chat-template-kwargs", default=None,
+              help='JSON object passed to the chat template under each request\'s own, e.g. {"enable_thinking": false}')
 @click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
               help="GPU: build step N's outputs while the device runs step N+1")
 @click.option("--api-server-count", default=1, show_default=True, type=click.IntRange(min=1),
@@ -257,7 +261,8 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
           gpu_memory_utilization: float,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
           scheduling_policy: str, enable_log_requests: bool, enable_log_outputs: bool, max_log_len: int,
-          disable_metrics: bool, enable_force_include_usage: bool, api_key: str | None, async_scheduling: bool,
+          disable_metrics: bool, enable_force_include_usage: bool, api_key: str | None, reasoning_parser: str | None,
+          default_chat_template_kwargs: str | None, async_scheduling: bool,
           api_server_count: int,
           trust_remote_code: bool,
           enable_auto_tool_choice: bool, quantization: str, activations: str, artifact: str | None,
@@ -283,7 +288,8 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
                         max_model_len=max_model_len, api_key=api_key, disable_metrics=disable_metrics,
                         enable_log_requests=enable_log_requests, enable_log_outputs=enable_log_outputs,
                         max_log_len=max_log_len, enable_force_include_usage=enable_force_include_usage,
-                        api_server_count=api_server_count)
+                        api_server_count=api_server_count, reasoning_parser=reasoning_parser,
+                        default_chat_template_kwargs=default_chat_template_kwargs)
     model_path = resolve_model(model, revision)
     checkpoint = open_checkpoint(model_path)
     run_server(artifact_for(model_path, artifact, target, dtype, quantization, activations), checkpoint,

@@ -109,7 +109,8 @@ def create_app(state: ServingState, info: ServerInfo, api_key: str | None = None
         tok = state.tokenizer
         if body.messages is not None:
             text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
-                                           **dict(body.chat_template_kwargs or {}))
+                                           **{**state.default_chat_template_kwargs,
+                                              **dict(body.chat_template_kwargs or {})})
         else:
             text = body.prompt or ""
         ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))

@@ -25,6 +25,7 @@ from vtool.runtime.serving.protocol import (
 from vtool.runtime.engine.request import StepOutput
 from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.serving.core_client import CoreClient
+from vtool.runtime.serving.reasoning import ReasoningParser
 from vtool.runtime.text.tokenizer import Tokenizer
 
 log = logging.getLogger("vtool.server")
@@ -45,6 +46,8 @@ class ServingState:
     sampling_defaults: dict[str, Any]
     enable_log_requests: bool = False
     enable_log_outputs: bool = False
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+    default_chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     max_log_len: int | None = None
     force_include_usage: bool = False
 
@@ -363,7 +366,8 @@ def _plain(entries: list[Any] | None) -> list[Any] | None:
 def render_chat_prompt(state: ServingState, req: ChatCompletionRequest) -> list[int]:
     messages = req.template_messages()
     text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                               **dict(req.chat_template_kwargs or {}))
+                                               **{**state.default_chat_template_kwargs,
+                                                  **dict(req.chat_template_kwargs or {})})
     if req.continue_final_message:
         # As transformers: cut the render right after the final message's own text, so
         # the model continues that message instead of closing the turn.
@@ -381,12 +385,22 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     streams, choices = await _admit(state, request_id, [prompt_ids], params, req.priority or 0)
     num_top = req.top_logprobs or 0
     role, echo_text, want_ids = req.response_role, req.echo_text, bool(req.return_token_ids)
+    parser = state.reasoning_parser  # --reasoning-parser: the thinking goes to `reasoning`
+    include_reasoning = req.include_reasoning is not False
 
     if not req.stream:
         await _collect(raw, state, streams, choices)
         _log_outputs(state, request_id, choices)
+        def message(c: Choice) -> ChatResponseMessage:
+            if parser is None:
+                return ChatResponseMessage(role=role, content=echo_text + c.text)
+            reasoning, content = parser.split(c.text)
+            if echo_text:
+                content = echo_text + (content or "")
+            return ChatResponseMessage(role=role, content=content, reasoning=reasoning if include_reasoning else None)
+
         result = [ChatCompletionResponseChoice(
-            index=c.index, message=ChatResponseMessage(role=role, content=echo_text + c.text),
+            index=c.index, message=message(c),
             logprobs=_chat_logprobs(state.tokenizer, c.token_ids, c.logprobs, num_top) if req.logprobs else None,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if want_ids else None) for c in choices]
@@ -410,6 +424,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
             return sse_event(body, exclude_unset=True)
 
         started = False
+        splitters = [parser.stream() for _ in choices] if parser is not None else []
         try:
             async for i, out in _merged(state, streams):
                 if not started:
@@ -430,7 +445,18 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
                     continue  # nothing to say yet (a prefill step)
                 logprobs = _chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs, num_top) \
                     if req.logprobs else None
-                choice = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=out.new_text),
+                if parser is None:
+                    delta = DeltaMessage(content=out.new_text)
+                else:
+                    reasoning, content = splitters[i].push(out.new_text, final=out.finished)
+                    if not reasoning and not content and not out.finished and not req.logprobs:
+                        continue  # held back: it may still be part of a tag
+                    delta = DeltaMessage()
+                    if reasoning and include_reasoning:
+                        delta.reasoning = reasoning
+                    if content or not reasoning:
+                        delta.content = content
+                choice = ChatCompletionResponseStreamChoice(index=i, delta=delta,
                                                             logprobs=logprobs, finish_reason=out.finish_reason)
                 if want_ids:
                     choice.token_ids = list(out.new_token_ids)

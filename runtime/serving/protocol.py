@@ -687,12 +687,13 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         "chat_template": ((None,), "a per-request chat_template is not supported by this server"),
         "documents": ((None,), "documents (RAG templates) are not supported by this server"),
         "reasoning_effort": ((None,), "reasoning_effort is not supported by this server"),
-        "include_reasoning": ((None, True), "include_reasoning is not supported by this server"),
         "modalities": ((None, ["text"]), _MULTIMODAL),
         "audio": ((None,), _MULTIMODAL),
         "prediction": ((None,), "predicted outputs are not supported by this server"),
         "web_search_options": ((None,), "web search is not supported by this server"),
     }
+
+    include_reasoning: Optional[bool] = True  # vLLM: False leaves the reasoning out of the answer
 
     _check_messages = field_validator("messages", mode="before")(_check_messages)
 
@@ -876,7 +877,7 @@ class ChatResponseMessage(_Response):
     content: Optional[str] = None
     refusal: Optional[str] = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
-    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None  # current vLLM's field (it was reasoning_content)
 
 
 class ChatCompletionResponseChoice(_Response):
@@ -903,7 +904,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Optional[str] = None
     content: Optional[str] = None
-    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 

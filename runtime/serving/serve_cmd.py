@@ -14,6 +14,7 @@ process; for debugging and for measuring what the process split buys).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import multiprocessing
 import os
@@ -35,6 +36,7 @@ from vtool.runtime.serving.completions import ServingState
 from vtool.runtime.serving.core_client import CoreClient, client_identity
 from vtool.runtime.serving.engine_core import CoreLaunch, EngineCoreProcess, name_process
 from vtool.runtime.serving.metrics import ServerMetrics
+from vtool.runtime.serving.reasoning import reasoning_parser
 from vtool.runtime.session import load_tokenizer, open_session
 from vtool.runtime.weights.checkpoint import Checkpoint, open_checkpoint
 
@@ -60,8 +62,12 @@ class ServeOptions:
     enable_force_include_usage: bool = False
     uvicorn_log_level: str = "info"
     api_server_count: int = 1
+    reasoning_parser: str | None = None  # --reasoning-parser (serving/reasoning.py)
+    default_chat_template_kwargs: str | None = None  # JSON object, under each request's own
 
     def __post_init__(self) -> None:
+        reasoning_parser(self.reasoning_parser)  # refuses an unknown name before anything starts
+        chat_template_kwargs(self.default_chat_template_kwargs)
         if self.api_server_count < 1:
             raise VtoolError(f"--api-server-count must be at least 1, got {self.api_server_count}")
 
@@ -115,9 +121,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def chat_template_kwargs(raw: str | None) -> dict[str, Any]:
+    """--default-chat-template-kwargs: a JSON object (e.g. {"enable_thinking": false})."""
+    if raw in (None, ""):
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as err:
+        raise VtoolError(f"--default-chat-template-kwargs is not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise VtoolError(f"--default-chat-template-kwargs must be a JSON object, got {raw!r}")
+    return value
+
+
 def _state(spec: ApiServerSpec, engine: CoreClient | AsyncEngine, tokenizer: Any) -> ServingState:
     o = spec.opts
     return ServingState(
+        reasoning_parser=reasoning_parser(o.reasoning_parser),
+        default_chat_template_kwargs=chat_template_kwargs(o.default_chat_template_kwargs),
         engine=engine, tokenizer=tokenizer, served_names=spec.served_names, max_model_len=spec.max_model_len,
         metrics_enabled=not o.disable_metrics, sampling_defaults=spec.sampling_defaults,
         enable_log_requests=o.enable_log_requests, enable_log_outputs=o.enable_log_outputs,
