@@ -445,8 +445,6 @@ def test_prompt_logprobs_with_stream_refused():
 def test_unsupported_features_refused_by_name():
     cases = [
         (CompletionRequest, {"prompt": "x", "suffix": "tail"}, "suffix"),
-        (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
-         "tools"),
         (ChatCompletionRequest, {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
         (CompletionRequest, {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ]
@@ -462,6 +460,10 @@ def test_unsupported_features_refused_by_name():
                                           "use_beam_search": False, "store": False,
                                           "response_format": {"type": "text"}})
     ChatCompletionRequest.model_validate({"messages": USER, "tool_choice": "auto", "tools": []})
+    # tools with vLLM's default tool_choice ("auto") need a tool-call parser, as in vLLM
+    message, param = refusal(ChatCompletionRequest, {"messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f"}}]})
+    assert param == "tool_choice" and "--tool-call-parser" in message
 
 
 def test_continue_final_message():

@@ -108,9 +108,11 @@ def create_app(state: ServingState, info: ServerInfo, api_key: str | None = None
         state.check_model(body.model)
         tok = state.tokenizer
         if body.messages is not None:
+            kwargs = {**state.default_chat_template_kwargs, **dict(body.chat_template_kwargs or {})}
+            if body.tools:
+                kwargs["tools"] = body.tools
             text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt,
-                                           **{**state.default_chat_template_kwargs,
-                                              **dict(body.chat_template_kwargs or {})})
+                                           **kwargs)
         else:
             text = body.prompt or ""
         ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))

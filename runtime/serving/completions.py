@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
+import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -365,9 +367,10 @@ def _plain(entries: list[Any] | None) -> list[Any] | None:
 # ------------------------------------------------------------------------------ chat
 def render_chat_prompt(state: ServingState, req: ChatCompletionRequest) -> list[int]:
     messages = req.template_messages()
-    text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                               **{**state.default_chat_template_kwargs,
-                                                  **dict(req.chat_template_kwargs or {})})
+    kwargs = {**state.default_chat_template_kwargs, **dict(req.chat_template_kwargs or {})}
+    if req.tools:  # as transformers' apply_chat_template(tools=...): the template writes them
+        kwargs["tools"] = req.tools
+    text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
     if req.continue_final_message:
         # As transformers: cut the render right after the final message's own text, so
         # the model continues that message instead of closing the turn.
@@ -375,6 +378,58 @@ def render_chat_prompt(state: ServingState, req: ChatCompletionRequest) -> list[
         if isinstance(final, str) and final and final.strip() in text:
             text = text[: text.rindex(final.strip()) + len(final.strip())]
     return state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+
+
+@dataclasses.dataclass
+class _ToolStream:
+    """A choice's forced tool call while it streams."""
+
+    id: str = dataclasses.field(default_factory=lambda: _tool_call_id())
+    text: str = ""
+    started: bool = False
+
+
+def _tool_call_delta(req: ChatCompletionRequest, ts: _ToolStream, out: StepOutput) -> DeltaMessage | None:
+    """A named call streams as OpenAI sends it: index, id and name first, then argument
+    fragments. "required" (a list of calls) comes whole when the choice ends."""
+    ts.text += out.new_text
+    name = req.named_tool()
+    if name is not None:
+        calls = []
+        if not ts.started:
+            ts.started = True
+            calls.append({"index": 0, "id": ts.id, "type": "function", "function": {"name": name, "arguments": ""}})
+        if out.new_text:
+            calls.append({"index": 0, "function": {"arguments": out.new_text}})
+        return DeltaMessage(tool_calls=calls) if calls or out.finished else None
+    if not out.finished:
+        return None
+    calls = _forced_tool_calls(req, ts.text)
+    if calls is None:
+        return DeltaMessage(content=ts.text)
+    return DeltaMessage(tool_calls=[{"index": k, **call} for k, call in enumerate(calls)])
+
+
+def _tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _forced_tool_calls(req: ChatCompletionRequest, text: str) -> list[dict[str, Any]] | None:
+    """The calls a forced tool choice produced (its grammar made `text` the call's JSON), as
+    OpenAI's tool_calls; None when the text is not a complete call (cut by max_tokens)."""
+    name = req.named_tool()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if name is not None:
+        calls = [(name, value)]
+    elif isinstance(value, list) and all(isinstance(c, dict) and "name" in c for c in value):
+        calls = [(c["name"], c.get("parameters", {})) for c in value]
+    else:
+        return None
+    return [{"id": _tool_call_id(), "type": "function",
+             "function": {"name": n, "arguments": json.dumps(args, ensure_ascii=False)}} for n, args in calls]
 
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServingState):
@@ -387,11 +442,19 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     role, echo_text, want_ids = req.response_role, req.echo_text, bool(req.return_token_ids)
     parser = state.reasoning_parser  # --reasoning-parser: the thinking goes to `reasoning`
     include_reasoning = req.include_reasoning is not False
+    # a named function or "required": the grammar makes the output the call's JSON (protocol.py)
+    forced = bool(req.tools) and (req.named_tool() is not None or req.effective_tool_choice == "required")
 
     if not req.stream:
         await _collect(raw, state, streams, choices)
         _log_outputs(state, request_id, choices)
         def message(c: Choice) -> ChatResponseMessage:
+            if forced:
+                calls = _forced_tool_calls(req, c.text)
+                if calls is not None:
+                    if req.named_tool() is None and c.finish_reason == "stop":
+                        c.finish_reason = "tool_calls"  # as vLLM for tool_choice "required"
+                    return ChatResponseMessage(role=role, content=None, tool_calls=calls)
             if parser is None:
                 return ChatResponseMessage(role=role, content=echo_text + c.text)
             reasoning, content = parser.split(c.text)
@@ -399,8 +462,9 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
                 content = echo_text + (content or "")
             return ChatResponseMessage(role=role, content=content, reasoning=reasoning if include_reasoning else None)
 
+        messages = [message(c) for c in choices]  # before the choices: a forced call may set finish_reason
         result = [ChatCompletionResponseChoice(
-            index=c.index, message=message(c),
+            index=c.index, message=messages[c.index],
             logprobs=_chat_logprobs(state.tokenizer, c.token_ids, c.logprobs, num_top) if req.logprobs else None,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if want_ids else None) for c in choices]
@@ -425,6 +489,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
 
         started = False
         splitters = [parser.stream() for _ in choices] if parser is not None else []
+        tool_streams = [_ToolStream() for _ in choices]
         try:
             async for i, out in _merged(state, streams):
                 if not started:
@@ -445,7 +510,13 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
                     continue  # nothing to say yet (a prefill step)
                 logprobs = _chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs, num_top) \
                     if req.logprobs else None
-                if parser is None:
+                if forced:
+                    delta = _tool_call_delta(req, tool_streams[i], out)
+                    if delta is None:
+                        continue
+                    if out.finished and req.named_tool() is None and out.finish_reason == "stop" and delta.tool_calls:
+                        out.finish_reason = "tool_calls"
+                elif parser is None:
                     delta = DeltaMessage(content=out.new_text)
                 else:
                     reasoning, content = splitters[i].push(out.new_text, final=out.finished)

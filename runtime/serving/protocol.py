@@ -701,23 +701,88 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     def _check_chat(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported by this server yet")
         if self.functions:
             raise ValueError("functions: function calling is not supported by this server")
         if self.function_call not in (None, "none"):
             raise ValueError("function_call: function calling is not supported by this server")
-        choice = self.tool_choice
-        if choice is not None and choice != "none":
-            if choice in ("auto", "required") and self.tools == []:
-                pass  # nothing to call: the same as "none" (vLLM and OpenAI agree)
-            elif choice in ("auto", "required") or isinstance(choice, dict):
-                raise ValueError("tool_choice: only 'none' is accepted; tool calling is not supported "
-                                 "by this server yet")
-            else:
-                raise ValueError(f"tool_choice: unknown value {choice!r}; expected 'none', 'auto', "
-                                 "'required' or a named function")
+        self._tool_grammar()
         return self
+
+    def tool_functions(self) -> dict[str, dict[str, Any]]:
+        """The request's tools by name (their `function` objects), checked."""
+        functions: dict[str, dict[str, Any]] = {}
+        for i, tool in enumerate(self.tools or []):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ..., "
+                                 "'parameters': {...}}}}")
+            params = fn.get("parameters", {"type": "object"})
+            if not isinstance(params, dict):
+                raise ValueError(f"tools[{i}].function.parameters: must be a JSON schema object")
+            functions[fn["name"]] = fn
+        return functions
+
+    @property
+    def effective_tool_choice(self) -> Union[str, dict[str, Any]]:
+        """vLLM's default: "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def named_tool(self) -> Optional[str]:
+        choice = self.tool_choice
+        return choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+
+    def _tool_grammar(self) -> None:
+        """tool_choice as vLLM reads it: "none" leaves the answer free; a named function or
+        "required" constrain it to the call's JSON (an arguments object, or a list of calls);
+        "auto" needs a tool-call parser, which this server does not have yet (vLLM's 400)."""
+        functions = self.tool_functions()
+        choice = self.effective_tool_choice
+        if self.tools is None and choice != "none":
+            raise ValueError(f"tool_choice: {choice!r} needs tools (vLLM: when using tool_choice, tools must be set)")
+        if choice == "none" or (choice in ("auto", "required") and not functions):
+            return  # nothing to call (tools: []): the same as "none", as vLLM and OpenAI agree
+        if choice == "auto":
+            raise ValueError('tool_choice: "auto" tool choice requires --enable-auto-tool-choice and '
+                             "--tool-call-parser to be set, which this server does not support yet; "
+                             "use 'required', a named function or 'none'")
+        if self.response_format is not None and self.response_format.type != "text" or self.structured_outputs \
+                or self.guided_json or self.guided_regex or self.guided_choice or self.guided_grammar:
+            raise ValueError("tool_choice: a forced tool call cannot be combined with another structured-output "
+                             "constraint")
+        if isinstance(choice, dict):
+            name = self.named_tool()
+            if choice.get("type", "function") != "function" or not isinstance(name, str):
+                raise ValueError("tool_choice: a named choice is {'type': 'function', 'function': {'name': ...}}")
+            if name not in functions:
+                raise ValueError(f"tool_choice: no tool named {name!r} in tools "
+                                 f"({', '.join(functions) or 'none given'})")
+            schema: Any = functions[name].get("parameters", {"type": "object"})
+            field = "tool_choice"
+        elif choice == "required":
+            # vLLM's: a non-empty list of {name, parameters}, each call one of the tools
+            schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+                {"properties": {"name": {"type": "string", "enum": [n]},
+                                "parameters": fn.get("parameters", {"type": "object"})},
+                 # tighter than vLLM's: a call holds nothing else, so none can run on without end
+                 "required": ["name", "parameters"], "additionalProperties": False}
+                for n, fn in functions.items()]}}
+            if self.parallel_tool_calls is False:
+                schema["maxItems"] = 1
+            field = "tools"
+        else:
+            raise ValueError(f"tool_choice: unknown value {choice!r}; expected 'none', 'auto', "
+                             "'required' or a named function")
+        from vtool.runtime.sampling.grammar import GrammarError, GrammarSpec
+
+        try:  # compact JSON: a call's arguments need no free whitespace
+            spec = GrammarSpec.json_schema(schema, any_whitespace=False, field=field)
+        except GrammarError as err:
+            raise ValueError(str(err)) from None
+        self._grammar = {"kind": spec.kind, "source": spec.source, "any_whitespace": spec.any_whitespace,
+                         "field": spec.field}
 
     def _check_max_tokens(self) -> None:
         if self.max_completion_tokens is not None:
@@ -1006,8 +1071,6 @@ class TokenizeRequest(_ChatTemplateFields):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported by this server yet")
         if self.add_special_tokens is None:
             self.add_special_tokens = self.prompt is not None
         return self

@@ -90,3 +90,8 @@ def render_chat_template(template: str | None, messages: Sequence[Mapping[str, A
         raise
     except jinja2.TemplateError as e:  # includes sandbox violations
         raise ChatTemplateError(f"chat template failed to render: {e}") from e
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        # e.g. a template that adds strings meeting an assistant turn whose content is null (a
+        # tool call) it was not written for: the request's messages, not the server, are at fault
+        raise ChatTemplateError(f"the model's chat template cannot render these messages: "
+                                f"{type(e).__name__}: {e}") from e
