@@ -463,7 +463,7 @@ def test_unsupported_features_refused_by_name():
     # tools with vLLM's default tool_choice ("auto") need a tool-call parser, as in vLLM
     message, param = refusal(ChatCompletionRequest, {"messages": USER, "tools": [
         {"type": "function", "function": {"name": "f"}}]})
-    assert param == "tool_choice" and "--tool-call-parser" in message
+    assert param == "tools" and "--tool-call-parser" in message
 
 
 def test_continue_final_message():

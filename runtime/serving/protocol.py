@@ -745,9 +745,11 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         if choice == "none" or (choice in ("auto", "required") and not functions):
             return  # nothing to call (tools: []): the same as "none", as vLLM and OpenAI agree
         if choice == "auto":
-            raise ValueError('tool_choice: "auto" tool choice requires --enable-auto-tool-choice and '
-                             "--tool-call-parser to be set, which this server does not support yet; "
-                             "use 'required', a named function or 'none'")
+            # named by what the request sent: tools alone get vLLM's default tool_choice, "auto"
+            field = "tool_choice" if self.tool_choice is not None else "tools"
+            raise ValueError(f'{field}: "auto" tool choice (vLLM\'s default with tools) requires '
+                             "--enable-auto-tool-choice and --tool-call-parser to be set, which this server does "
+                             "not support yet; use tool_choice 'required', a named function or 'none'")
         if self.response_format is not None and self.response_format.type != "text" or self.structured_outputs \
                 or self.guided_json or self.guided_regex or self.guided_choice or self.guided_grammar:
             raise ValueError("tool_choice: a forced tool call cannot be combined with another structured-output "
