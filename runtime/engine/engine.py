@@ -228,15 +228,14 @@ class Engine:
     def _grammar_processor(self, spec: dict[str, Any]) -> LogitsProcessor:
         """The request's grammar as a logits processor, from the model's compiler (made now unless
         prepare_grammar built it already; compiled grammars are cached)."""
-        from vtool.runtime.sampling.grammar import GrammarSpec
+        from vtool.runtime.sampling.grammar import spec_of
 
         if self._grammar_thread is not None:
             self._grammar_thread.join()
             self._grammar_thread = None
         if self._grammar_compiler is None:
             self._make_grammar_compiler()
-        fields = {k: spec[k] for k in ("kind", "source", "any_whitespace", "field") if k in spec}
-        return self._grammar_compiler.processor(GrammarSpec(**fields))
+        return self._grammar_compiler.processor(spec_of(spec))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already done."""

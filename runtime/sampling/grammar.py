@@ -22,6 +22,7 @@ end can follow (an engine can finish the request then and skip that step).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import threading
 import time
@@ -361,3 +362,43 @@ class GrammarProcessor:
         if self.matcher.is_error():
             raise GrammarError(f"the grammar of {self.compiled.spec.field} is in an error state: "
                                f"{self.matcher.get_error().strip()}")
+
+
+# --- vLLM's names for the kinds, and specs as plain data ---------------------------------------
+
+# vLLM's StructuredOutputsParams field -> the GrammarSpec constructor that reads its value
+_FROM_VLLM = {
+    "json": lambda v, ws, f: GrammarSpec.json_schema(v, any_whitespace=ws, field=f),
+    "regex": lambda v, ws, f: GrammarSpec.regex(v, field=f),
+    "choice": lambda v, ws, f: GrammarSpec.choice(v, field=f),
+    "grammar": lambda v, ws, f: GrammarSpec.grammar_text(v, field=f),
+    "json_object": lambda v, ws, f: GrammarSpec.json_object(any_whitespace=ws, field=f),
+    "structural_tag": lambda v, ws, f: GrammarSpec.structural_tag(v, field=f),
+}
+VLLM_KINDS = tuple(_FROM_VLLM)
+
+
+def spec_from_vllm(kind: str, value: Any, *, any_whitespace: bool = True, field: str = "") -> GrammarSpec:
+    """The GrammarSpec for one of vLLM's structured-output fields (`json`, `regex`, `choice`,
+    `grammar`, `json_object`, `structural_tag`) and its value; GrammarError names `field`."""
+    if kind not in _FROM_VLLM:
+        raise GrammarError(f"{field or 'structured_outputs'}: unknown constraint {kind!r} (one of "
+                           f"{', '.join(VLLM_KINDS)})")
+    return _FROM_VLLM[kind](value, any_whitespace, field or f"structured_outputs.{kind}")
+
+
+def spec_fields(spec: GrammarSpec) -> dict[str, Any]:
+    """A spec as plain data (what SamplingParams.structured_outputs holds and crosses processes)."""
+    return {"kind": spec.kind, "source": spec.source, "any_whitespace": spec.any_whitespace, "field": spec.field}
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_spec(kind: str, source: str, any_whitespace: bool, field: str) -> GrammarSpec:
+    return GrammarSpec(kind, source, any_whitespace, field=field)
+
+
+def spec_of(fields: Mapping[str, Any]) -> GrammarSpec:
+    """spec_fields back to a GrammarSpec; a spec seen before is not validated again (the API
+    server validated it; the engine loop should not pay for it per request)."""
+    return _cached_spec(fields["kind"], fields.get("source", ""), bool(fields.get("any_whitespace", True)),
+                        fields.get("field", ""))

@@ -234,31 +234,20 @@ def check_token_ids(ids: Any, vocab_size: int, what: str = "token id", error: ty
         raise error(f"{what} {bad} is outside the vocabulary (0..{vocab_size - 1})")
 
 
-_STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                     "json_object": "json_object", "structural_tag": "structural_tag"}
-
-
 def grammar_spec_fields(given: dict[str, Any]) -> dict[str, Any]:
     """vLLM's StructuredOutputsParams fields -> GrammarSpec fields (checked: a SamplingParamsError
     names what is wrong). Exactly one constraint."""
-    from vtool.runtime.sampling.grammar import GrammarError, GrammarSpec
+    from vtool.runtime.sampling.grammar import VLLM_KINDS, GrammarError, spec_fields, spec_from_vllm
 
-    asked = [k for k in _STRUCTURED_KINDS if given.get(k) not in (None, False)]
-    unknown = sorted(set(given) - set(_STRUCTURED_KINDS) - {"disable_any_whitespace"})
+    asked = [k for k in VLLM_KINDS if given.get(k) not in (None, False)]
+    unknown = sorted(set(given) - set(VLLM_KINDS) - {"disable_any_whitespace"})
     if unknown or len(asked) != 1:
         raise SamplingParamsError("structured_outputs", given, "one of json, regex, choice, grammar, json_object "
                                   "or structural_tag (plus disable_any_whitespace)")
     kind, value = asked[0], given[asked[0]]
-    compact = not given.get("disable_any_whitespace", False)
-    field = f"structured_outputs.{kind}"
     try:
-        spec = {"json": lambda: GrammarSpec.json_schema(value, any_whitespace=compact, field=field),
-                "regex": lambda: GrammarSpec.regex(value, field=field),
-                "choice": lambda: GrammarSpec.choice(value, field=field),
-                "grammar": lambda: GrammarSpec.grammar_text(value, field=field),
-                "json_object": lambda: GrammarSpec.json_object(any_whitespace=compact, field=field),
-                "structural_tag": lambda: GrammarSpec.structural_tag(value, field=field)}[kind]()
+        spec = spec_from_vllm(kind, value, any_whitespace=not given.get("disable_any_whitespace", False))
     except GrammarError as err:
         raise SamplingParamsError("structured_outputs", value, "a grammar the engine can use",
                                   seen=str(err)) from None
-    return {"kind": spec.kind, "source": spec.source, "any_whitespace": spec.any_whitespace, "field": spec.field}
+    return spec_fields(spec)

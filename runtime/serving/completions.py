@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
-import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -28,6 +26,7 @@ from vtool.runtime.engine.request import StepOutput
 from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.serving.core_client import CoreClient
 from vtool.runtime.serving.reasoning import ReasoningParser
+from vtool.runtime.serving.tool_calls import ToolCallStream, forced_tool_calls, tool_call_delta
 from vtool.runtime.text.tokenizer import Tokenizer
 
 log = logging.getLogger("vtool.server")
@@ -380,58 +379,6 @@ def render_chat_prompt(state: ServingState, req: ChatCompletionRequest) -> list[
     return state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
 
-@dataclasses.dataclass
-class _ToolStream:
-    """A choice's forced tool call while it streams."""
-
-    id: str = dataclasses.field(default_factory=lambda: _tool_call_id())
-    text: str = ""
-    started: bool = False
-
-
-def _tool_call_delta(req: ChatCompletionRequest, ts: _ToolStream, out: StepOutput) -> DeltaMessage | None:
-    """A named call streams as OpenAI sends it: index, id and name first, then argument
-    fragments. "required" (a list of calls) comes whole when the choice ends."""
-    ts.text += out.new_text
-    name = req.named_tool()
-    if name is not None:
-        calls = []
-        if not ts.started:
-            ts.started = True
-            calls.append({"index": 0, "id": ts.id, "type": "function", "function": {"name": name, "arguments": ""}})
-        if out.new_text:
-            calls.append({"index": 0, "function": {"arguments": out.new_text}})
-        return DeltaMessage(tool_calls=calls) if calls or out.finished else None
-    if not out.finished:
-        return None
-    calls = _forced_tool_calls(req, ts.text)
-    if calls is None:
-        return DeltaMessage(content=ts.text)
-    return DeltaMessage(tool_calls=[{"index": k, **call} for k, call in enumerate(calls)])
-
-
-def _tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def _forced_tool_calls(req: ChatCompletionRequest, text: str) -> list[dict[str, Any]] | None:
-    """The calls a forced tool choice produced (its grammar made `text` the call's JSON), as
-    OpenAI's tool_calls; None when the text is not a complete call (cut by max_tokens)."""
-    name = req.named_tool()
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if name is not None:
-        calls = [(name, value)]
-    elif isinstance(value, list) and all(isinstance(c, dict) and "name" in c for c in value):
-        calls = [(c["name"], c.get("parameters", {})) for c in value]
-    else:
-        return None
-    return [{"id": _tool_call_id(), "type": "function",
-             "function": {"name": n, "arguments": json.dumps(args, ensure_ascii=False)}} for n, args in calls]
-
-
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServingState):
     model = state.check_model(req.model)
     prompt_ids = render_chat_prompt(state, req)
@@ -450,7 +397,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
         _log_outputs(state, request_id, choices)
         def message(c: Choice) -> ChatResponseMessage:
             if forced:
-                calls = _forced_tool_calls(req, c.text)
+                calls = forced_tool_calls(req, c.text)
                 if calls is not None:
                     if req.named_tool() is None and c.finish_reason == "stop":
                         c.finish_reason = "tool_calls"  # as vLLM for tool_choice "required"
@@ -489,7 +436,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
 
         started = False
         splitters = [parser.stream() for _ in choices] if parser is not None else []
-        tool_streams = [_ToolStream() for _ in choices]
+        tool_streams = [ToolCallStream() for _ in choices]
         try:
             async for i, out in _merged(state, streams):
                 if not started:
@@ -511,7 +458,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
                 logprobs = _chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs, num_top) \
                     if req.logprobs else None
                 if forced:
-                    delta = _tool_call_delta(req, tool_streams[i], out)
+                    delta = tool_call_delta(req, tool_streams[i], out)
                     if delta is None:
                         continue
                     if out.finished and req.named_tool() is None and out.finish_reason == "stop" and delta.tool_calls:

@@ -10,8 +10,8 @@ define but this server does not implement are refused with a message saying so, 
 their no-op value (`"use_beam_search": false` is accepted).
 
 Structured output: response_format (json_object, json_schema, structural_tag), structured_outputs
-and the older guided_* fields become one grammar spec (`_structured_spec`, runtime/sampling/
-grammar.py's GrammarSpec fields) in SamplingParams.structured_outputs; more than one constraint,
+and the older guided_* fields, and a forced tool choice, become one grammar spec
+(serving/structured_output.py) in SamplingParams.structured_outputs; more than one constraint,
 or one the grammar engine cannot use, is a 400 naming the field.
 
 `to_sampling_kwargs()` maps a request onto keyword arguments for runtime.sampling_params.
@@ -41,6 +41,8 @@ import uuid
 from typing import Any, ClassVar, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from vtool.runtime.serving.structured_output import request_grammar, tool_call_grammar
 
 log = logging.getLogger("vtool.server")
 
@@ -190,7 +192,7 @@ class StreamOptions(_Request):
 
 class ResponseFormat(_Request):
     """OpenAI's response_format: text, json_object, json_schema ({name, schema, strict}), or vLLM's
-    structural_tag ({structures, triggers}). Checked as a whole by _structured_spec."""
+    structural_tag ({structures, triggers}). Checked as a whole by structured_output.request_grammar."""
 
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: Optional[dict[str, Any]] = None
@@ -266,70 +268,6 @@ def _check_max_tokens(field: str, value: Optional[int]) -> None:
         raise ValueError(f"{field}: must be at least 1, got {value}")
 
 
-def _structured_spec(req: Any) -> Optional[dict[str, Any]]:
-    """The one grammar a request asks for, from response_format, structured_outputs or the older
-    guided_* fields, as GrammarSpec fields (runtime/sampling/grammar.py); None for free text.
-    More than one constraint, or one the grammar engine cannot use, is a ValueError naming the
-    field (a 400)."""
-    from vtool.runtime.sampling.grammar import GrammarError, GrammarSpec
-
-    asked: list[tuple[str, Any]] = []  # (field, builder)
-    so = req.structured_outputs
-    # structured_outputs' options (compact JSON) apply to response_format's JSON too, as in vLLM
-    compact = not (so is not None and so.disable_any_whitespace)
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_object":
-        asked.append(("response_format", lambda f: GrammarSpec.json_object(any_whitespace=compact, field=f)))
-    elif fmt is not None and fmt.type == "json_schema":
-        body = fmt.json_schema or {}
-        if not isinstance(body.get("schema", {}), (dict, bool)):
-            raise ValueError("response_format.json_schema.schema: must be a JSON schema object")
-        schema = body.get("schema", {})
-        asked.append(("response_format.json_schema",
-                      lambda f: GrammarSpec.json_schema(schema, any_whitespace=compact, field=f)))
-    elif fmt is not None and fmt.type == "structural_tag":
-        tag = {"structures": fmt.structures or [], "triggers": fmt.triggers or []}
-        asked.append(("response_format", lambda f: GrammarSpec.structural_tag(tag, field=f)))
-    if so is not None:
-        if so.whitespace_pattern is not None:
-            raise ValueError("structured_outputs.whitespace_pattern: a custom whitespace pattern is not supported "
-                             "(disable_any_whitespace gives compact JSON)")
-        if so.disable_additional_properties:
-            raise ValueError("structured_outputs.disable_additional_properties: not supported; set "
-                             '"additionalProperties": false in the schema')
-        for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar),
-                            ("json_object", so.json_object or None), ("structural_tag", so.structural_tag)):
-            if value is None:
-                continue
-            field = f"structured_outputs.{name}"
-            builder = {"json": lambda f, v=value: GrammarSpec.json_schema(v, any_whitespace=compact, field=f),
-                       "regex": lambda f, v=value: GrammarSpec.regex(v, field=f),
-                       "choice": lambda f, v=value: GrammarSpec.choice(v, field=f),
-                       "grammar": lambda f, v=value: GrammarSpec.grammar_text(v, field=f),
-                       "json_object": lambda f: GrammarSpec.json_object(any_whitespace=compact, field=f),
-                       "structural_tag": lambda f, v=value: GrammarSpec.structural_tag(v, field=f)}[name]
-            asked.append((field, builder))
-    for name, value in (("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
-                        ("guided_choice", req.guided_choice), ("guided_grammar", req.guided_grammar)):
-        if value is not None:
-            builder = {"guided_json": lambda f, v=value: GrammarSpec.json_schema(v, field=f),
-                       "guided_regex": lambda f, v=value: GrammarSpec.regex(v, field=f),
-                       "guided_choice": lambda f, v=value: GrammarSpec.choice(v, field=f),
-                       "guided_grammar": lambda f, v=value: GrammarSpec.grammar_text(v, field=f)}[name]
-            asked.append((name, builder))
-    if not asked:
-        return None
-    if len(asked) > 1:
-        raise ValueError(f"{asked[1][0]}: only one structured-output constraint per request; "
-                         f"this one also sets {', '.join(f for f, _ in asked if f != asked[1][0])}")
-    field, builder = asked[0]
-    try:
-        spec = builder(field)
-    except GrammarError as err:
-        raise ValueError(str(err)) from None
-    return {"kind": spec.kind, "source": spec.source, "any_whitespace": spec.any_whitespace, "field": spec.field}
-
-
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""
 
@@ -381,7 +319,7 @@ class _SamplingFields(_Request):
     @model_validator(mode="after")
     def _check_common(self):
         self._check_max_tokens()
-        self._grammar = _structured_spec(self)
+        self._grammar = request_grammar(self)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.prompt_logprobs and self.stream:
@@ -735,56 +673,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         return choice.get("function", {}).get("name") if isinstance(choice, dict) else None
 
     def _tool_grammar(self) -> None:
-        """tool_choice as vLLM reads it: "none" leaves the answer free; a named function or
-        "required" constrain it to the call's JSON (an arguments object, or a list of calls);
-        "auto" needs a tool-call parser, which this server does not have yet (vLLM's 400)."""
-        functions = self.tool_functions()
-        choice = self.effective_tool_choice
-        if self.tools is None and choice != "none":
-            raise ValueError(f"tool_choice: {choice!r} needs tools (vLLM: when using tool_choice, tools must be set)")
-        if choice == "none" or (choice in ("auto", "required") and not functions):
-            return  # nothing to call (tools: []): the same as "none", as vLLM and OpenAI agree
-        if choice == "auto":
-            # named by what the request sent: tools alone get vLLM's default tool_choice, "auto"
-            field = "tool_choice" if self.tool_choice is not None else "tools"
-            raise ValueError(f'{field}: "auto" tool choice (vLLM\'s default with tools) requires '
-                             "--enable-auto-tool-choice and --tool-call-parser to be set, which this server does "
-                             "not support yet; use tool_choice 'required', a named function or 'none'")
-        if self.response_format is not None and self.response_format.type != "text" or self.structured_outputs \
-                or self.guided_json or self.guided_regex or self.guided_choice or self.guided_grammar:
-            raise ValueError("tool_choice: a forced tool call cannot be combined with another structured-output "
-                             "constraint")
-        if isinstance(choice, dict):
-            name = self.named_tool()
-            if choice.get("type", "function") != "function" or not isinstance(name, str):
-                raise ValueError("tool_choice: a named choice is {'type': 'function', 'function': {'name': ...}}")
-            if name not in functions:
-                raise ValueError(f"tool_choice: no tool named {name!r} in tools "
-                                 f"({', '.join(functions) or 'none given'})")
-            schema: Any = functions[name].get("parameters", {"type": "object"})
-            field = "tool_choice"
-        elif choice == "required":
-            # vLLM's: a non-empty list of {name, parameters}, each call one of the tools
-            schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-                {"properties": {"name": {"type": "string", "enum": [n]},
-                                "parameters": fn.get("parameters", {"type": "object"})},
-                 # tighter than vLLM's: a call holds nothing else, so none can run on without end
-                 "required": ["name", "parameters"], "additionalProperties": False}
-                for n, fn in functions.items()]}}
-            if self.parallel_tool_calls is False:
-                schema["maxItems"] = 1
-            field = "tools"
-        else:
-            raise ValueError(f"tool_choice: unknown value {choice!r}; expected 'none', 'auto', "
-                             "'required' or a named function")
-        from vtool.runtime.sampling.grammar import GrammarError, GrammarSpec
-
-        try:  # compact JSON: a call's arguments need no free whitespace
-            spec = GrammarSpec.json_schema(schema, any_whitespace=False, field=field)
-        except GrammarError as err:
-            raise ValueError(str(err)) from None
-        self._grammar = {"kind": spec.kind, "source": spec.source, "any_whitespace": spec.any_whitespace,
-                         "field": spec.field}
+        grammar = tool_call_grammar(self)
+        if grammar is not None:
+            self._grammar = grammar
 
     def _check_max_tokens(self) -> None:
         if self.max_completion_tokens is not None:
