@@ -43,22 +43,34 @@ def local_server(model_path: Path, artifact_dir: Path, max_num_seqs: int, max_nu
     url = f"http://127.0.0.1:{port}"
     try:
         with console.status(f"starting vtool serve on port {port} (log: {log_path})"):
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while True:
-                if proc.poll() is not None:
-                    raise VtoolError(f"the server exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise VtoolError(f"the server did not become healthy in {STARTUP_TIMEOUT_S} s; log: {log_path}")
-                time.sleep(0.5)
+            wait_healthy(proc, url, STARTUP_TIMEOUT_S, log_path)
         yield url, Tokenizer.load(model_path)
     finally:
-        proc.terminate()
+        stop_process(proc, 20)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Path, what: str = "the server") -> None:
+    """Until `url`/health answers 200; VtoolError (with the log's tail) when the process exits
+    first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise VtoolError(f"{what} exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise VtoolError(f"{what} did not become healthy in {timeout_s:.0f} s; log: {log_path}")
+        time.sleep(0.5)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within timeout_s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

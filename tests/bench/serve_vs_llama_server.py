@@ -42,6 +42,8 @@ from typing import Any, Iterator
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from vtool.runtime.bench.local_server import stop_process, wait_healthy  # noqa: E402
+
 KEYS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms",
         "mean_e2el_ms", "request_throughput")
 
@@ -73,8 +75,6 @@ def cpu_info() -> dict[str, Any]:
 def vtool_server(model: Path, artifact: Path, threads: int, max_num_seqs: int, max_num_batched_tokens: int,
                  log_dir: Path, startup_timeout: float = 600.0) -> Iterator[dict[str, Any]]:
     """`vtool serve` of a built artifact (the runtime's own command: no compile while measured)."""
-    import httpx
-
     from vtool.runtime.bench.local_server import free_port
 
     port = free_port()
@@ -87,27 +87,11 @@ def vtool_server(model: Path, artifact: Path, threads: int, max_num_seqs: int, m
     with open(log_path, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vtool serve exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vtool serve did not become healthy in {startup_timeout:.0f} s; log {log_path}")
-            time.sleep(0.5)
+        wait_healthy(proc, url, startup_timeout, log_path, "vtool serve")
         yield {"url": url, "command": f"VTOOL_CPU_THREADS={threads} " + " ".join(cmd), "log": str(log_path),
                "pid": proc.pid}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 30)
 
 
 def _tree_cpu(pid: int) -> float:
