@@ -70,7 +70,9 @@ def test_reasoning_is_split_from_the_answer(server):
     assert re.fullmatch("[a-z]{3}", reasoning) and re.fullmatch("[a-z]{4}", content)
     last_reasoning = max(i for i, d in enumerate(deltas) if getattr(d, "reasoning", None))
     first_content = min(i for i, d in enumerate(deltas) if d.content)
-    assert last_reasoning < first_content  # thinking first, then the answer
+    # thinking first, then the answer; one delta may close the one and open the other (a token
+    # across </think>, or deltas coalesced while the client was behind)
+    assert last_reasoning <= first_content
     hidden = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=40,
                                             extra_body={**THINK, "include_reasoning": False})
     assert getattr(hidden.choices[0].message, "reasoning", None) is None
