@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from vtool import VtoolError
+from vtool.runtime.engine.grammar_stage import GrammarStage
 from vtool.runtime.engine.kv_cache import PagedKVCache
 from vtool.runtime.engine.output_processor import OutputProcessor
 from vtool.runtime.engine.prefix_cache import PrefixCache
@@ -61,6 +61,9 @@ class EngineConfig:
     # On a GPU, launch step N+1 before building step N's outputs (vLLM's async scheduling);
     # False runs one step at a time. The CPU always does (its launches are the computation).
     async_scheduling: bool = True
+    # Structured output: append the tokens a grammar forces without a decode step each
+    # (engine/grammar_stage.py); False decodes them one step at a time.
+    grammar_jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in POLICIES:
@@ -167,14 +170,14 @@ class Engine:
         self.output_processor = OutputProcessor(self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextStage] = {}  # in-process text stages (add_request with_text)
-        self._grammar_compiler: Any = None  # sampling/grammar.GrammarCompiler, made on first use
-        self._grammar_thread: threading.Thread | None = None
+        self.grammar = GrammarStage(self.tokenizer, self.vocab_size, session.stop_ids, config.grammar_jump_forward)
         self.counters = EngineCounters()
         self.observer: EngineObserver | None = None
         self.last_step_tokens = 0
         # Overlapped steps (step_core) where a launch returns before the device is done.
         self._overlap = config.async_scheduling and self.runner.queues_work
         self._in_flight: _Launched | None = None
+        self._failed: list[CoreOutput] = []  # requests ended outside a step, reported by the next
 
     @property
     def device_sampler(self) -> Any:
@@ -190,8 +193,15 @@ class Engine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         max_tokens = self.limits.check_request(prompt_ids, params)
-        if params.structured_outputs is not None:  # compiled here (cached): a bad grammar is refused now
-            logits_processors = [*(logits_processors or ()), self._grammar_processor(params.structured_outputs)]
+        compiling = False
+        if params.structured_outputs is not None:
+            from vtool.runtime.sampling.grammar import spec_of
+
+            spec_of(params.structured_outputs)  # validated now (cached): a bad grammar is refused here
+            processor = self.grammar.processor_now(params.structured_outputs)
+            if processor is not None:
+                logits_processors = [*(logits_processors or ()), processor]
+            compiling = processor is None  # compiled off the loop; it waits apart until then
         text = TextStage(self.tokenizer, list(prompt_ids), params) if with_text else None
         request = Request(
             request_id=request_id, prompt_ids=list(prompt_ids), params=params, max_tokens=max_tokens,
@@ -202,40 +212,31 @@ class Engine:
         if text is not None:
             self.texts[request_id] = text
         self.counters.prompt_tokens += len(prompt_ids)
-        self.scheduler.add(request)
+        if compiling:
+            self.grammar.submit(request, params.structured_outputs)
+        else:
+            self.scheduler.add(request)
         return request
 
     def prepare_grammar(self) -> None:
-        """Build the grammar compiler's vocabulary on a thread now (0.3-1.4 s once per model), so
-        that a server's first structured-output request does not stall the engine loop for it."""
-        if self._grammar_thread is None and self._grammar_compiler is None:
-            self._grammar_thread = threading.Thread(target=self._make_grammar_compiler, args=(False,),
-                                                    name="vtool-grammar-vocab", daemon=True)
-            self._grammar_thread.start()
+        """Build the grammar compiler's vocabulary on a worker now (0.3-1.4 s once per model), so
+        that a server's first structured-output request does not wait for it."""
+        self.grammar.prepare()
 
-    def _make_grammar_compiler(self, raise_errors: bool = True) -> None:
-        from vtool.runtime.sampling.grammar import GrammarCompiler
-
-        try:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab_size=self.vocab_size,
-                                                     eos_token_ids=self.session.stop_ids)
-        except Exception:
-            if raise_errors:
-                raise
-            # on the warm-up thread: a request that needs the compiler tries again and gets the error
-            log.exception("building the grammar vocabulary failed")
-
-    def _grammar_processor(self, spec: dict[str, Any]) -> LogitsProcessor:
-        """The request's grammar as a logits processor, from the model's compiler (made now unless
-        prepare_grammar built it already; compiled grammars are cached)."""
-        from vtool.runtime.sampling.grammar import spec_of
-
-        if self._grammar_thread is not None:
-            self._grammar_thread.join()
-            self._grammar_thread = None
-        if self._grammar_compiler is None:
-            self._make_grammar_compiler()
-        return self._grammar_compiler.processor(spec_of(spec))
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling join the scheduler's queue; one whose grammar
+        failed ends (reason "abort", reported in the next outputs) and the log says why."""
+        for request, processor, error in self.grammar.ready():
+            if error is not None:
+                log.error("request %s: its grammar failed to compile: %s", request.request_id, error)
+                text = self.texts.get(request.request_id)  # step() still reports the end
+                self._finish(request, "abort", None)
+                if text is not None:
+                    self.texts[request.request_id] = text
+                self._failed.append(self.output_processor.ended(request))
+                continue
+            request.sampler.logits_processors = (*request.sampler.logits_processors, processor)
+            self.scheduler.add(request)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already done."""
@@ -251,7 +252,8 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self._in_flight is not None or self.grammar.has_pending \
+            or bool(self._failed)
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -277,6 +279,8 @@ class Engine:
         outputs therefore come one call later; has_unfinished() stays true until the last
         launched step has been collected."""
         collected = []
+        if self.grammar.has_pending:
+            self._admit_compiled()
         if self._in_flight is not None:
             launched, self._in_flight = self._in_flight, None
             collected.append(self._collect(launched))
@@ -289,6 +293,10 @@ class Engine:
         t0 = time.perf_counter()
         outputs = [out for taken, now in collected for out in self._emit(taken, now)]
         self.counters.output_seconds += time.perf_counter() - t0
+        if self._failed:
+            outputs, self._failed = outputs + self._failed, []
+        if not collected and self.grammar.has_pending and not self.scheduler.has_work():
+            self.grammar.wait(0.005)  # only grammars compiling: do not spin beside them
         return outputs
 
     def _launch(self) -> _Launched | None:
@@ -305,7 +313,8 @@ class Engine:
         self.counters.steps += 1
         return _Launched(requests, self.runner.launch(scheduled))
 
-    def _collect(self, launched: _Launched) -> tuple[list[tuple[Request, Any, str | None, int | None, float | None]], float]:
+    def _collect(self, launched: _Launched) -> tuple[list[tuple[Request, Any, str | None, int | None, float | None,
+                                                                list[int]]], float]:
         """Wait for a launched step and take its tokens into the requests (what scheduling
         the next step needs); requests that ended are finished. Requests aborted while the
         step ran are skipped: their blocks are already free and nothing they computed counts."""
@@ -321,19 +330,25 @@ class Engine:
                 self.counters.generation_tokens += 1
                 last = request.last_token_time
                 finish, stop_reason = self.output_processor.update(request, result.sampled, now)
-                taken.append((request, result.sampled, finish, stop_reason, last))
+                forced: list[int] = []
+                if finish is None and request.sampler.logits_processors:
+                    forced = self.grammar.forced_tokens(request, self.output_processor.room(request))
+                    if forced:
+                        finish, stop_reason = self.output_processor.extend(request, forced)
+                        self.counters.generation_tokens += len(forced)
+                taken.append((request, result.sampled, finish, stop_reason, last, forced))
                 if finish is not None:
                     self._finish(request, finish, stop_reason)
         self.counters.output_seconds += time.perf_counter() - t0
         return taken, now
 
-    def _emit(self, taken: list[tuple[Request, Any, str | None, int | None, float | None]],
+    def _emit(self, taken: list[tuple[Request, Any, str | None, int | None, float | None, list[int]]],
               now: float) -> list[CoreOutput]:
         """The outputs of collected tokens, and what the observer records of them."""
         observer = self.observer
         outputs = []
-        for request, sampled, finish, stop_reason, last in taken:
-            out = self.output_processor.record(request, sampled, finish, stop_reason)
+        for request, sampled, finish, stop_reason, last, forced in taken:
+            out = self.output_processor.record(request, sampled, finish, stop_reason, forced)
             if observer is not None:
                 if last is None:
                     observer.observe_first_token(now - request.arrival_time)
@@ -366,6 +381,7 @@ class Engine:
     def _finish(self, request: Request, reason: str, stop_reason: str | int | None) -> None:
         request.status, request.finish_reason, request.stop_reason = Status.FINISHED, reason, stop_reason
         self.scheduler.release(request)
+        self.grammar.discard(request.request_id)
         self.requests.pop(request.request_id, None)
         if reason == "abort":
             self.texts.pop(request.request_id, None)
@@ -397,11 +413,13 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting) + self.grammar.num_pending,
+            "num_waiting_deferred": self.grammar.num_pending,  # vLLM's reason: waiting for a grammar
             "kv_cache_usage": self.kv_usage(), "num_blocks": self.kv.blocks.num_blocks,
             "block_size": self.kv.block_size, "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.prefix_cache.queries if self.prefix_cache else 0,
             "prefix_cache_hits": self.prefix_cache.hits if self.prefix_cache else 0,
             **dataclasses.asdict(self.counters),
+            "grammar_jumped_tokens": self.grammar.num_jumped_tokens,
             "forward_seconds": self.runner.seconds["forward"], "sample_seconds": self.runner.seconds["sample"],
         }

@@ -38,6 +38,9 @@ class OutputProcessor:
         if request.sampler.is_stop_token(token):
             # eos reports no stop reason; a stop_token_ids entry reports itself
             return "stop", token if token in request.params.stop_token_ids else None
+        return self._limits(request)
+
+    def _limits(self, request: Request) -> tuple[str | None, int | None]:
         if any(getattr(p, "is_terminated", None) and p.is_terminated() for p in request.sampler.logits_processors):
             # A grammar that is complete allows nothing but the end token: stop here, also under
             # min_tokens or ignore_eos, where drawing the end token is not possible or not an end.
@@ -46,16 +49,34 @@ class OutputProcessor:
             return "length", None
         return None, None
 
+    def room(self, request: Request) -> int:
+        """How many more tokens the request may take before a length limit."""
+        return min(request.max_tokens - len(request.output_ids), self.max_model_len - request.num_tokens)
+
+    def extend(self, request: Request, forced: list[int]) -> tuple[str | None, int | None]:
+        """Take tokens a grammar forced (jump-forward; its sampler has recorded them) into the
+        request after a sampled token; the finish they bring, as update()."""
+        request.output_ids.extend(forced)
+        return self._limits(request)
+
+    def ended(self, request: Request) -> CoreOutput:
+        """The CoreOutput of a request the core ended outside a step (no new token)."""
+        return CoreOutput(
+            request_id=request.request_id, new_token_ids=[], new_logprobs=[], finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason, num_prompt_tokens=len(request.prompt_ids),
+            num_output_tokens=len(request.output_ids), num_cached_tokens=request.cached_prompt_tokens,
+            cumulative_logprob=request.cumulative_logprob)
+
     def record(self, request: Request, result: SampleResult, finish: str | None,
-               stop_reason: int | None) -> CoreOutput:
-        """The CoreOutput for a token update() took (the request may have moved on since:
-        its counts are read as of that token)."""
+               stop_reason: int | None, forced: list[int] = ()) -> CoreOutput:
+        """The CoreOutput for a token update() took, and the tokens a grammar forced after it
+        (the request may have moved on since: its counts are read as of those tokens)."""
         num_output = len(request.output_ids)
         return CoreOutput(
-            request_id=request.request_id, new_token_ids=[result.token_id],
+            request_id=request.request_id, new_token_ids=[result.token_id, *forced],
             new_logprobs=[request.output_logprobs[num_output - 1]] if request.params.logprobs is not None else [],
             finish_reason=finish, stop_reason=stop_reason, num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=num_output, num_cached_tokens=request.cached_prompt_tokens,
             cumulative_logprob=request.cumulative_logprob,
             prompt_logprobs=request.prompt_logprobs if num_output == 1 else None,
-            stop_token=finish == "stop" and request.sampler.is_stop_token(result.token_id))
+            stop_token=finish == "stop" and not forced and request.sampler.is_stop_token(result.token_id))

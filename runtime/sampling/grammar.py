@@ -253,6 +253,16 @@ class GrammarCompiler:
         self.hits = 0
         self.misses = 0
 
+    def cached(self, spec: GrammarSpec) -> CompiledGrammar | None:
+        """The spec's compiled grammar if the cache holds it (no compiling): an engine loop
+        takes a cached grammar at once and sends the others to be compiled off the loop."""
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                self.hits += 1
+            return hit
+
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         with self._lock:
             hit = self._cache.get(spec)
