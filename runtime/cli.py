@@ -251,7 +251,16 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
 @click.option("--api-server-count", default=1, show_default=True, type=click.IntRange(min=1),
               help="API-server processes in front of the one engine core process (they share the port)")
 @click.option("--trust-remote-code", is_flag=True, help="accepted for vLLM recipes; no effect")
-@click.option("--enable-auto-tool-choice", is_flag=True, help="accepted for vLLM recipes; no effect")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+@click.option("--tool-call-parser", default=None,
+              help="how tool calls are read from the model's text: hermes, llama3_json, mistral, pythonic, "
+                   "qwen3_coder (docs/USAGE.md)")
+@click.option("--structured-outputs-config", default=None,
+              help='JSON object of vLLM\'s structured-outputs options: {"enable_in_reasoning": true} applies '
+                   "the grammar to the reasoning section too; backend auto|guidance")
+@click.option("--grammar-jump-forward/--no-grammar-jump-forward", default=True, show_default=True,
+              help="structured output: append the tokens a grammar forces without a decode step each")
 @quantization_option
 @activations_option
 @artifact_option
@@ -265,7 +274,8 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
           default_chat_template_kwargs: str | None, async_scheduling: bool,
           api_server_count: int,
           trust_remote_code: bool,
-          enable_auto_tool_choice: bool, quantization: str, activations: str, artifact: str | None,
+          enable_auto_tool_choice: bool, tool_call_parser: str | None, structured_outputs_config: str | None,
+          grammar_jump_forward: bool, quantization: str, activations: str, artifact: str | None,
           threads: int | None) -> None:
     """Serve an OpenAI-compatible API (builds the model on first use)."""
     runtime_process(threads)
@@ -274,8 +284,7 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
     from vtool.runtime.serving.serve_cmd import ServeOptions
     from vtool.runtime.serving.serve_cmd import serve as run_server
 
-    for flag, on, why in (("--trust-remote-code", trust_remote_code, "vtool runs no code from checkpoints"),
-                          ("--enable-auto-tool-choice", enable_auto_tool_choice, "tool calling is not served yet")):
+    for flag, on, why in (("--trust-remote-code", trust_remote_code, "vtool runs no code from checkpoints"),):
         if on:
             console.print(f"server: accepted '{flag}' for vLLM-recipe compatibility; it has no effect here: {why}",
                           highlight=False)
@@ -283,13 +292,15 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
         num_blocks=num_blocks, kv_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
         enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
-        scheduling_policy=scheduling_policy, max_model_len=max_model_len)
+        scheduling_policy=scheduling_policy, max_model_len=max_model_len, grammar_jump_forward=grammar_jump_forward)
     opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, tokenizer_config=tokenizer_config,
                         max_model_len=max_model_len, api_key=api_key, disable_metrics=disable_metrics,
                         enable_log_requests=enable_log_requests, enable_log_outputs=enable_log_outputs,
                         max_log_len=max_log_len, enable_force_include_usage=enable_force_include_usage,
                         api_server_count=api_server_count, reasoning_parser=reasoning_parser,
-                        default_chat_template_kwargs=default_chat_template_kwargs)
+                        default_chat_template_kwargs=default_chat_template_kwargs,
+                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                        structured_outputs_config=structured_outputs_config)
     model_path = resolve_model(model, revision)
     checkpoint = open_checkpoint(model_path)
     run_server(artifact_for(model_path, artifact, target, dtype, quantization, activations), checkpoint,

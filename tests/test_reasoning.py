@@ -47,8 +47,11 @@ def test_splits(name, text, want):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
+    # enable_in_reasoning: the grammar below covers the thinking too (by default, as in vLLM, a grammar
+    # starts after the reasoning section; test_grammar_starts_after_a_closed_section checks that)
     s = Server(tiny_model_dir, tmp_path_factory.mktemp("reasoning") / "server.log", "--reasoning-parser",
-               "deepseek_r1", "--default-chat-template-kwargs", '{"enable_thinking": true}')
+               "deepseek_r1", "--default-chat-template-kwargs", '{"enable_thinking": true}',
+               "--structured-outputs-config", '{"enable_in_reasoning": true}')
     yield s
     s.stop()
 

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from vtool.runtime.engine.async_engine import AsyncEngine, RequestStream
-from vtool.runtime.serving.errors import NotFoundError
+from vtool.runtime.serving.errors import BadRequestError, NotFoundError
 from vtool.runtime.serving.protocol import (
     SSE_DONE, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionRequest,
     ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
@@ -26,7 +26,8 @@ from vtool.runtime.engine.request import StepOutput
 from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.serving.core_client import CoreClient
 from vtool.runtime.serving.reasoning import ReasoningParser
-from vtool.runtime.serving.tool_calls import ToolCallStream, forced_tool_calls, tool_call_delta
+from vtool.runtime.serving.chat_output import ChoiceShaper, tool_mode
+from vtool.runtime.serving.reasoning import END as REASONING_END
 from vtool.runtime.text.tokenizer import Tokenizer
 
 log = logging.getLogger("vtool.server")
@@ -48,6 +49,8 @@ class ServingState:
     enable_log_requests: bool = False
     enable_log_outputs: bool = False
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+    tool_parser: Any = None  # --tool-call-parser: a serving/tool_parsers class
+    grammar_in_reasoning: bool = False  # --structured-outputs-config enable_in_reasoning
     default_chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     max_log_len: int | None = None
     force_include_usage: bool = False
@@ -365,6 +368,10 @@ def _plain(entries: list[Any] | None) -> list[Any] | None:
 
 # ------------------------------------------------------------------------------ chat
 def render_chat_prompt(state: ServingState, req: ChatCompletionRequest) -> list[int]:
+    return state.tokenizer.encode(render_chat_text(state, req), add_special_tokens=req.add_special_tokens)
+
+
+def render_chat_text(state: ServingState, req: ChatCompletionRequest) -> str:
     messages = req.template_messages()
     kwargs = {**state.default_chat_template_kwargs, **dict(req.chat_template_kwargs or {})}
     if req.tools:  # as transformers' apply_chat_template(tools=...): the template writes them
@@ -376,38 +383,52 @@ def render_chat_prompt(state: ServingState, req: ChatCompletionRequest) -> list[
         final = messages[-1].get("content") or ""
         if isinstance(final, str) and final and final.strip() in text:
             text = text[: text.rindex(final.strip()) + len(final.strip())]
-    return state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    return text
+
+
+def chat_sampling_params(state: ServingState, req: ChatCompletionRequest, prompt_text: str) -> SamplingParams:
+    """The request's SamplingParams, with what the server's parsers add: a grammar starts after
+    the reasoning section (as vLLM), and a tool parser whose call markers are special tokens
+    keeps them in the text."""
+    kwargs = req.to_sampling_kwargs(state.sampling_defaults)
+    mode = tool_mode(req, state.tool_parser)
+    if mode == "none" and req.tools and req.effective_tool_choice == "auto" and req.tool_functions():
+        # named by what the request sent: tools alone get vLLM's default tool_choice, "auto"
+        field = "tool_choice" if req.tool_choice is not None else "tools"
+        raise BadRequestError(f'{field}: "auto" tool choice (vLLM\'s default with tools) requires '
+                              "--enable-auto-tool-choice and --tool-call-parser to be set; use tool_choice "
+                              "'required', a named function or 'none', or start the server with both", param=field)
+    if mode == "auto" and state.tool_parser.needs_special_tokens:
+        kwargs["skip_special_tokens"] = False
+    grammar = kwargs.get("structured_outputs")
+    if grammar is not None and state.reasoning_parser is not None and not state.grammar_in_reasoning:
+        # the thinking is free; the grammar takes the answer (a prompt that closed the section,
+        # Qwen3 with thinking off, has no reasoning to wait for)
+        kwargs["structured_outputs"] = {**grammar, "starts_after": REASONING_END,
+                                        "reasoning_ended": prompt_text.rstrip().endswith(REASONING_END)}
+    return SamplingParams(**kwargs)
 
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServingState):
     model = state.check_model(req.model)
-    prompt_ids = render_chat_prompt(state, req)
-    params = SamplingParams(**req.to_sampling_kwargs(state.sampling_defaults))
+    prompt_text = render_chat_text(state, req)
+    prompt_ids = state.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
+    params = chat_sampling_params(state, req, prompt_text)
     request_id = chat_completion_id()
     streams, choices = await _admit(state, request_id, [prompt_ids], params, req.priority or 0)
     num_top = req.top_logprobs or 0
     role, echo_text, want_ids = req.response_role, req.echo_text, bool(req.return_token_ids)
-    parser = state.reasoning_parser  # --reasoning-parser: the thinking goes to `reasoning`
     include_reasoning = req.include_reasoning is not False
-    # a named function or "required": the grammar makes the output the call's JSON (protocol.py)
-    forced = bool(req.tools) and (req.named_tool() is not None or req.effective_tool_choice == "required")
+    shapers = [ChoiceShaper(req, state.reasoning_parser, state.tool_parser, include_reasoning) for _ in choices]
 
     if not req.stream:
         await _collect(raw, state, streams, choices)
         _log_outputs(state, request_id, choices)
         def message(c: Choice) -> ChatResponseMessage:
-            if forced:
-                calls = forced_tool_calls(req, c.text)
-                if calls is not None:
-                    if req.named_tool() is None and c.finish_reason == "stop":
-                        c.finish_reason = "tool_calls"  # as vLLM for tool_choice "required"
-                    return ChatResponseMessage(role=role, content=None, tool_calls=calls)
-            if parser is None:
-                return ChatResponseMessage(role=role, content=echo_text + c.text)
-            reasoning, content = parser.split(c.text)
+            fields, c.finish_reason = shapers[c.index].message(c.text, c.finish_reason)
             if echo_text:
-                content = echo_text + (content or "")
-            return ChatResponseMessage(role=role, content=content, reasoning=reasoning if include_reasoning else None)
+                fields["content"] = echo_text + (fields["content"] or "")
+            return ChatResponseMessage(role=role, **fields)
 
         messages = [message(c) for c in choices]  # before the choices: a forced call may set finish_reason
         result = [ChatCompletionResponseChoice(
@@ -435,8 +456,6 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
             return sse_event(body, exclude_unset=True)
 
         started = False
-        splitters = [parser.stream() for _ in choices] if parser is not None else []
-        tool_streams = [ToolCallStream() for _ in choices]
         try:
             async for i, out in _merged(state, streams):
                 if not started:
@@ -457,23 +476,13 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
                     continue  # nothing to say yet (a prefill step)
                 logprobs = _chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs, num_top) \
                     if req.logprobs else None
-                if forced:
-                    delta = tool_call_delta(req, tool_streams[i], out)
-                    if delta is None:
-                        continue
-                    if out.finished and req.named_tool() is None and out.finish_reason == "stop" and delta.tool_calls:
-                        out.finish_reason = "tool_calls"
-                elif parser is None:
-                    delta = DeltaMessage(content=out.new_text)
-                else:
-                    reasoning, content = splitters[i].push(out.new_text, final=out.finished)
-                    if not reasoning and not content and not out.finished and not req.logprobs:
+                delta = shapers[i].push(out.new_text, final=out.finished)
+                if delta is None:
+                    if not out.finished and not req.logprobs:
                         continue  # held back: it may still be part of a tag
-                    delta = DeltaMessage()
-                    if reasoning and include_reasoning:
-                        delta.reasoning = reasoning
-                    if content or not reasoning:
-                        delta.content = content
+                    delta = DeltaMessage(content="")
+                if out.finished:
+                    out.finish_reason = shapers[i].stream_finish(out.finish_reason)
                 choice = ChatCompletionResponseStreamChoice(index=i, delta=delta,
                                                             logprobs=logprobs, finish_reason=out.finish_reason)
                 if want_ids:

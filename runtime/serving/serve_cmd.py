@@ -37,6 +37,7 @@ from vtool.runtime.serving.core_client import CoreClient, client_identity
 from vtool.runtime.serving.engine_core import CoreLaunch, EngineCoreProcess, name_process
 from vtool.runtime.serving.metrics import ServerMetrics
 from vtool.runtime.serving.reasoning import reasoning_parser
+from vtool.runtime.serving.tool_parsers import tool_parser
 from vtool.runtime.session import load_tokenizer, open_session
 from vtool.runtime.weights.checkpoint import Checkpoint, open_checkpoint
 
@@ -64,10 +65,19 @@ class ServeOptions:
     api_server_count: int = 1
     reasoning_parser: str | None = None  # --reasoning-parser (serving/reasoning.py)
     default_chat_template_kwargs: str | None = None  # JSON object, under each request's own
+    enable_auto_tool_choice: bool = False  # tool_choice "auto", read by tool_call_parser
+    tool_call_parser: str | None = None  # --tool-call-parser (serving/tool_parsers)
+    structured_outputs_config: str | None = None  # JSON object: vLLM's StructuredOutputsConfig fields
 
     def __post_init__(self) -> None:
         reasoning_parser(self.reasoning_parser)  # refuses an unknown name before anything starts
+        if self.tool_call_parser is not None:
+            tool_parser(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise VtoolError("--enable-auto-tool-choice needs --tool-call-parser to say how calls are read "
+                             "(hermes, llama3_json, mistral, pythonic, qwen3_coder)")
         chat_template_kwargs(self.default_chat_template_kwargs)
+        structured_outputs_config(self.structured_outputs_config)
         if self.api_server_count < 1:
             raise VtoolError(f"--api-server-count must be at least 1, got {self.api_server_count}")
 
@@ -134,10 +144,41 @@ def chat_template_kwargs(raw: str | None) -> dict[str, Any]:
     return value
 
 
+# vLLM's StructuredOutputsConfig fields this server reads; its backends by vLLM's names
+SO_BACKENDS = ("auto", "guidance")  # "guidance" is llguidance, the one engine here
+
+
+def structured_outputs_config(raw: str | None) -> dict[str, Any]:
+    """--structured-outputs-config: a JSON object of vLLM's StructuredOutputsConfig fields.
+    `enable_in_reasoning` (default false): the grammar covers the reasoning section too, instead
+    of starting after it; `backend`: "auto" or "guidance" (llguidance)."""
+    if raw in (None, ""):
+        return {"enable_in_reasoning": False}
+    try:
+        value = json.loads(raw)
+    except ValueError as err:
+        raise VtoolError(f"--structured-outputs-config is not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise VtoolError(f"--structured-outputs-config must be a JSON object, got {raw!r}")
+    unknown = sorted(set(value) - {"enable_in_reasoning", "backend"})
+    if unknown:
+        raise VtoolError(f"--structured-outputs-config: {', '.join(unknown)} not supported here (known: "
+                         "enable_in_reasoning, backend)")
+    if value.get("backend", "auto") not in SO_BACKENDS:
+        raise VtoolError(f"--structured-outputs-config: backend {value['backend']!r} is not available; this "
+                         f"server's grammar engine is llguidance ({' or '.join(map(repr, SO_BACKENDS))})")
+    if not isinstance(value.get("enable_in_reasoning", False), bool):
+        raise VtoolError("--structured-outputs-config: enable_in_reasoning must be true or false")
+    return {"enable_in_reasoning": value.get("enable_in_reasoning", False)}
+
+
 def _state(spec: ApiServerSpec, engine: CoreClient | AsyncEngine, tokenizer: Any) -> ServingState:
     o = spec.opts
     return ServingState(
         reasoning_parser=reasoning_parser(o.reasoning_parser),
+        # as vLLM: the parser reads "auto" answers only when auto tool choice is enabled
+        tool_parser=tool_parser(o.tool_call_parser) if o.enable_auto_tool_choice else None,
+        grammar_in_reasoning=structured_outputs_config(o.structured_outputs_config)["enable_in_reasoning"],
         default_chat_template_kwargs=chat_template_kwargs(o.default_chat_template_kwargs),
         engine=engine, tokenizer=tokenizer, served_names=spec.served_names, max_model_len=spec.max_model_len,
         metrics_enabled=not o.disable_metrics, sampling_defaults=spec.sampling_defaults,

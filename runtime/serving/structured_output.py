@@ -63,8 +63,8 @@ def request_grammar(req: Any) -> Optional[dict[str, Any]]:
 def tool_call_grammar(req: Any) -> Optional[dict[str, Any]]:
     """tool_choice as vLLM reads it: "none" leaves the answer free; a named function or
     "required" constrain it to the call's JSON (an arguments object, or vLLM's list of
-    {name, parameters}); "auto" needs a tool-call parser, which this server does not have yet
-    (vLLM's 400). None when the answer is free."""
+    {name, parameters}); "auto" is free text that the server's tool-call parser reads (the server
+    refuses it without one, as vLLM). None when the answer is free."""
     functions = req.tool_functions()
     choice = req.effective_tool_choice
     if req.tools is None and choice != "none":
@@ -72,11 +72,7 @@ def tool_call_grammar(req: Any) -> Optional[dict[str, Any]]:
     if choice == "none" or (choice in ("auto", "required") and not functions):
         return None  # nothing to call (tools: []): the same as "none", as vLLM and OpenAI agree
     if choice == "auto":
-        # named by what the request sent: tools alone get vLLM's default tool_choice, "auto"
-        field = "tool_choice" if req.tool_choice is not None else "tools"
-        raise ValueError(f'{field}: "auto" tool choice (vLLM\'s default with tools) requires '
-                         "--enable-auto-tool-choice and --tool-call-parser to be set, which this server does "
-                         "not support yet; use tool_choice 'required', a named function or 'none'")
+        return None  # free text, read by the server's --tool-call-parser (serving/chat_output.py)
     if req.response_format is not None and req.response_format.type != "text" or req.structured_outputs \
             or any(getattr(req, name) for name in GUIDED):
         raise ValueError("tool_choice: a forced tool call cannot be combined with another structured-output "

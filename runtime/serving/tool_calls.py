@@ -10,7 +10,6 @@ import json
 import uuid
 from typing import Any
 
-from vtool.runtime.engine.request import StepOutput
 from vtool.runtime.serving.protocol import ChatCompletionRequest, DeltaMessage
 
 
@@ -23,20 +22,21 @@ class ToolCallStream:
     started: bool = False
 
 
-def tool_call_delta(req: ChatCompletionRequest, ts: ToolCallStream, out: StepOutput) -> DeltaMessage | None:
+def tool_call_delta(req: ChatCompletionRequest, ts: ToolCallStream, text: str, final: bool) -> DeltaMessage | None:
     """A named call streams as OpenAI sends it: index, id and name first, then argument
-    fragments. "required" (a list of calls) comes whole when the choice ends."""
-    ts.text += out.new_text
+    fragments (`text`, the answer's next piece). "required" (a list of calls) comes whole when
+    the choice ends (`final`); text that is not a complete call then comes as content."""
+    ts.text += text
     name = req.named_tool()
     if name is not None:
         calls = []
         if not ts.started:
             ts.started = True
             calls.append({"index": 0, "id": ts.id, "type": "function", "function": {"name": name, "arguments": ""}})
-        if out.new_text:
-            calls.append({"index": 0, "function": {"arguments": out.new_text}})
-        return DeltaMessage(tool_calls=calls) if calls or out.finished else None
-    if not out.finished:
+        if text:
+            calls.append({"index": 0, "function": {"arguments": text}})
+        return DeltaMessage(tool_calls=calls) if calls or final else None
+    if not final:
         return None
     calls = forced_tool_calls(req, ts.text)
     if calls is None:
