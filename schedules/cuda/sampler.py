@@ -33,6 +33,15 @@ row reduction, which LegalizeOps/FuseOps turn into kernels vtool's schedules han
 relax.op.multinomial_from_uniform is not used: its CUDA kernel compares float32 cumulative
 sums with u - 1e-6, which is not the host's draw.
 
+Grammar-constrained rows (structured output) draw on the device too, with two more functions
+(MASK_FUNCTIONS): apply_token_bitmask(logits, bitmask) sets the tokens a packed int32 bitmask
+[b, ceil(V/32)] disallows to -inf (llguidance's layout: bit j of word i allows token 32*i + j),
+one of the functions above draws on the masked logits, and token_logprob(logits, token) gives the
+drawn token's raw log-softmax from the unmasked logits (the drawing function's own is the masked
+row's; the host reports the raw one). The mask is one elementwise kernel (DLight's Fallback
+schedules it on CUDA); token_logprob is a row max/sum (sampling_rules.RowReduction) and a
+gather. runtime/sampling/device.py calls them when the library has them (older ones do not).
+
 On the CPU, sample_top_p_top_k calls tvm.contrib.sort.sort, which lives in
 libtvm_runtime_extra.so, not in the libtvm_runtime.so the vtool runtime loads (importing
 tvm registers it). The CPU needs no device sampling (its logits are read in place), so
@@ -53,6 +62,12 @@ ARGMAX = "sample_argmax"
 TEMPERATURE = "sample_temperature"
 TOP_P_TOP_K = "sample_top_p_top_k"
 FUNCTIONS = (ARGMAX, TEMPERATURE, TOP_P_TOP_K)
+# Grammar-constrained rows on the device: mask the logits with a packed token bitmask, draw with
+# one of FUNCTIONS on the masked logits, then take the raw log-softmax of the drawn token from the
+# unmasked logits (what the host reports). Libraries built before these lack them.
+APPLY_TOKEN_BITMASK = "apply_token_bitmask"
+TOKEN_LOGPROB = "token_logprob"
+MASK_FUNCTIONS = (APPLY_TOKEN_BITMASK, TOKEN_LOGPROB)
 
 BATCH_VAR = "sample_batch"
 _F32_MAX = 3.4028234663852886e38
@@ -128,15 +143,35 @@ class _Graph:
         return self.te(compute, data, index, name="sampler_gather_row")
 
 
-def _raw_stats(g: _Graph, logits: relax.Var) -> tuple[relax.Var, relax.Var]:
-    """(argmax int32 [b], log-sum-exp float64 [b, 1]) of the raw logits, the host's way:
-    exp(raw - max) in float32, summed in float64."""
+def _raw_lse(g: _Graph, logits: relax.Var) -> relax.Var:
+    """The log-sum-exp float64 [b, 1] of the raw logits, the host's way: exp(raw - max) in
+    float32, summed in float64."""
     raw_max = g.emit(relax.op.max(logits, axis=1, keepdims=True))
     e = g.emit(relax.op.exp(relax.op.subtract(logits, raw_max)))
     total = g.emit(relax.op.sum(relax.op.astype(e, "float64"), axis=1, keepdims=True))
-    lse = g.emit(relax.op.add(relax.op.astype(raw_max, "float64"), relax.op.log(total)))
+    return g.emit(relax.op.add(relax.op.astype(raw_max, "float64"), relax.op.log(total)))
+
+
+def _raw_stats(g: _Graph, logits: relax.Var) -> tuple[relax.Var, relax.Var]:
+    """(argmax int32 [b], log-sum-exp float64 [b, 1]) of the raw logits."""
+    lse = _raw_lse(g, logits)
     argmax = g.emit(relax.op.astype(relax.op.argmax(logits, axis=1), "int32"))
     return argmax, lse
+
+
+def _token_bitmask(logits: te.Tensor, bitmask: te.Tensor) -> te.Tensor:
+    """logits [b, V] with the tokens whose bit is clear set to -inf: bit j of int32 word i of a
+    row allows token 32 * i + j (llguidance's layout, runtime/sampling/logits_processors.py).
+    One elementwise kernel; the shift is arithmetic, which the `& 1` makes harmless."""
+    minus_inf = tirx.const(float("-inf"), "float32")
+
+    def value(i, j):  # noqa: ANN001, ANN202 - TE index variables
+        word = bitmask[i, tirx.floordiv(j, 32)]
+        bit = tirx.bitwise_and(tirx.shift_right(word, tirx.Cast("int32", tirx.floormod(j, 32))),
+                               tirx.const(1, "int32"))
+        return tirx.Select(bit != tirx.const(0, "int32"), logits[i, j], minus_inf)
+
+    return te.compute(logits.shape, value, name="apply_token_bitmask")
 
 
 def _finish(g: _Graph, logits: relax.Var, token: relax.Var, lse: relax.Var,
@@ -214,9 +249,18 @@ def sampler_module(vocab_size: int) -> tvm.IRModule:
         sample_top_p_top_k(logits f32[b, V], temperature f32[b], top_p f64[b], top_k i32[b],
                            min_p f32[b], uniform f64[b]) -> (i32[b], f64[b])
 
+        apply_token_bitmask(logits f32[b, V], bitmask i32[b, W]) -> f32[b, V]
+        token_logprob(logits f32[b, V], token i32[b]) -> f64[b]
+
     temperature 0 makes a row greedy (its uniform is ignored); top_k <= 0 or >= V is off;
     top_p >= 1 is off; min_p 0 is off. Outputs: token ids (-1: bad logits row) and the raw
     log-softmax of each chosen token.
+
+    apply_token_bitmask: W = ceil(V / 32); a token whose bit is clear becomes -inf (the bits
+    past V in the last word are ignored). A grammar row draws with a sampling function on the
+    masked logits, and token_logprob gives the drawn token's raw log-softmax from the unmasked
+    ones (the sampling function's own logprob is the masked row's); a token id outside the row
+    is clamped into it (the caller has refused a -1 token already).
     """
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
@@ -249,4 +293,22 @@ def sampler_module(vocab_size: int) -> tvm.IRModule:
                                          greedy_token=argmax, lse=lse)
                 gv = bb.emit_output(out)
             bb.emit_func_output(gv)
+
+    b = tirx.Var(BATCH_VAR, "int64")
+    logits = tensor("logits", [b, vocab_size], "float32")
+    bitmask = tensor("bitmask", [b, (vocab_size + 31) // 32], "int32")
+    with bb.function(APPLY_TOKEN_BITMASK, [logits, bitmask]):
+        with bb.dataflow():
+            gv = bb.emit_output(g.te(_token_bitmask, logits, bitmask, name="sampler_apply_token_bitmask"))
+        bb.emit_func_output(gv)
+
+    b = tirx.Var(BATCH_VAR, "int64")
+    logits = tensor("logits", [b, vocab_size], "float32")
+    token = tensor("token", [b], "int32")
+    with bb.function(TOKEN_LOGPROB, [logits, token]):
+        with bb.dataflow():
+            lse = _raw_lse(g, logits)
+            chosen = g.gather_row(logits, token)
+            gv = bb.emit_output(relax.op.subtract(relax.op.astype(chosen, "float64"), relax.op.squeeze(lse, [1])))
+        bb.emit_func_output(gv)
     return bb.get()
