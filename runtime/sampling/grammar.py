@@ -298,7 +298,13 @@ class GrammarCompiler:
 class GrammarProcessor:
     """The LogitsProcessor for one request's grammar: apply() masks a float32 logits row to the
     tokens the grammar allows next, accept() advances the matcher (a token the grammar rejects
-    raises GrammarError). Also a BitmaskSource (fill_bitmask/accept_token) for a device-side mask."""
+    raises GrammarError). Also a BitmaskSource (fill_bitmask/accept_token) for a device-side mask.
+
+    The mask of the current state is computed once and kept in `words` until accept() or
+    rollback() moves the state (tagged with num_accepted). A batch's masks can be computed
+    together on llguidance's threads (runtime/sampling/bitmask_batch.py reads `matcher` and
+    `num_words` and hands each processor its words with set_prefilled); apply() and
+    fill_bitmask() then use those, and compute their own when none are there."""
 
     def __init__(self, compiled: CompiledGrammar, tokenizer: GrammarCompiler | None = None):
         self.compiled = compiled
@@ -307,28 +313,45 @@ class GrammarProcessor:
         self.words = np.zeros(bitmask_words(self.vocab_size), dtype=np.int32)
         self._compiler = tokenizer
         self.num_accepted = 0
+        self._words_at: int | None = None  # the num_accepted whose mask self.words holds (None: none)
+
+    @property
+    def num_words(self) -> int:
+        """The mask's width in int32 words (llguidance writes exactly this many)."""
+        return self.words.size
+
+    def has_current_words(self) -> bool:
+        """Whether self.words holds the mask of the current state (prefilled or computed)."""
+        return self._words_at == self.num_accepted
+
+    def set_prefilled(self, words: np.ndarray) -> None:
+        """The mask of the current state, computed elsewhere (a batch fill): apply() and
+        fill_bitmask() use it until the next accept() or rollback()."""
+        np.copyto(self.words, words[: self.words.size], casting="no")
+        self._words_at = self.num_accepted
+
+    def current_words(self) -> np.ndarray:
+        """self.words holding the current state's mask (computed now unless it already does)."""
+        self.check()
+        if self._words_at != self.num_accepted:
+            self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
+            self._words_at = self.num_accepted
+        return self.words
 
     # BitmaskSource
     def fill_bitmask(self, words: np.ndarray) -> None:
         """The next token's allowed set into `words` (int32, at least bitmask_words(vocab) long)."""
-        self._check()
         if words.dtype != np.int32 or not words.flags["C_CONTIGUOUS"] or words.size < self.words.size:
             raise GrammarError(f"a grammar bitmask is {self.words.size} contiguous int32 words")
-        if words.size == self.words.size:
-            self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        else:
-            self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
-            words[: self.words.size] = self.words
-            words[self.words.size:] = 0
+        words[: self.words.size] = self.current_words()
+        words[self.words.size:] = 0
 
     def accept_token(self, token_id: int) -> None:
         self.accept(token_id)
 
     # LogitsProcessor
     def apply(self, logits: np.ndarray, output_ids: Sequence[int] = ()) -> None:
-        self._check()
-        self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
-        allowed = np.unpackbits(self.words.view(np.uint8), bitorder="little").view(bool)
+        allowed = np.unpackbits(self.current_words().view(np.uint8), bitorder="little").view(bool)
         n = min(logits.shape[-1], self.vocab_size)
         np.putmask(logits[..., :n], ~allowed[:n], -np.inf)
         if logits.shape[-1] > n:
@@ -336,6 +359,7 @@ class GrammarProcessor:
 
     def accept(self, token_id: int) -> None:
         token_id = int(token_id)
+        self._words_at = None
         if not self.matcher.consume_token(token_id):
             what = self._compiler.describe_token(token_id) if self._compiler else ""
             reason = "the grammar is already complete" if self.matcher.is_stopped() and "stopped" in \
@@ -359,16 +383,18 @@ class GrammarProcessor:
     def forced_tokens(self) -> list[int]:
         """Jump-forward: the tokens the grammar forces next, whatever the model says (may be empty).
         The caller appends them with accept() (or skips their decode steps) as it sees fit."""
-        self._check()
+        self.check()
         return list(self.matcher.compute_ff_tokens())
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens accepted tokens (speculative decoding's rejected drafts)."""
+        self._words_at = None
         if not self.matcher.rollback(int(num_tokens)):
             raise GrammarError(f"cannot roll the grammar back {num_tokens} tokens: {self.matcher.get_error()}")
         self.num_accepted -= int(num_tokens)
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """GrammarError if the matcher is in an error state (its mask would mean nothing)."""
         if self.matcher.is_error():
             raise GrammarError(f"the grammar of {self.compiled.spec.field} is in an error state: "
                                f"{self.matcher.get_error().strip()}")

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from vtool import VtoolError
+from vtool.runtime.sampling.bitmask_batch import prefill_grammars
 from vtool.runtime.sampling.logits_processors import LogitsProcessor
 from vtool.runtime.sampling.params import SamplingParams, check_token_ids
 
@@ -193,6 +194,10 @@ def sample_batch(logits: np.ndarray, seqs: Sequence[SequenceSampler]) -> list[Sa
                          f"sequences, got {logits.shape}")
     vocab = logits.shape[1]
     scratch = _scratch(vocab)
+    if sum(1 for seq in seqs if seq.logits_processors) > 1:
+        # Every grammar row's mask in one parallel call, before the rows' apply() (which then
+        # uses it); a lone grammar computes its own.
+        prefill_grammars([seq.logits_processors for seq in seqs])
     results = []
     for i, seq in enumerate(seqs):
         seq._check_vocab(vocab)
