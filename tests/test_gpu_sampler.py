@@ -14,11 +14,20 @@ vtool runtime (tvm_ffi + libtvm_runtime, CompiledModel's own upload/to_numpy):
   another temperature (it can fail);
 - parameters outside SamplingParams' ranges are refused with its SamplingParamsError;
   top_k past the vocabulary is off, as on the host; NaN / all -inf rows raise as on the host.
+Grammar masks (CPU):
+- apply_token_bitmask equals numpy's (logits_processors.apply_token_bitmask and llguidance's)
+  over random masks (hypothesis; vocabularies that are not multiples of 32, junk bits past the
+  vocabulary in the last word, -inf and NaN logits);
+- DeviceSampler.sample_batch on rows with bitmask-only logits processors draws only allowed
+  tokens, and the host sampler's tokens and raw logprobs for the same seeds (greedy and random),
+  each processor accepting its token once; rows without a processor allow everything;
+- a library without the mask functions (built before them) keeps such rows on the host.
+  (tests/test_grammar_batch.py drives real grammars through it, and the engine.)
 CUDA build (needs nvcc; no GPU): the functions at a 128256 vocabulary compile for sm_90a
 through vtool's CUDA pipeline into a fatbin.
 GPU (skips without a usable CUDA device): the same parity and distribution checks on the GPU,
-with the library from VTOOL_GPU_SAMPLER_LIBRARY (built elsewhere, vocabulary in
-VTOOL_GPU_SAMPLER_VOCAB) or built here.
+masked rows included, with the library from VTOOL_GPU_SAMPLER_LIBRARY (built elsewhere,
+vocabulary in VTOOL_GPU_SAMPLER_VOCAB) or built here.
 """
 from __future__ import annotations
 
@@ -38,8 +47,10 @@ from hypothesis import strategies as st
 
 from vtool import VtoolError
 from vtool.runtime.artifact.library import CompiledModel
-from vtool.runtime.sampling.device import DeviceSampler, can_sample_on_device, sequence_on_device
+from vtool.runtime.sampling.device import (APPLY_TOKEN_BITMASK, MASK_FUNCTIONS, DeviceSampler, can_sample_on_device,
+                                           sequence_on_device)
 from vtool.runtime.sampling.host import SequenceSampler, make_generator, sample_batch
+from vtool.runtime.sampling.logits_processors import apply_token_bitmask, pack_allowed
 from vtool.runtime.sampling.params import SamplingParams, SamplingParamsError
 from vtool.runtime.artifact.tvm_runtime import ffi
 
@@ -431,6 +442,227 @@ def test_can_sample_on_device():
     assert sequence_on_device(seq)
 
 
+# -- grammar masks on the device -------------------------------------------------------------------
+
+MASK_V = (33, 95)  # vocabularies that are not multiples of 32 (as SMALL_V), built for the mask tests
+
+
+@pytest.fixture(scope="module")
+def mask_samplers(samplers, tmp_path_factory) -> dict[int, DeviceSampler]:
+    folder = tmp_path_factory.mktemp("sampler-cpu-mask")
+    extra = {v: DeviceSampler(Library(build_cpu_library(v, folder), "cpu", v)) for v in MASK_V}
+    return {**extra, **samplers}
+
+
+def masked_on_device(sampler: DeviceSampler, logits: np.ndarray, words: np.ndarray) -> np.ndarray:
+    m = sampler.model
+    return np.array(m.to_numpy(m.vm[APPLY_TOKEN_BITMASK](m.upload(logits), m.upload(words))), copy=True)
+
+
+def numpy_masked(logits: np.ndarray, words: np.ndarray) -> np.ndarray:
+    want = logits.copy()
+    for row, w in zip(want, words):
+        apply_token_bitmask(row, w)
+    return want
+
+
+@pytest.mark.slow
+def test_apply_token_bitmask_equals_numpy(mask_samplers):
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    assert all(s.masks_supported for s in mask_samplers.values())
+    vocabs = sorted(mask_samplers)
+
+    @settings(max_examples=80, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(st.sampled_from(vocabs), st.integers(1, 9), st.sampled_from([0.0, 0.03, 0.5, 0.97, 1.0]),
+           st.integers(0, 2**32 - 1), st.booleans(), st.sampled_from(["normal", "masked", "ties"]))
+    def check(v, b, density, seed, junk, style):
+        rng = np.random.default_rng(seed)
+        logits = make_logits(rng, b, v, style)
+        if style == "masked":
+            logits[0, rng.integers(0, v)] = np.nan  # a NaN stays where it is allowed
+        allowed = rng.random((b, v)) < density
+        allowed[:, rng.integers(0, v)] = bool(rng.integers(0, 2))
+        words = np.stack([pack_allowed(a) for a in allowed])
+        if junk and v % 32:  # bits past the vocabulary in the last word mean nothing
+            words[:, -1] |= np.array(-(1 << (v % 32)), np.int64).astype(np.int32)
+        got = masked_on_device(mask_samplers[v], logits, words)
+        want = numpy_masked(logits, words)
+        np.testing.assert_array_equal(got, want)
+        theirs = logits.copy()
+        apply_token_bitmask_inplace(theirs, words)
+        np.testing.assert_array_equal(got, theirs)
+        assert np.array_equal(np.isneginf(got) & ~np.isneginf(logits), ~allowed & ~np.isneginf(logits))
+
+    check()
+
+
+class FixedAllowed:
+    """A bitmask-only logits processor (a BitmaskSource whose mask is all it does), allowing a
+    fixed set; it records what it is told to accept and refuses a token outside its set."""
+
+    def __init__(self, allowed: np.ndarray):
+        self.allowed = np.asarray(allowed, bool)
+        self.words = pack_allowed(self.allowed)
+        self.accepted: list[int] = []
+
+    def fill_bitmask(self, words: np.ndarray) -> None:
+        words[: self.words.size] = self.words
+        words[self.words.size:] = 0
+
+    def accept_token(self, token_id: int) -> None:
+        self.accept(token_id)
+
+    def apply(self, logits: np.ndarray, output_ids=()) -> None:  # noqa: ANN001
+        apply_token_bitmask(logits, self.words)
+
+    def accept(self, token_id: int) -> None:
+        assert self.allowed[int(token_id)], f"token {token_id} is not allowed"
+        self.accepted.append(int(token_id))
+
+
+def masked_sequences(params: list[SamplingParams], allowed: list[np.ndarray | None], seeds: list[int],
+                     v: int) -> list[SequenceSampler]:
+    seqs = []
+    for p, a, seed in zip(params, allowed, seeds):
+        seq = SequenceSampler(copy.copy(p), vocab_size=v, logits_processors=[FixedAllowed(a)] if a is not None else [])
+        seq.rng = make_generator(seed)
+        seqs.append(seq)
+    return seqs
+
+
+def compare_masked_with_host(sampler: DeviceSampler, logits: np.ndarray, params: list[SamplingParams],
+                             seeds: list[int], allowed: list[np.ndarray | None]) -> int:
+    """DeviceSampler.sample_batch on rows with FixedAllowed processors (None: no processor) vs
+    the host's sample_batch; returns the near-tie count (judged on the masked row)."""
+    v = logits.shape[1]
+    device = masked_sequences(params, allowed, seeds, v)
+    host = masked_sequences(params, allowed, seeds, v)
+    assert sampler.can_sample(device)
+    got = sampler.sample_batch(logits, device)
+    want = sample_batch(logits, host)
+    near_ties = 0
+    for i, (p, g, h) in enumerate(zip(params, got, want)):
+        if allowed[i] is not None:
+            assert allowed[i][g.token_id], f"row {i}: token {g.token_id} is masked"
+            assert device[i].logits_processors[0].accepted == [g.token_id]  # accepted once
+        if g.token_id != h.token_id:
+            row = logits[i].copy()
+            if allowed[i] is not None:
+                row[~allowed[i]] = -np.inf
+            u = make_generator(seeds[i]).random()
+            assert not p.greedy and g.token_id in near_tie_tokens(row, p, u), (
+                f"row {i}: device token {g.token_id}, host {h.token_id} ({p}, u={u!r})")
+            near_ties += 1
+        else:
+            assert g.logprob == pytest.approx(h.logprob, abs=2e-5), f"row {i}"  # the raw logprob
+    return near_ties
+
+
+def random_allowed(rng: np.random.Generator, logits: np.ndarray) -> list[np.ndarray | None]:
+    """Per row: no mask, or a mask of some density holding at least one finite logit."""
+    out: list[np.ndarray | None] = []
+    b, v = logits.shape
+    for i in range(b):
+        density = float(rng.choice([0.0, 0.001, 0.05, 0.5, 0.99]))
+        if rng.random() < 0.2:
+            out.append(None)
+            continue
+        a = rng.random(v) < density
+        finite = np.flatnonzero(np.isfinite(logits[i]))
+        a[finite[rng.integers(0, finite.size)]] = True
+        out.append(a)
+    return out
+
+
+MASK_EXAMPLES = {SMALL_V: 60, LARGE_V: 25}
+
+
+@pytest.mark.parametrize("v", [SMALL_V, LARGE_V])
+@pytest.mark.slow
+def test_masked_rows_same_tokens_as_host(samplers, v):
+    near = []
+
+    @settings(max_examples=MASK_EXAMPLES[v], deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(batch_strategy(v))
+    def check(case):
+        params, seed, style = case
+        rng = np.random.default_rng(seed)
+        logits = make_logits(rng, len(params), v, style)
+        seeds = [int(s) for s in rng.integers(0, 2**63, len(params))]
+        near.append(compare_masked_with_host(samplers[v], logits, params, seeds, random_allowed(rng, logits)))
+
+    check()
+    print(f"\n[masked, vocab {v}] {sum(near)} near-tie difference(s) in {len(near)} batches")
+    assert sum(near) <= max(1, len(near) // 20)
+
+
+@pytest.mark.slow
+def test_masked_rows_over_steps_and_bad_rows(samplers):
+    """Several steps of a greedy + seeded batch with masks; a NaN in a masked-out position
+    still raises (the host refuses the raw row), and so does a mask that leaves only -inf."""
+    v = SMALL_V
+    rng = np.random.default_rng(21)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(temperature=1.1, top_k=7, seed=2), SamplingParams(temperature=1.0, min_p=0.05, seed=3)]
+    allowed = [rng.random(v) < 0.1 for _ in params]
+    device = masked_sequences(params, allowed, [1, 2, 3, 4], v)
+    host = masked_sequences(params, allowed, [1, 2, 3, 4], v)
+    for _ in range(8):
+        logits = make_logits(rng, len(params), v, "normal")
+        got = samplers[v].sample_batch(logits, device)
+        want = sample_batch(logits, host)
+        assert [r.token_id for r in got] == [r.token_id for r in want]
+    assert [s.output_token_ids for s in device] == [s.output_token_ids for s in host]
+    assert all(s.logits_processors[0].accepted == s.output_token_ids for s in device)
+    logits = make_logits(rng, 2, v, "normal")
+    a = np.zeros(v, bool)
+    a[:10] = True
+    logits[0, 500] = np.nan  # masked out, but the raw row is bad
+    with pytest.raises(VtoolError, match="row 0"):
+        samplers[v].sample_batch(logits, masked_sequences(params[:2], [a, a], [1, 2], v))
+    logits = make_logits(rng, 2, v, "normal")
+    logits[1, :10] = -np.inf  # only -inf is allowed
+    with pytest.raises(VtoolError, match="row 1"):
+        samplers[v].sample_batch(logits, masked_sequences(params[:2], [a, a], [1, 2], v))
+
+
+class _OldVM:
+    """A library's VM as one built before the mask functions existed."""
+
+    def __init__(self, vm):  # noqa: ANN001
+        self.vm = vm
+
+    def __getitem__(self, name: str):
+        if name in MASK_FUNCTIONS:
+            raise AttributeError(f"Module has no function '{name}'")
+        return self.vm[name]
+
+
+def test_old_library_keeps_grammar_rows_on_host(samplers):
+    new = samplers[SMALL_V]
+    old_model = copy.copy(new.model)
+    old_model.vm = _OldVM(new.model.vm)
+    old = DeviceSampler(old_model)
+    assert new.masks_supported and not old.masks_supported
+    v = SMALL_V
+    plain = SequenceSampler(SamplingParams(temperature=0.0), vocab_size=v)
+    grammar = SequenceSampler(SamplingParams(temperature=0.0), vocab_size=v,
+                              logits_processors=[FixedAllowed(np.arange(v) < 5)])
+    opaque = SequenceSampler(SamplingParams(temperature=0.0), vocab_size=v,
+                             logits_processors=[type("Opaque", (), {"apply": lambda *a: None, "accept": lambda *a: None})()])
+    assert not sequence_on_device(grammar) and sequence_on_device(grammar, with_masks=True)
+    assert not sequence_on_device(opaque, with_masks=True)  # not a BitmaskSource: the host's
+    assert old.can_sample([plain]) and not old.can_sample([plain, grammar])
+    assert new.can_sample([plain, grammar]) and not new.can_sample([plain, opaque])
+    with pytest.raises(ValueError, match="needs the host sampler"):
+        old.prepare_batch([plain, grammar])
+    logits = make_logits(np.random.default_rng(0), 1, v, "normal")
+    assert old.sample_batch(logits, [plain])[0].token_id == int(np.argmax(logits[0]))
+
+
 # -- CUDA build (no GPU needed) ------------------------------------------------------------------
 
 # Run in a subprocess with the build-time libcuda stub (toolchain/cuda.py). Until
@@ -556,3 +788,30 @@ def test_gpu_argmax(gpu_sampler):
 @pytest.mark.slow
 def test_gpu_distribution(gpu_sampler):
     check_distribution(gpu_sampler, gpu_sampler.vocab_size, 20_000)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_masked_rows(gpu_sampler):
+    if not gpu_sampler.masks_supported:
+        pytest.skip("the GPU sampler library has no mask functions (built before them)")
+    v = gpu_sampler.vocab_size
+    rng = np.random.default_rng(13)
+    for b in (1, 7, 32):
+        logits = make_logits(rng, b, v, "normal")
+        words = np.stack([pack_allowed(rng.random(v) < d) for d in rng.choice([0.0, 0.01, 0.5, 1.0], b)])
+        np.testing.assert_array_equal(masked_on_device(gpu_sampler, logits, words), numpy_masked(logits, words))
+    near, batches = 0, 0
+    for style in ("normal", "ties", "peaked", "masked"):
+        for _ in range(4):
+            b = int(rng.integers(1, 33))
+            params = [SamplingParams(temperature=float(rng.choice([0.0, 0.5, 1.0, 1.6])),
+                                     top_p=float(rng.choice([1.0, 0.95, 0.6])),
+                                     top_k=int(rng.choice([0, 1, 50, v])),
+                                     min_p=float(rng.choice([0.0, 0.05]))) for _ in range(b)]
+            logits = make_logits(rng, b, v, style)
+            near += compare_masked_with_host(gpu_sampler, logits, params,
+                                             [int(s) for s in rng.integers(0, 2**63, b)], random_allowed(rng, logits))
+            batches += 1
+    print(f"\n[gpu masked, vocab {v}] {near} near-tie difference(s) in {batches} batches")
+    assert near <= 2

@@ -3,7 +3,8 @@
 It turns the scheduled sequences into device calls (embed, then `decode` / `batch_decode`
 when every sequence computes one token, else `batch_prefill` over the packed tokens with the
 positions whose logits are wanted), and samples the sequences that asked for it: on the
-device with the library's compiled sampler when every such sequence allows it, else on the
+device with the library's compiled sampler when every such sequence allows it (grammar rows
+included, masked on the device, when the library has the masking functions), else on the
 host. It knows nothing of queues, requests' text or stop strings.
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ from vtool.runtime.artifact.tvm_runtime import global_func
 from vtool.runtime.engine.decode_buckets import DecodeBuckets
 from vtool.runtime.engine.kv_cache import PagedKVCache
 from vtool.runtime.engine.step_types import ModelRunnerOutput, SchedulerOutput, SequenceResult
-from vtool.runtime.sampling.device import DeviceSampler, sequence_on_device
+from vtool.runtime.sampling.bitmask_batch import prefill_grammars
+from vtool.runtime.sampling.device import DeviceSampler
 from vtool.runtime.sampling.host import sample_batch
 
 log = logging.getLogger("vtool.engine")
@@ -117,14 +119,15 @@ class ModelRunner:
 
     def launch(self, step: SchedulerOutput) -> InFlightStep:
         """Queue the step: the model, and the draw when the device samples every row that
-        samples (its inputs uploaded first: a host-to-device copy waits for the queued work)."""
+        samples (its inputs, grammar masks included, uploaded first: a host-to-device copy
+        waits for the queued work)."""
         t0 = time.perf_counter()
         sequences = step.sequences
         to_sample = [i for i, s in enumerate(sequences) if s.sample]
         samplers = [sequences[i].sampler for i in to_sample]
         prepared = None
         if (to_sample and self.device_sampler is not None and logit_owners(step) == to_sample
-                and all(sequence_on_device(s) for s in samplers)):
+                and self.device_sampler.can_sample(samplers)):
             prepared = self.device_sampler.prepare_batch(samplers)
         logits = self._forward(step)
         draw = self.device_sampler.launch(logits.tensor, prepared) if prepared is not None else None
@@ -144,6 +147,9 @@ class ModelRunner:
                 if flight.on_device:
                     drawn = self.device_sampler.finish_batch(flight.samplers, flight.draw)
                 else:
+                    # The grammar rows' masks in one parallel call, before the logits come to
+                    # the host (on a GPU, while the step may still run); sample_batch uses them.
+                    prefill_grammars([s.logits_processors for s in flight.samplers])
                     drawn = sample_batch(flight.logits.last_rows(flight.to_sample), flight.samplers)
                 for i, result in zip(flight.to_sample, drawn):
                     results[i].sampled = result

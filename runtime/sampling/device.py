@@ -7,7 +7,16 @@ Generator here, exactly as the host does, and the device applies the host's temp
 min_p, top_k, top_p and inverse-CDF draw to it (schedules/cuda/sampler.py says how, and why the
 draw and top_p travel as float64). Greedy rows draw nothing, as on the host.
 
-Requests that need per-request logit processing or reporting stay on the host path:
+Grammar rows (structured output) sample here too when the library has the masking functions
+(APPLY_TOKEN_BITMASK, TOKEN_LOGPROB; libraries built before them do not, and their grammar rows
+stay on the host): at prepare time the batch's [b, W] int32 token bitmask is filled on the host
+(runtime/sampling/bitmask_batch.py: the grammars' masks in one parallel call; a row without a
+grammar allows every token) and uploaded; at launch the logits are masked on the device, the
+usual draw runs on the masked rows, and the drawn token's raw logprob is taken from the unmasked
+ones, as the host reports it. Any logits processor of such a row must be a BitmaskSource whose
+mask is all it does (GrammarProcessor is one).
+
+Requests that need other per-request logit processing or reporting stay on the host path:
 can_sample_on_device says which.
 """
 from __future__ import annotations
@@ -19,7 +28,9 @@ from typing import Any
 import numpy as np
 
 from vtool import VtoolError
+from vtool.runtime.sampling.bitmask_batch import fill_batch_bitmask
 from vtool.runtime.sampling.host import SampleResult, SequenceSampler
+from vtool.runtime.sampling.logits_processors import bitmask_words
 from vtool.runtime.sampling.params import SamplingParams, SamplingParamsError
 from vtool.runtime.artifact.tvm_runtime import global_func
 
@@ -28,6 +39,10 @@ ARGMAX = "sample_argmax"
 TEMPERATURE = "sample_temperature"
 TOP_P_TOP_K = "sample_top_p_top_k"
 FUNCTIONS = (ARGMAX, TEMPERATURE, TOP_P_TOP_K)
+# Optional (grammar rows on the device): mask the logits, and the raw logprob of a drawn token.
+APPLY_TOKEN_BITMASK = "apply_token_bitmask"
+TOKEN_LOGPROB = "token_logprob"
+MASK_FUNCTIONS = (APPLY_TOKEN_BITMASK, TOKEN_LOGPROB)
 
 
 def can_sample_on_device(params: SamplingParams, num_generated: int | None = None) -> bool:
@@ -40,8 +55,9 @@ def can_sample_on_device(params: SamplingParams, num_generated: int | None = Non
       num_generated None: assume not yet).
 
     prompt_logprobs does not matter here (the engine computes it from prompt rows, apart
-    from sampling). SamplingParams has no guided-decoding/structured-output field; one
-    added later must return False here too.
+    from sampling). Structured output arrives as a logits processor (a GrammarProcessor
+    among the sequence's logits_processors), not through these parameters:
+    sequence_on_device says whether such a sequence can sample on the device.
     """
     p = params
     if p.logprobs is not None or p.logit_bias:
@@ -53,18 +69,39 @@ def can_sample_on_device(params: SamplingParams, num_generated: int | None = Non
     return True
 
 
-def sequence_on_device(seq: SequenceSampler) -> bool:
-    """can_sample_on_device for a sequence at its current step (logits processors run on the host)."""
-    return not seq.logits_processors and can_sample_on_device(seq.params, seq.num_generated)
+def bitmask_only(processor: Any) -> bool:
+    """Whether a logits processor is a BitmaskSource (fill_bitmask/accept_token), whose effect
+    the device reproduces with its mask (GrammarProcessor, sampling/reasoning_gate.ReasoningGate)."""
+    return callable(getattr(processor, "fill_bitmask", None)) and callable(getattr(processor, "accept_token", None))
+
+
+def sequence_on_device(seq: SequenceSampler, with_masks: bool = False) -> bool:
+    """can_sample_on_device for a sequence at its current step. Its logits processors run on
+    the host, unless with_masks (a DeviceSampler whose library can mask: masks_supported) and
+    every one of them is bitmask_only: then the device applies their mask."""
+    if seq.logits_processors and not (with_masks and all(bitmask_only(p) for p in seq.logits_processors)):
+        return False
+    return can_sample_on_device(seq.params, seq.num_generated)
 
 
 @dataclasses.dataclass(frozen=True)
 class PreparedDraw:
-    """A draw ready to launch: how many rows, which compiled function, its arguments (on the device)."""
+    """A draw ready to launch: how many rows, which compiled function, its arguments (on the
+    device), and the [rows, W] int32 token bitmask to apply first (on the device; None: no mask)."""
 
     rows: int
     function: str
     args: tuple
+    bitmask: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchedDraw:
+    """A queued draw's outputs on the device: token ids int32 [b], raw logprobs float64 [b]."""
+
+    tokens: Any
+    logprobs: Any
+    masked: bool
 
 
 class DeviceSampler:
@@ -72,7 +109,9 @@ class DeviceSampler:
 
     `model` is a vtool.runtime.artifact.library.CompiledModel (or anything with its `vm`, `upload`,
     `to_numpy` and `ffi`): the library must hold FUNCTIONS, built by
-    schedules/cuda/sampler.sampler_module(vocab_size) for the model's vocabulary.
+    schedules/cuda/sampler.sampler_module(vocab_size) for the model's vocabulary; with
+    MASK_FUNCTIONS too (libraries built since they exist), masks_supported is True and
+    sequences with grammars (bitmask-only logits processors) can sample here.
     """
 
     def __init__(self, model: Any, vocab_size: int | None = None):
@@ -88,7 +127,18 @@ class DeviceSampler:
         if missing:
             raise VtoolError(f"the library has no device sampling functions ({', '.join(missing)}); "
                              "rebuild it with a vtool that compiles them")
+        for name in MASK_FUNCTIONS:
+            try:
+                self._fns[name] = model.vm[name]
+            except Exception:  # noqa: BLE001 - an older library: grammar rows sample on the host
+                pass
+        self.masks_supported = all(name in self._fns for name in MASK_FUNCTIONS)
         self._create_view = global_func("runtime.TVMTensorCreateView")
+
+    def can_sample(self, seqs: Sequence[SequenceSampler]) -> bool:
+        """Whether every one of these sequences can sample here this step (prepare_batch
+        takes them): sequence_on_device, with masks where the library has them."""
+        return all(sequence_on_device(seq, self.masks_supported) for seq in seqs)
 
     # -- the calls ------------------------------------------------------------------------
     def sample(self, logits: Any, params: Sequence[SamplingParams],
@@ -136,43 +186,69 @@ class DeviceSampler:
                                                  m.upload(top_k, "int32", slot="sampler.top_k"), args_m, args_u))
         return PreparedDraw(b, TEMPERATURE, (args_t, args_m, args_u))  # no sort needed
 
-    def launch(self, logits: Any, prepared: PreparedDraw) -> Any:
-        """Queue the draw on the device; collect() waits for it."""
+    def launch(self, logits: Any, prepared: PreparedDraw) -> LaunchedDraw | None:
+        """Queue the draw on the device (the mask first, when the draw has one); collect()
+        waits for it."""
         if prepared.rows == 0:
             return None
         view = self._rows(logits, prepared.rows)
-        return self._fns[prepared.function](view, *prepared.args)
+        if prepared.bitmask is None:
+            out = self._fns[prepared.function](view, *prepared.args)
+            return LaunchedDraw(out[0], out[1], False)
+        masked = self._fns[APPLY_TOKEN_BITMASK](view, prepared.bitmask)
+        tokens = self._fns[prepared.function](masked, *prepared.args)[0]
+        # The sampling function's logprob is the masked row's; the host reports the raw one.
+        return LaunchedDraw(tokens, self._fns[TOKEN_LOGPROB](view, tokens), True)
 
-    def collect(self, out: Any) -> tuple[np.ndarray, np.ndarray]:
+    def collect(self, out: LaunchedDraw | None) -> tuple[np.ndarray, np.ndarray]:
         """The drawn (token ids, logprobs) on the host: waits for the device."""
         if out is None:
             return np.zeros(0, np.int32), np.zeros(0, np.float64)
-        tokens = np.array(self.model.to_numpy(out[0]), dtype=np.int32, copy=True)
-        logprobs = np.array(self.model.to_numpy(out[1]), dtype=np.float64, copy=True)
-        bad = np.flatnonzero(tokens < 0)
+        tokens = np.array(self.model.to_numpy(out.tokens), dtype=np.int32, copy=True)
+        logprobs = np.array(self.model.to_numpy(out.logprobs), dtype=np.float64, copy=True)
+        # A drawn token has a finite logit, so its raw logprob is finite unless the unmasked
+        # row has a NaN/inf (the host refuses such a row, masked or not).
+        bad = np.flatnonzero((tokens < 0) | ~np.isfinite(logprobs))
         if bad.size:
-            raise VtoolError(f"logits row {int(bad[0])} has no finite maximum (NaN/inf in the row): "
+            i = int(bad[0])
+            if out.masked and tokens[i] < 0:
+                raise VtoolError(f"logits row {i}: its grammar mask allows no token with a finite logit, "
+                                 "or the row holds NaN/inf")
+            raise VtoolError(f"logits row {i} has no finite maximum (NaN/inf in the row): "
                              "the model produced NaN/inf")
         return tokens, logprobs
 
     def sample_batch(self, logits: Any, seqs: Sequence[SequenceSampler]) -> list[SampleResult]:
         """runtime.sampling.sample_batch on the device: one token per row for seqs[i], which
-        records it. Every sequence must pass sequence_on_device (else the host must sample
-        it: a ValueError, a caller's mistake)."""
+        records it (its logits processors, grammars, accept it). The sequences must pass
+        can_sample (else the host must sample them: a ValueError, a caller's mistake)."""
         prepared = self.prepare_batch(seqs)
         return self.finish_batch(seqs, self.launch(logits, prepared))
 
     def prepare_batch(self, seqs: Sequence[SequenceSampler]) -> PreparedDraw:
-        """prepare() for these sequences (checked as sample_batch checks them)."""
+        """prepare() for these sequences (checked as sample_batch checks them), with the
+        batch's token bitmask filled and uploaded when a sequence has a grammar. Before the
+        model step is queued: the upload waits for the work queued before it."""
         for i, seq in enumerate(seqs):
-            if not sequence_on_device(seq):
-                raise ValueError(f"sequence {i} needs the host sampler (logprobs, penalties, logit_bias "
-                                 "or min_tokens); check sequence_on_device first")
+            if not sequence_on_device(seq, self.masks_supported):
+                raise ValueError(f"sequence {i} needs the host sampler (logprobs, penalties, logit_bias, "
+                                 "min_tokens, or logits processors this library cannot mask); "
+                                 "check can_sample first")
             seq._check_vocab(self.vocab_size)  # the host's per-vocabulary validation
-        return self.prepare([s.params for s in seqs], [s.rng for s in seqs])
+        words = None
+        if any(seq.logits_processors for seq in seqs):  # before any uniform is drawn: it may raise
+            words = np.empty((len(seqs), bitmask_words(self.vocab_size)), np.int32)
+            fill_batch_bitmask([seq.logits_processors for seq in seqs], words)
+            if (words == -1).all():  # nothing masked (say, grammars that wait for the reasoning's end)
+                words = None
+        prepared = self.prepare([s.params for s in seqs], [s.rng for s in seqs])
+        if words is None or prepared.rows == 0:
+            return prepared
+        return dataclasses.replace(prepared, bitmask=self.model.upload(words, "int32", slot="sampler.bitmask"))
 
-    def finish_batch(self, seqs: Sequence[SequenceSampler], out: Any) -> list[SampleResult]:
-        """Wait for a launched draw; each sequence records its token."""
+    def finish_batch(self, seqs: Sequence[SequenceSampler], out: LaunchedDraw | None) -> list[SampleResult]:
+        """Wait for a launched draw; each sequence records its token (append_token: its logits
+        processors accept it, once)."""
         tokens, logprobs = self.collect(out)
         results = []
         for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
