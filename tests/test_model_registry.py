@@ -186,3 +186,4 @@ def test_gpu_sampler_names_are_the_runtime_calls():
     consts = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
               and isinstance(node.value, ast.Constant) for target in node.targets if isinstance(target, ast.Name)}
     assert (consts["ARGMAX"], consts["TEMPERATURE"], consts["TOP_P_TOP_K"]) == device.FUNCTIONS
+    assert (consts["APPLY_TOKEN_BITMASK"], consts["TOKEN_LOGPROB"]) == device.MASK_FUNCTIONS
