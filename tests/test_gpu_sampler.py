@@ -47,7 +47,7 @@ from hypothesis import strategies as st
 
 from vtool import VtoolError
 from vtool.runtime.artifact.library import CompiledModel
-from vtool.runtime.sampling.device import (APPLY_TOKEN_BITMASK, MASK_FUNCTIONS, DeviceSampler, can_sample_on_device,
+from vtool.runtime.sampling.device import (APPLY_TOKEN_BITMASK, ARGMAX_MASKED, MASK_FUNCTIONS, DeviceSampler, can_sample_on_device,
                                            sequence_on_device)
 from vtool.runtime.sampling.host import SequenceSampler, make_generator, sample_batch
 from vtool.runtime.sampling.logits_processors import apply_token_bitmask, pack_allowed
@@ -636,7 +636,7 @@ class _OldVM:
         self.vm = vm
 
     def __getitem__(self, name: str):
-        if name in MASK_FUNCTIONS:
+        if name in (*MASK_FUNCTIONS, ARGMAX_MASKED):
             raise AttributeError(f"Module has no function '{name}'")
         return self.vm[name]
 
@@ -815,3 +815,41 @@ def test_gpu_masked_rows(gpu_sampler):
             batches += 1
     print(f"\n[gpu masked, vocab {v}] {near} near-tie difference(s) in {batches} batches")
     assert near <= 2
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_masked_greedy_rows_in_one_call(samplers, defer):
+    """An all-greedy batch with masks takes sample_argmax_masked (argmax of the masked row, raw
+    logprob, one pass), with the mask filled now or on the worker while the caller would queue
+    the model step (defer_mask); the same tokens and logprobs as the host either way, and a bad
+    raw row or a mask that allows only -inf still raises."""
+    sampler, v = samplers[SMALL_V], SMALL_V
+    assert ARGMAX_MASKED in sampler._fns
+    rng = np.random.default_rng(5)
+    calls, masked_batches = [], 0
+    real = sampler._fns[ARGMAX_MASKED]
+    sampler._fns[ARGMAX_MASKED] = lambda *a: calls.append(1) or real(*a)
+    try:
+        for b in (1, 5, 16):
+            params = [SamplingParams(temperature=0.0) for _ in range(b)]
+            logits = make_logits(rng, b, v, "ties")
+            allowed = random_allowed(rng, logits)
+            masked_batches += any(a is not None for a in allowed)
+            device = masked_sequences(params, allowed, list(range(b)), v)
+            host = masked_sequences(params, allowed, list(range(b)), v)
+            prepared = sampler.prepare_batch(device, defer_mask=defer)
+            assert (prepared.mask_job is not None) == (defer and any(a is not None for a in allowed))
+            got = sampler.finish_batch(device, sampler.launch(logits, prepared))
+            want = sample_batch(logits, host)
+            assert [g.token_id for g in got] == [w.token_id for w in want]
+            assert [g.logprob for g in got] == pytest.approx([w.logprob for w in want], abs=2e-5)
+        assert len(calls) == masked_batches >= 2
+        a = np.zeros(v, bool)
+        a[:10] = True
+        logits = make_logits(rng, 2, v, "normal")
+        logits[1, :10] = -np.inf  # only -inf is allowed
+        with pytest.raises(VtoolError, match="row 1"):
+            seqs = masked_sequences(params[:2], [a, a], [1, 2], v)
+            sampler.finish_batch(seqs, sampler.launch(logits, sampler.prepare_batch(seqs, defer_mask=defer)))
+    finally:
+        sampler._fns[ARGMAX_MASKED] = real

@@ -293,9 +293,9 @@ def engine_run(tiny_session, compiler, device_sampler):  # noqa: ANN001, ANN201
     if device_sampler is not None:
         real = device_sampler.prepare_batch
 
-        def prepare_batch(seqs):  # noqa: ANN001, ANN202
-            prepared = real(seqs)
-            masked.append(prepared.bitmask is not None)
+        def prepare_batch(seqs, **kw):  # noqa: ANN001, ANN202
+            prepared = real(seqs, **kw)
+            masked.append(prepared.bitmask is not None or prepared.mask_job is not None)
             return prepared
 
         device_sampler.prepare_batch = prepare_batch

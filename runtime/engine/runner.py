@@ -128,7 +128,8 @@ class ModelRunner:
         prepared = None
         if (to_sample and self.device_sampler is not None and logit_owners(step) == to_sample
                 and self.device_sampler.can_sample(samplers)):
-            prepared = self.device_sampler.prepare_batch(samplers)
+            # a grammar mask is filled on a worker while the model step is queued
+            prepared = self.device_sampler.prepare_batch(samplers, defer_mask=True)
         logits = self._forward(step)
         draw = self.device_sampler.launch(logits.tensor, prepared) if prepared is not None else None
         self.seconds["forward"] += time.perf_counter() - t0

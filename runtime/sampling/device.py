@@ -21,6 +21,7 @@ can_sample_on_device says which.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,7 @@ FUNCTIONS = (ARGMAX, TEMPERATURE, TOP_P_TOP_K)
 APPLY_TOKEN_BITMASK = "apply_token_bitmask"
 TOKEN_LOGPROB = "token_logprob"
 MASK_FUNCTIONS = (APPLY_TOKEN_BITMASK, TOKEN_LOGPROB)
+ARGMAX_MASKED = "sample_argmax_masked"  # optional too: greedy grammar rows in one pass
 
 
 def can_sample_on_device(params: SamplingParams, num_generated: int | None = None) -> bool:
@@ -93,6 +95,9 @@ class PreparedDraw:
     function: str
     args: tuple
     bitmask: Any = None
+    # prepare_batch(defer_mask=True): the mask being filled on a worker (a Future of the words or
+    # None); launch() uploads it once the model step is queued
+    mask_job: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +132,13 @@ class DeviceSampler:
         if missing:
             raise VtoolError(f"the library has no device sampling functions ({', '.join(missing)}); "
                              "rebuild it with a vtool that compiles them")
-        for name in MASK_FUNCTIONS:
+        for name in (*MASK_FUNCTIONS, ARGMAX_MASKED):
             try:
                 self._fns[name] = model.vm[name]
             except Exception:  # noqa: BLE001 - an older library: grammar rows sample on the host
                 pass
         self.masks_supported = all(name in self._fns for name in MASK_FUNCTIONS)
+        self._mask_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._create_view = global_func("runtime.TVMTensorCreateView")
 
     def can_sample(self, seqs: Sequence[SequenceSampler]) -> bool:
@@ -192,9 +198,16 @@ class DeviceSampler:
         if prepared.rows == 0:
             return None
         view = self._rows(logits, prepared.rows)
+        if prepared.mask_job is not None:
+            words = prepared.mask_job.result()
+            bitmask = self.model.upload(words, "int32", slot="sampler.bitmask") if words is not None else None
+            prepared = dataclasses.replace(prepared, bitmask=bitmask, mask_job=None)
         if prepared.bitmask is None:
             out = self._fns[prepared.function](view, *prepared.args)
             return LaunchedDraw(out[0], out[1], False)
+        if prepared.function == ARGMAX and ARGMAX_MASKED in self._fns:
+            out = self._fns[ARGMAX_MASKED](view, prepared.bitmask)
+            return LaunchedDraw(out[0], out[1], True)
         masked = self._fns[APPLY_TOKEN_BITMASK](view, prepared.bitmask)
         tokens = self._fns[prepared.function](masked, *prepared.args)[0]
         # The sampling function's logprob is the masked row's; the host reports the raw one.
@@ -225,26 +238,46 @@ class DeviceSampler:
         prepared = self.prepare_batch(seqs)
         return self.finish_batch(seqs, self.launch(logits, prepared))
 
-    def prepare_batch(self, seqs: Sequence[SequenceSampler]) -> PreparedDraw:
+    def prepare_batch(self, seqs: Sequence[SequenceSampler], defer_mask: bool = False) -> PreparedDraw:
         """prepare() for these sequences (checked as sample_batch checks them), with the
         batch's token bitmask filled and uploaded when a sequence has a grammar. Before the
-        model step is queued: the upload waits for the work queued before it."""
+        model step is queued: the upload waits for the work queued before it.
+
+        defer_mask: the mask is filled on a worker thread while the caller queues the model
+        step (llguidance drops the GIL while it fills), and launch() uploads it: that upload
+        waits for the model step, but the filling no longer keeps the device idle."""
         for i, seq in enumerate(seqs):
             if not sequence_on_device(seq, self.masks_supported):
                 raise ValueError(f"sequence {i} needs the host sampler (logprobs, penalties, logit_bias, "
                                  "min_tokens, or logits processors this library cannot mask); "
                                  "check can_sample first")
             seq._check_vocab(self.vocab_size)  # the host's per-vocabulary validation
-        words = None
+        words = job = None
         if any(seq.logits_processors for seq in seqs):  # before any uniform is drawn: it may raise
-            words = np.empty((len(seqs), bitmask_words(self.vocab_size)), np.int32)
-            fill_batch_bitmask([seq.logits_processors for seq in seqs], words)
-            if (words == -1).all():  # nothing masked (say, grammars that wait for the reasoning's end)
-                words = None
+            if defer_mask:
+                for seq in seqs:
+                    for processor in seq.logits_processors:
+                        check = getattr(getattr(processor, "active_grammar", processor), "check", None)
+                        if check is not None:
+                            check()  # a grammar in an error state raises here, not on the worker
+                if self._mask_pool is None:
+                    self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vtool-mask")
+                job = self._mask_pool.submit(self._fill, [seq.logits_processors for seq in seqs])
+            else:
+                words = self._fill([seq.logits_processors for seq in seqs])
         prepared = self.prepare([s.params for s in seqs], [s.rng for s in seqs])
+        if job is not None:
+            return dataclasses.replace(prepared, mask_job=job) if prepared.rows else prepared
         if words is None or prepared.rows == 0:
             return prepared
         return dataclasses.replace(prepared, bitmask=self.model.upload(words, "int32", slot="sampler.bitmask"))
+
+    def _fill(self, processors: list[Sequence[Any]]) -> np.ndarray | None:
+        """The batch's [rows, W] mask; None when it masks nothing (say, grammars that wait for
+        the reasoning's end)."""
+        words = np.empty((len(processors), bitmask_words(self.vocab_size)), np.int32)
+        fill_batch_bitmask(processors, words)
+        return None if (words == -1).all() else words
 
     def finish_batch(self, seqs: Sequence[SequenceSampler], out: LaunchedDraw | None) -> list[SampleResult]:
         """Wait for a launched draw; each sequence records its token (append_token: its logits

@@ -68,6 +68,9 @@ FUNCTIONS = (ARGMAX, TEMPERATURE, TOP_P_TOP_K)
 APPLY_TOKEN_BITMASK = "apply_token_bitmask"
 TOKEN_LOGPROB = "token_logprob"
 MASK_FUNCTIONS = (APPLY_TOKEN_BITMASK, TOKEN_LOGPROB)
+# Greedy grammar rows in one call: the argmax of the masked logits and the raw logprob of the
+# token, from one pass over the row (mask + argmax + token_logprob read it three times).
+ARGMAX_MASKED = "sample_argmax_masked"
 
 BATCH_VAR = "sample_batch"
 _F32_MAX = 3.4028234663852886e38
@@ -251,6 +254,7 @@ def sampler_module(vocab_size: int) -> tvm.IRModule:
 
         apply_token_bitmask(logits f32[b, V], bitmask i32[b, W]) -> f32[b, V]
         token_logprob(logits f32[b, V], token i32[b]) -> f64[b]
+        sample_argmax_masked(logits f32[b, V], bitmask i32[b, W]) -> (i32[b], f64[b])
 
     temperature 0 makes a row greedy (its uniform is ignored); top_k <= 0 or >= V is off;
     top_p >= 1 is off; min_p 0 is off. Outputs: token ids (-1: bad logits row) and the raw
@@ -310,5 +314,20 @@ def sampler_module(vocab_size: int) -> tvm.IRModule:
             lse = _raw_lse(g, logits)
             chosen = g.gather_row(logits, token)
             gv = bb.emit_output(relax.op.subtract(relax.op.astype(chosen, "float64"), relax.op.squeeze(lse, [1])))
+        bb.emit_func_output(gv)
+
+    b = tirx.Var(BATCH_VAR, "int64")
+    logits = tensor("logits", [b, vocab_size], "float32")
+    bitmask = tensor("bitmask", [b, (vocab_size + 31) // 32], "int32")
+    with bb.function(ARGMAX_MASKED, [logits, bitmask]):
+        with bb.dataflow():
+            masked = g.te(_token_bitmask, logits, bitmask, name="sampler_apply_token_bitmask")
+            argmax = g.emit(relax.op.astype(relax.op.argmax(masked, axis=1), "int32"))
+            allowed_max = g.emit(relax.op.max(masked, axis=1))
+            lse = _raw_lse(g, logits)
+            # -1 where the row is bad or its mask allows no token with a finite logit
+            ok = g.emit(relax.op.logical_and(relax.op.squeeze(relax.op.isfinite(lse), [1]),
+                                             relax.op.isfinite(allowed_max)))
+            gv = bb.emit_output(_finish(g, logits, argmax, lse, ok))
         bb.emit_func_output(gv)
     return bb.get()
