@@ -4,7 +4,7 @@ the same engine, the same batch of requests, decoding with and without a JSON-sc
     python tests/bench/grammar_overhead.py --artifact ART --model CHECKPOINT [--batch 32] [--tokens 96]
     python tests/bench/grammar_overhead.py --model DIR            # the host: built (cached) for this CPU
 
-The grammar is an unbounded JSON array of small integers, so no request ends early, few tokens
+The grammar is a JSON array of at least 64 small integers, so no request ends early, few tokens
 are forced (jump-forward is off: the point is the per-step price of masking) and every step
 masks the whole batch. Each mode runs twice and the faster run counts (warm caches, compiled
 grammar in the cache). Prints one JSON line per mode and the overhead.
@@ -18,7 +18,8 @@ import re
 import time
 from pathlib import Path
 
-SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}}
+# minItems: the array cannot close within --tokens (a random model would close it at once)
+SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 64}
 
 
 def cpu_name() -> str:
@@ -53,7 +54,7 @@ def run(engine, prompt: list[int], batch: int, tokens: int, grammar: dict | None
     seconds = time.perf_counter() - t0
     texts = [engine.tokenizer.decode(t) for t in tokens.values()]
     if grammar is not None:  # the grammar did constrain them: a JSON array of integers, cut by max_tokens
-        bad = [t for t in texts if not re.fullmatch(r"\[(\d+(,\d+)*,?)?", t.replace(" ", ""))]
+        bad = [t for t in texts if not re.fullmatch(r"\[(\d+(,\d+)*,?)?\]?", t.replace(" ", ""))]
         if bad:
             raise SystemExit(f"{len(bad)} outputs are not the grammar's: {bad[0]!r}")
     return {"steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1), "sample": texts[0][:40]}
