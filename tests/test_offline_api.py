@@ -35,3 +35,28 @@ def test_chat_uses_the_template(llm):
     want = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Hi"}])
     assert outs[0].prompt == want
     assert outs[0].prompt_token_ids == llm.get_tokenizer().encode(want, add_special_tokens=False)
+
+
+def test_chat_hands_tools_to_the_template_and_a_grammar_makes_the_call(tiny_model_dir, tmp_path):
+    """LLM.chat(tools=...) renders them with the model's template (Qwen3's real one here, from
+    llama.cpp's collection), and structured_outputs constrains the answer to a call's arguments."""
+    import json
+    import shutil
+
+    import jsonschema
+    from assets import llama_cpp_templates_dir
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "chat_template.jinja").write_text((llama_cpp_templates_dir() / "Qwen-Qwen3-0.6B.jinja").read_text())
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                               "parameters": schema}}]
+    llm = LLM(model=model, max_model_len=512)
+    out = llm.chat([{"role": "user", "content": "Weather in Paris?"}],
+                   SamplingParams(temperature=0, max_tokens=30, structured_outputs={"json": schema, "disable_any_whitespace": True}), tools=tools)[0]
+    assert "<tools>" in out.prompt and '"name": "get_weather"' in out.prompt
+    jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    plain = llm.chat([{"role": "user", "content": "Weather in Paris?"}], SamplingParams(max_tokens=1))[0]
+    assert "<tools>" not in plain.prompt

@@ -64,14 +64,17 @@ class OfflineLLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None
-             ) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: `tools` go to the chat template (as transformers'
+        apply_chat_template(tools=...)); the answer is text, as in vLLM (a grammar in the
+        SamplingParams' structured_outputs can make it a call)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = self._params_for(sampling_params, len(conversations))
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         jobs = []
         for conversation, p in zip(conversations, params):
-            text = self.session.render_chat(list(conversation), add_generation_prompt=add_generation_prompt,
-                                            **(chat_template_kwargs or {}))
+            text = self.session.render_chat(list(conversation), add_generation_prompt=add_generation_prompt, **kwargs)
             jobs.append((text, self.session.tokenizer.encode(text, add_special_tokens=False), p))
         return self._run(jobs)
 
