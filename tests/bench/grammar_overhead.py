@@ -32,7 +32,8 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def run(engine, prompt: list[int], batch: int, tokens: int, grammar: dict | None) -> dict:  # noqa: ANN001
+def run(engine, prompt: list[int], batch: int, tokens: int, grammar: dict | None,  # noqa: ANN001
+        profile: bool = False) -> dict:
     from vtool.runtime.sampling.params import SamplingParams
 
     for i in range(batch):
@@ -47,11 +48,23 @@ def run(engine, prompt: list[int], batch: int, tokens: int, grammar: dict | None
     while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()) or engine.grammar.has_pending:
         step()  # prefill (and compile) apart from the timed decode steps
     steps = 0
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     while engine.has_unfinished():
         step()
         steps += 1
     seconds = time.perf_counter() - t0
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        print(f"--- {'json_schema' if grammar else 'free'}: {steps} steps, host time by function (tottime)")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
     texts = [engine.tokenizer.decode(t) for t in tokens.values()]
     if grammar is not None:  # the grammar did constrain them: a JSON array of integers, cut by max_tokens
         bad = [t for t in texts if not re.fullmatch(r"\[(\d+(,\d+)*,?)?\]?", t.replace(" ", ""))]
@@ -67,6 +80,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--device-sampling", choices=["on", "off"], default="on")
+    ap.add_argument("--profile", action="store_true", help="a third run of each mode under cProfile (not timed)")
     a = ap.parse_args()
     from vtool.runtime.engine.engine import Engine, EngineConfig
     from vtool.runtime.sampling.grammar import GrammarSpec, spec_fields
@@ -90,6 +104,9 @@ def main() -> None:
             r = run(engine, prompt, a.batch, a.tokens, g)
             if name not in best or r["ms_per_step"] < best[name]["ms_per_step"]:
                 best[name] = r
+    if a.profile:
+        for g in (None, grammar):
+            run(engine, prompt, a.batch, a.tokens, g, profile=True)
     on_gpu = bool(getattr(session.model, "on_gpu", False))
     device_sampler = engine.device_sampler
     masks_on_device = bool(device_sampler is not None and getattr(device_sampler, "masks_supported", False))
