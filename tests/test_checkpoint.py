@@ -59,7 +59,10 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 # offsets of the float16 scale fields inside one block; everything else may be any byte
-F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+# byte offsets of each block's float16 scales (gguf-py's block layouts)
+F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82),
+              Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+              Q.IQ2_XXS: (0,), Q.TQ2_0: (64,)}
 
 
 def random_blocks(rows: int, cols: int, qtype: Any, rng: np.random.Generator) -> np.ndarray:
@@ -299,7 +302,8 @@ def test_tiny_gguf_f32_roundtrip(tmp_path, arch):
     assert (cfg["rope_theta"], cfg["rms_norm_eps"], cfg["bos_token_id"], cfg["eos_token_id"]) == (500000.0, 1e-6, 5, 7)
 
 
-MIXED = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16]
+MIXED = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
+         Q.F16, Q.BF16]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -308,7 +312,7 @@ def test_tiny_gguf_quantized_equal_transformers(tmp_path, arch):
     rng = np.random.default_rng(1)
     weights, kv = tiny_model(arch, rng, tie=arch == "qwen2")
     order = iter(range(10_000))
-    pick = lambda name, arr: MIXED[next(order) % len(MIXED)]  # noqa: E731
+    pick = lambda name, arr: MIXED[next(order) % len(MIXED)] if arr.ndim == 2 else None  # noqa: E731
     write_gguf(tmp_path / "m.gguf", arch, kv, to_gguf_tensors(arch, weights, pick, rng))
     ck = open_checkpoint(tmp_path / "m.gguf")
     assert {i.dtype for i in ck.tensors().values() if len(i.shape) == 2} == {t.name for t in MIXED}
@@ -331,7 +335,7 @@ def test_gguf_dequant_shapes_per_type(tmp_path):
     """Each type: torch-order shape and the values of gguf.quants.dequantize."""
     rng = np.random.default_rng(2)
     tensors: dict[str, Any] = {}
-    types = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+    types = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
     for i, qt in enumerate(types):
         tensors[f"blk.{i}.ffn_up.weight"] = (random_blocks(3 + i, 512, qt, rng), qt)
     tensors["blk.0.ffn_down.weight"] = rng.standard_normal((5, 7)).astype(np.float16)
@@ -434,16 +438,27 @@ def test_unsupported_gguf_architecture_refused(tmp_path):
     assert "g.gguf" in str(e.value)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q2_K, Q.F64])
+@pytest.mark.parametrize("qtype", [Q.Q8_1, Q.Q8_K, Q.F64])
 def test_unsupported_gguf_tensor_type_refused(tmp_path, qtype):
     if qtype == Q.F64:
         t: Any = np.zeros((2, 4), np.float64)
-    else:
-        t = (gguf.quants.quantize(np.zeros((2, 256), np.float32), qtype) if qtype == Q.Q5_0
-             else np.zeros((2, 84), np.uint8), qtype)
+    else:  # types no model file holds (llama.cpp's activation formats)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        t = (np.zeros((2, 256 // block * size), np.uint8), qtype)
     ck = open_checkpoint(write_gguf(tmp_path / "q.gguf", "llama", {}, {"blk.0.ffn_up.weight": t}))
-    with pytest.raises(CheckpointError, match=rf"'blk\.0\.ffn_up\.weight'.*{qtype.name}.*Q4_K"):
+    with pytest.raises(CheckpointError, match=rf"'blk\.0\.ffn_up\.weight'.*{qtype.name}.*Q5_0.*IQ4_XS"):
         ck.tensors()
+
+
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.TQ2_0])
+def test_rare_gguf_types_are_dequantized_with_a_notice(tmp_path, qtype, caplog):
+    rng = np.random.default_rng(4)
+    blocks = random_blocks(4, 512, qtype, rng)
+    ck = open_checkpoint(write_gguf(tmp_path / "r.gguf", "llama", {}, {"blk.0.ffn_up.weight": (blocks, qtype)}))
+    with caplog.at_level("WARNING", logger="vtool.weights"):
+        assert ck.tensors()["model.layers.0.mlp.up_proj.weight"].dtype == qtype.name
+    assert f"GGML type {qtype.name}" in caplog.text and "dequantized at load" in caplog.text
+    np.testing.assert_array_equal(ck.load("model.layers.0.mlp.up_proj.weight"), gguf.quants.dequantize(blocks, qtype))
 
 
 @pytest.mark.parametrize("name", ["blk.0.ffn_gate_exps.weight", "blk.0.attn_norm.bias", "rope_factors_long.weight", "blk.x.attn_q.weight"])

@@ -47,6 +47,10 @@ VARIANTS = {
     # v in another format than q/k: the fused qkv cannot be one block matrix and is dequantized
     "mixed": (lambda name: Q.Q8_0 if ".attn_v." in name else Q.Q4_1 if name != "output.weight" else Q.Q4_0,
               False, {"Q4_1": 7, "Q4_0": 1}, SHAPE),
+    # types without kernels (dequantized at load) beside kept ones, as real Q4_K_M files mix them:
+    # a Q5_0 tied embedding (Qwen2.5-Coder's), Q5_1 feed-forward, Q4_1 attention
+    "q5_mix": (lambda name: Q.Q5_0 if name == "token_embd.weight" else Q.Q5_1 if ".ffn_" in name else Q.Q4_1,
+               True, {"Q4_1": 4}, SHAPE),
     # Q4_K layers, Q6_K tied embedding (its gather and the lm_head GEMV)
     "q4_k": (lambda name: Q.Q6_K if name == "token_embd.weight" else Q.Q4_K, True, {"Q4_K": 8, "Q6_K": 1}, K_SHAPE),
     # llama.cpp's Q4_K_M mix: v, down and the output in Q6_K, the rest Q4_K (qkv dequantized)
@@ -90,6 +94,10 @@ def test_manifest_records_the_kept_formats(variant):
     if name in DEQUANTIZED:
         assert manifest["quantized_weights"]["dequantized"] == {
             f"model.layers.{i}.self_attn.qkv_proj": DEQUANTIZED[name] for i in range(2)}
+    elif name == "q5_mix":  # no kernel reads Q5_0/Q5_1: expanded at load, and recorded
+        assert manifest["quantized_weights"]["dequantized"] == {
+            "model.embed_tokens": "Q5_0", **{f"model.layers.{i}.mlp.{m}": "Q5_1"
+                                            for i in range(2) for m in ("gate_up_proj", "down_proj")}}
     else:  # every 2-D weight stays in blocks: about the file's size, never a float copy
         assert manifest["quantized_weights"]["dequantized"] == {}
         assert quant_bytes < 1.3 * path.stat().st_size

@@ -10,6 +10,7 @@ Quantized blocks are expanded with gguf.quants.dequantize, the same code transfo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import mmap
 import re
@@ -23,6 +24,8 @@ import numpy as np
 from vtool.runtime.weights.checkpoint import Checkpoint, CheckpointError, TensorInfo
 from vtool.runtime.weights.ggml_blocks import GGML_TYPES
 
+log = logging.getLogger("vtool.weights")
+
 # llama.cpp's conventions, the file format's and not one model family's (so the runtime reads a GGUF file
 # before it has an artifact, and never imports models/): general.architecture -> the HF architectures[0]
 # its converter took; each family names the one its files carry (ModelFamily.gguf_architecture), and
@@ -32,8 +35,14 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-# GGML tensor types load() can expand to floats
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# GGML tensor types load() can expand to floats (gguf-py's dequantizers): every type llama.cpp's
+# standard presets write. Those vtool has kernels for stay in blocks on the CPU (ggml_blocks.py);
+# the others are expanded at load.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                   "Q6_K", "IQ4_NL", "IQ4_XS")
+# Rarer types gguf-py can still expand: read, with a notice that they are dequantized (no kernel
+# reads them, and their memory is the float copy's).
+NOTICE_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0")
 
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -503,17 +512,25 @@ class GGUFCheckpoint(Checkpoint):
     def tensors(self) -> dict[str, TensorInfo]:
         if self._infos is None:
             infos: dict[str, TensorInfo] = {}
+            noticed: dict[str, list[str]] = {}
             for t in self._reader.tensors:
                 if t.name == ROPE_FREQS:
                     continue  # not a weight in HF: config()'s rope_scaling carries it
                 name = hf_name(t.name, self.path)
                 kind = t.tensor_type.name
-                if kind not in SUPPORTED_TYPES:
+                if kind in NOTICE_TYPES:
+                    noticed.setdefault(kind, []).append(t.name)
+                elif kind not in SUPPORTED_TYPES:
                     raise CheckpointError(
-                        f"{self.path}: tensor {t.name!r} has GGML type {kind}; supported: {', '.join(SUPPORTED_TYPES)}"
+                        f"{self.path}: tensor {t.name!r} has GGML type {kind}; supported: "
+                        f"{', '.join(SUPPORTED_TYPES + NOTICE_TYPES)}"
                     )
                 self._raw[name] = t
                 infos[name] = TensorInfo(name, tuple(int(d) for d in reversed(t.shape.tolist())), kind)
+            for kind, names in noticed.items():
+                log.warning("%s: %d tensor(s) of GGML type %s (%s%s) are dequantized at load: no kernel reads "
+                            "that type", self.path.name, len(names), kind, ", ".join(names[:3]),
+                            ", ..." if len(names) > 3 else "")
             self._infos = infos
         return self._infos
 
