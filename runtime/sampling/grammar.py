@@ -264,12 +264,10 @@ class GrammarCompiler:
             return hit
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
         with self._lock:
-            hit = self._cache.get(spec)
-            if hit is not None:
-                self._cache.move_to_end(spec)
-                self.hits += 1
-                return hit
             self.misses += 1
         llg = _llg()
         start = time.perf_counter()

@@ -131,17 +131,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def chat_template_kwargs(raw: str | None) -> dict[str, Any]:
-    """--default-chat-template-kwargs: a JSON object (e.g. {"enable_thinking": false})."""
-    if raw in (None, ""):
-        return {}
+def _json_object(raw: str, flag: str) -> dict[str, Any]:
+    """A flag's value that must be a JSON object; a VtoolError naming the flag otherwise."""
     try:
         value = json.loads(raw)
     except ValueError as err:
-        raise VtoolError(f"--default-chat-template-kwargs is not JSON: {err}") from None
+        raise VtoolError(f"{flag} is not JSON: {err}") from None
     if not isinstance(value, dict):
-        raise VtoolError(f"--default-chat-template-kwargs must be a JSON object, got {raw!r}")
+        raise VtoolError(f"{flag} must be a JSON object, got {raw!r}")
     return value
+
+
+def chat_template_kwargs(raw: str | None) -> dict[str, Any]:
+    """--default-chat-template-kwargs: a JSON object (e.g. {"enable_thinking": false})."""
+    return {} if raw in (None, "") else _json_object(raw, "--default-chat-template-kwargs")
 
 
 # vLLM's StructuredOutputsConfig fields this server reads; its backends by vLLM's names
@@ -154,12 +157,7 @@ def structured_outputs_config(raw: str | None) -> dict[str, Any]:
     of starting after it; `backend`: "auto" or "guidance" (llguidance)."""
     if raw in (None, ""):
         return {"enable_in_reasoning": False}
-    try:
-        value = json.loads(raw)
-    except ValueError as err:
-        raise VtoolError(f"--structured-outputs-config is not JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise VtoolError(f"--structured-outputs-config must be a JSON object, got {raw!r}")
+    value = _json_object(raw, "--structured-outputs-config")
     unknown = sorted(set(value) - {"enable_in_reasoning", "backend"})
     if unknown:
         raise VtoolError(f"--structured-outputs-config: {', '.join(unknown)} not supported here (known: "

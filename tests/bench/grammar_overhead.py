@@ -13,23 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import time
 from pathlib import Path
 
+from llamacpp import cpu_name  # tests/bench: the script's folder is on sys.path
+
 # minItems: the array cannot close within --tokens (a random model would close it at once)
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 64}
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def run(engine, prompt: list[int], batch: int, tokens: int, grammar: dict | None,  # noqa: ANN001

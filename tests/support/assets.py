@@ -18,6 +18,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from vtool.runtime.weights.default_model import sha256_of
 from vtool.runtime.paths import cache_root
@@ -103,26 +104,31 @@ def llama_cpp_models_dir() -> Path:
     if marker.exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
+    _extract_from_sdist(out, lambda name: name.startswith(LCP_MODELS + "ggml-vocab-")
+                        and "/" not in name[len(LCP_MODELS):], f"{LCP_MODELS}ggml-vocab-*")
+    for name, digest in VOCAB_SHA256.items():
+        _check(out / f"ggml-vocab-{name}.gguf", digest)
+    marker.write_text(LCP_SDIST_SHA256 + "\n")
+    return out
+
+
+def _extract_from_sdist(out: Path, wanted: Callable[[str], bool], what: str) -> None:
+    """The sdist's files whose member name `wanted` accepts, flat into `out` (checked by the
+    sdist's sha256; each file written atomically: a half-written one is never seen)."""
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         sdist = _pip_download_sdist(Path(tmp))
         _check(sdist, LCP_SDIST_SHA256)
         with tarfile.open(sdist) as tf:
-            members = [m for m in tf.getmembers()
-                       if m.isfile() and m.name.startswith(LCP_MODELS + "ggml-vocab-")
-                       and "/" not in m.name[len(LCP_MODELS):]]
+            members = [m for m in tf.getmembers() if m.isfile() and wanted(m.name)]
             if not members:
-                raise AssetError(f"{sdist.name} has no {LCP_MODELS}ggml-vocab-* files")
+                raise AssetError(f"{sdist.name} has no {what} files")
             for m in members:
                 src = tf.extractfile(m)
                 assert src is not None
                 part = Path(tmp) / Path(m.name).name
                 with open(part, "wb") as f:
                     shutil.copyfileobj(src, f)
-                os.replace(part, out / part.name)  # atomic: a half-written file is never seen
-    for name, digest in VOCAB_SHA256.items():
-        _check(out / f"ggml-vocab-{name}.gguf", digest)
-    marker.write_text(LCP_SDIST_SHA256 + "\n")
-    return out
+                os.replace(part, out / part.name)
 
 
 def llama_cpp_templates_dir() -> Path:
@@ -135,21 +141,8 @@ def llama_cpp_templates_dir() -> Path:
         return out
     out.mkdir(parents=True, exist_ok=True)
     prefix = LCP_MODELS + "templates/"
-    with tempfile.TemporaryDirectory(dir=out) as tmp:
-        sdist = _pip_download_sdist(Path(tmp))
-        _check(sdist, LCP_SDIST_SHA256)
-        with tarfile.open(sdist) as tf:
-            members = [m for m in tf.getmembers() if m.isfile() and m.name.startswith(prefix)
-                       and m.name.endswith(".jinja") and "/" not in m.name[len(prefix):]]
-            if not members:
-                raise AssetError(f"{sdist.name} has no {prefix}*.jinja files")
-            for m in members:
-                src = tf.extractfile(m)
-                assert src is not None
-                part = Path(tmp) / Path(m.name).name
-                with open(part, "wb") as f:
-                    shutil.copyfileobj(src, f)
-                os.replace(part, out / part.name)  # atomic: a half-written file is never seen
+    _extract_from_sdist(out, lambda name: name.startswith(prefix) and name.endswith(".jinja")
+                        and "/" not in name[len(prefix):], f"{prefix}*.jinja")
     marker.write_text(LCP_SDIST_SHA256 + "\n")
     return out
 
