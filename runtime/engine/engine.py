@@ -229,10 +229,7 @@ class Engine:
         for request, processor, error in self.grammar.ready():
             if error is not None:
                 log.error("request %s: its grammar failed to compile: %s", request.request_id, error)
-                text = self.texts.get(request.request_id)  # step() still reports the end
-                self._finish(request, "abort", None)
-                if text is not None:
-                    self.texts[request.request_id] = text
+                self._finish(request, "abort", None, reported=True)
                 self._failed.append(self.output_processor.ended(request))
                 continue
             request.sampler.logits_processors = (*request.sampler.logits_processors, processor)
@@ -378,12 +375,14 @@ class Engine:
             request.prompt_logprobs = prompt_logprobs(full, request.prompt_ids, request.params.prompt_logprobs)
             chunks.clear()
 
-    def _finish(self, request: Request, reason: str, stop_reason: str | int | None) -> None:
+    def _finish(self, request: Request, reason: str, stop_reason: str | int | None, reported: bool = False) -> None:
+        """reported: the caller reports the end in an output (else an abort came from outside,
+        which needs none, and its text stage goes)."""
         request.status, request.finish_reason, request.stop_reason = Status.FINISHED, reason, stop_reason
         self.scheduler.release(request)
         self.grammar.discard(request.request_id)
         self.requests.pop(request.request_id, None)
-        if reason == "abort":
+        if reason == "abort" and not reported:
             self.texts.pop(request.request_id, None)
         self._finish_counts(reason)
         if self.observer is not None:
