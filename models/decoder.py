@@ -12,6 +12,9 @@ Entry points (the runtime calls these by name; the manifest lists them):
   decode(embeds[1, 1, H], kv) -> logits[1, 1, V]
   batch_prefill(embeds[1, n, H], logit_positions[b], kv) -> logits[1, b, V]
   batch_decode(embeds[b, 1, H], kv) -> logits[b, 1, V]
+  batch_verify(embeds[1, n, H], logit_positions[b], kv) -> logits[1, b, V]
+    (batch_prefill with decode's numerics: speculative verification scores a few positions per
+    sequence, and its logits must be the ones decoding them one by one would give)
     (CUDA builds add batch_decode_captured, a copy run from CUDA graphs per batch size:
     toolchain/pipeline.py; its symbolic batch is the spec's "batch_size")
   create_tir_paged_kv_cache(max_batch, max_total_len, prefill_chunk, page_size, sliding)
@@ -29,7 +32,8 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from vtool.models.config import ModelConfig
-from vtool.models.quantized_linear import Int8Kernels, QuantizedEmbedding, QuantizedLinear, use_int8_gemv
+from vtool.models.quantized_linear import (Int8Kernels, QuantizedEmbedding, QuantizedLinear, decode_numerics,
+                                          use_int8_gemv)
 
 # compiled module path ("model.layers.0.mlp.down_proj") -> GGML block format kept in memory
 Formats = Mapping[str, str]
@@ -176,6 +180,11 @@ class DecoderForCausalLM(nn.Module):
     def batch_decode(self, input_embeds: Tensor, kv: PagedKVCache):
         return self._logits(self._layers(input_embeds, kv)), kv
 
+    def batch_verify(self, input_embeds: Tensor, logit_positions: Tensor, kv: PagedKVCache):
+        with decode_numerics(self):
+            h = self._layers(input_embeds, kv)
+            return self._logits(op.take(h, logit_positions, axis=1)), kv
+
     def create_tir_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                                   support_sliding_window: tirx.Var) -> PagedKVCache:
@@ -207,6 +216,11 @@ class DecoderForCausalLM(nn.Module):
                 "kv": kv, "$": packed,
             },
             "batch_decode": {"input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], dt), "kv": kv, "$": packed},
+            "batch_verify": {
+                "input_embeds": nn.spec.Tensor([1, "seq_len", hidden], dt),
+                "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                "kv": kv, "$": packed,
+            },
             "create_tir_paged_kv_cache": {
                 "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
                 "page_size": int, "support_sliding_window": int,

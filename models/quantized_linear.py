@@ -19,8 +19,9 @@ rows into a scratch buffer reused by every row of x (prefill).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Protocol
+from typing import Iterator, Protocol
 
 from tvm import te, tirx
 from tvm.relax.frontend import nn
@@ -155,6 +156,22 @@ def use_int8_gemv(model: nn.Module, kernels: Int8Kernels | None, rows: str = "de
             module.int8_kernels, module.int8_rows = kernels, rows
             count += kernels is not None and module.fmt in kernels.formats
     return count
+
+
+@contextlib.contextmanager
+def decode_numerics(model: nn.Module) -> Iterator[None]:
+    """While an entry point is traced: the quantized layers that take integer-dot kernels in
+    decode take them for every row, so a few positions scored together (speculative
+    verification) get the activations decode gives each of them."""
+    changed = [m for m in _modules(model) if isinstance(m, _QuantizedWeight) and m.int8_kernels is not None
+               and m.int8_rows == "decode"]
+    for module in changed:
+        module.int8_rows = "all"
+    try:
+        yield
+    finally:
+        for module in changed:
+            module.int8_rows = "decode"
 
 
 def _modules(module: nn.Module):  # noqa: ANN202 - a generator of modules

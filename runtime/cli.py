@@ -147,6 +147,25 @@ def structured_outputs_option(json_schema: str | None, regex: str | None, choice
     return given or None
 
 
+def speculative_option(fn: Callable) -> Callable:
+    return click.option(
+        "--speculative-config", default=None,
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4} or {"model": DRAFT, "num_speculative_tokens": 4} (docs/USAGE.md)')(fn)
+
+
+def _speculative(raw: str | None, target: str, dtype: str) -> Any:
+    """The checked --speculative-config, its draft model built for the same target (refused at
+    startup, naming the key, before any model loads)."""
+    from vtool.runtime.engine.spec_config import parse_speculative_config
+    from vtool.runtime.session import with_draft_built
+
+    config = parse_speculative_config(raw)
+    build = None if _builder is None else \
+        (lambda path, draft_dtype, quantization: artifact_for(path, None, target, draft_dtype, quantization))
+    return with_draft_built(config, dtype, build)
+
+
 def runtime_process(threads: int | None) -> None:
     """Setup for the commands that run models: the thread count, set before the TVM runtime
     loads; and torch kept out of the process. tvm_ffi imports torch whenever it is installed
@@ -195,11 +214,12 @@ def model_options(fn: Callable) -> Callable:
 @activations_option
 @artifact_option
 @threads_option
+@speculative_option
 def run(model: str | None, revision: str | None, target: str, dtype: str, prompt: str, tokenizer_config: str | None, max_tokens: int,
         temperature: float, top_p: float, top_k: int, seed: int | None, stream: bool, repeat: int, chat: bool,
         json_schema: str | None, regex: str | None, choice: str | None,
         max_model_len: int | None, artifact: str | None, quantization: str, activations: str,
-        threads: int | None) -> None:
+        threads: int | None, speculative_config: str | None) -> None:
     """Generate text from a prompt (builds the model on first use)."""
     runtime_process(threads)
     from vtool.runtime.weights.checkpoint import open_checkpoint
@@ -207,12 +227,15 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
 
     model_path = resolve_model(model, revision)
     checkpoint = open_checkpoint(model_path)
+    spec = _speculative(speculative_config, target, dtype)
     artifact_dir = artifact_for(model_path, artifact, target, dtype, quantization, activations)
     options = RunOptions(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                          seed=seed, stream=stream, repeat=repeat, chat=chat, tokenizer_config=tokenizer_config,
                          max_model_len=max_model_len,
                          structured_outputs=structured_outputs_option(json_schema, regex, choice))
-    run_completion(artifact_dir, checkpoint, options, out, console)
+    from vtool.runtime.engine.engine import EngineConfig
+
+    run_completion(artifact_dir, checkpoint, options, out, console, EngineConfig(speculative=spec))
 
 
 @main.command()
@@ -265,6 +288,7 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
 @activations_option
 @artifact_option
 @threads_option
+@speculative_option
 def serve(model: str | None, revision: str | None, target: str, dtype: str, host: str, port: int, served_model_name: tuple[str, ...],
           tokenizer_config: str | None, block_size: int, num_blocks: int | None, kv_cache_memory_bytes: int | None,
           gpu_memory_utilization: float,
@@ -276,7 +300,7 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
           trust_remote_code: bool,
           enable_auto_tool_choice: bool, tool_call_parser: str | None, structured_outputs_config: str | None,
           grammar_jump_forward: bool, quantization: str, activations: str, artifact: str | None,
-          threads: int | None) -> None:
+          threads: int | None, speculative_config: str | None) -> None:
     """Serve an OpenAI-compatible API (builds the model on first use)."""
     runtime_process(threads)
     from vtool.runtime.weights.checkpoint import open_checkpoint
@@ -292,7 +316,8 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
         num_blocks=num_blocks, kv_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
         enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
-        scheduling_policy=scheduling_policy, max_model_len=max_model_len, grammar_jump_forward=grammar_jump_forward)
+        scheduling_policy=scheduling_policy, max_model_len=max_model_len, grammar_jump_forward=grammar_jump_forward,
+        speculative=_speculative(speculative_config, target, dtype))
     opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, tokenizer_config=tokenizer_config,
                         max_model_len=max_model_len, api_key=api_key, disable_metrics=disable_metrics,
                         enable_log_requests=enable_log_requests, enable_log_outputs=enable_log_outputs,
@@ -340,11 +365,13 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
 @click.option("--result-json", default=None, help="write the report here as JSON")
 @artifact_option
 @threads_option
+@speculative_option
 def bench(model: str | None, revision: str | None, url: str | None, endpoint: str, dataset_path: str | None, num_prompts: int,
           input_len: int, output_len: int, concurrency: str, max_num_batched_tokens: int, num_blocks: int | None,
           max_num_seqs: int | None, target: str, dtype: str, ignore_eos: bool, api_key: str | None,
           tokenizer_path: str | None, seed: int | None, fresh_prompts: bool,
-          result_json: str | None, artifact: str | None, threads: int | None) -> None:
+          result_json: str | None, artifact: str | None, threads: int | None,
+          speculative_config: str | None) -> None:
     """Measure serving throughput and latency (TTFT, TPOT, ITL, E2EL) as vLLM defines them.
     --threads applies to the local server it starts (passed on as VTOOL_CPU_THREADS)."""
     if threads is not None:
@@ -366,8 +393,12 @@ def bench(model: str | None, revision: str | None, url: str | None, endpoint: st
     artifact_dir = artifact_for(model_path, artifact, target, dtype)  # built here, with progress, before the server
     limited = [x for x in levels if x > 0]
     seqs = max_num_seqs or (max(limited) if limited else 32)
+    if speculative_config is not None:
+        _speculative(speculative_config, target, dtype)  # checked, and a draft built, before the server starts
     with local_server(model_path, artifact_dir, max_num_seqs=seqs, max_num_batched_tokens=max_num_batched_tokens,
-                      num_blocks=num_blocks, console=console) as (server_url, tokenizer):
+                      num_blocks=num_blocks, console=console,
+                      extra_args=["--speculative-config", speculative_config] if speculative_config else []
+                      ) as (server_url, tokenizer):
         bench_main(dataclasses.replace(opts, url=server_url), tokenizer, out)
 
 

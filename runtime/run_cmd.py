@@ -66,6 +66,17 @@ def run_once(engine: Engine, request_id: str, prompt_ids: list[int], params: Sam
     return text, RunStats(len(prompt_ids), tokens, finish, (first or start) - start, last - (first or start))
 
 
+def _acceptance(before: dict, after: dict) -> str:
+    """Speculative decoding's share of accepted drafts between two engine snapshots ('' without it)."""
+    drafts = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    if not drafts:
+        return ""
+    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    steps = after["spec_num_drafts"] - before["spec_num_drafts"]
+    return (f"; drafts accepted {accepted}/{drafts} ({accepted / drafts:.0%}), "
+            f"{1 + accepted / steps:.2f} tokens per verified step")
+
+
 def run_completion(artifact: Path, checkpoint: Checkpoint, opts: RunOptions, out: Console, err: Console,
                    engine_config: EngineConfig | None = None) -> None:
     """engine_config: KV sizing (num_blocks, kv_memory_bytes, gpu_memory_utilization) and the
@@ -91,15 +102,19 @@ def run_completion(artifact: Path, checkpoint: Checkpoint, opts: RunOptions, out
         def on_text(delta: str) -> None:
             out.print(delta, end="", highlight=False, markup=False, soft_wrap=True)
 
+        before = engine.stats()
         text, stats = run_once(engine, f"run-{i}", prompt_ids, params, on_text if opts.stream else None)
         if opts.stream:
             out.print("", highlight=False)
         elif i == 0:
             out.print(text, highlight=False, markup=False, soft_wrap=True)
         rates.append(stats.decode_tokens_per_second)
+        if i == 0:
+            first_done = engine.stats()
         err.print(f"[dim]run {i + 1}: prompt {stats.prompt_tokens} tokens, first token {stats.ttft_seconds * 1e3:.0f} ms; "
-                  f"{stats.tokens} tokens ({stats.finish_reason}), decode {stats.decode_tokens_per_second:.1f} tok/s[/]",
-                  highlight=False)
+                  f"{stats.tokens} tokens ({stats.finish_reason}), decode {stats.decode_tokens_per_second:.1f} tok/s"
+                  f"{_acceptance(before, engine.stats())}[/]", highlight=False)
     if repeat > 1:
         warm = rates[1:]
-        err.print(f"warm decode: {sum(warm) / len(warm):.1f} tok/s (mean of runs 2..{repeat})", highlight=False)
+        err.print(f"warm decode: {sum(warm) / len(warm):.1f} tok/s (mean of runs 2..{repeat})"
+                  f"{_acceptance(first_done, engine.stats())}", highlight=False)

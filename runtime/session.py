@@ -9,8 +9,9 @@ from typing import Any, Callable
 
 from vtool import VtoolError
 from vtool.runtime.artifact.library import CompiledModel
-from vtool.runtime.weights.checkpoint import Checkpoint
+from vtool.runtime.weights.checkpoint import Checkpoint, open_checkpoint
 from vtool.runtime.engine.generate import Generator
+from vtool.runtime.engine.spec_config import SpeculativeConfig
 from vtool.runtime.text.stop_ids import stop_token_ids
 from vtool.runtime.text.tokenizer import Tokenizer
 
@@ -28,6 +29,15 @@ class Session:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def open_draft(self, config: SpeculativeConfig, max_model_len: int) -> Session:
+        """The draft model of --speculative-config (built already: with_draft_built), opened on the
+        same device for an engine that speculates with it."""
+        if not config.draft_artifact or not config.draft_path:
+            raise VtoolError("--speculative-config: the draft model was not built (with_draft_built resolves "
+                             "\"model\" to a compiled artifact before the engine starts)")
+        checkpoint = open_checkpoint(Path(config.draft_path))
+        return open_session(Path(config.draft_artifact), checkpoint, max_model_len=max_model_len)
 
     def encode_prompt(self, text: str, chat: bool = False) -> list[int]:
         if chat:
@@ -62,3 +72,26 @@ def open_session(artifact: Path, checkpoint: Checkpoint, tokenizer_config: str |
     gc.collect()
     gc.freeze()
     return session
+
+
+DraftBuilder = Callable[[Path, str, str], Path]  # (weights, dtype, quantization) -> artifact folder
+
+
+def with_draft_built(config: SpeculativeConfig | None, target_dtype: str,
+                     build: DraftBuilder | None) -> SpeculativeConfig | None:
+    """The config with its draft model resolved to weights and a compiled artifact (built for
+    the target's device; dtype "auto" takes the target's), so an engine can open it."""
+    if config is None or config.method != "draft_model" or config.draft_path:
+        return config
+    from vtool.runtime.weights.hub import resolve_model_path
+
+    path = resolve_model_path(config.model, config.revision)
+    if config.draft_artifact:
+        from vtool.runtime.artifact.archive import open_artifact
+
+        return config.resolved(str(open_artifact(Path(config.draft_artifact))), str(path))
+    if build is None:
+        raise VtoolError("--speculative-config: this vtool is the runtime only (no compiler): give the draft's "
+                         "prebuilt artifact as \"artifact\"")
+    dtype = target_dtype if config.dtype == "auto" else config.dtype
+    return config.resolved(str(build(path, dtype, config.quantization)), str(path))

@@ -54,6 +54,22 @@ class BlockMachine(RuleBasedStateMachine):
         self.next_id += 1
 
     @precondition(lambda self: self.m.sequences())
+    @rule(data=st.data(), n=st.integers(0, 9))
+    def pop(self, data, n) -> None:
+        seq = self._seq(data)
+        length, blocks = self.m.length(seq), self.m.blocks_of(seq)
+        n = min(n, length)
+        start = (length - n) // self.m.block_size
+        if n and any(self.m.ref_count(b) > 1 for b in blocks[start:]):
+            with pytest.raises(ValueError, match="shares"):
+                self.m.pop(seq, n)
+            return
+        before = self.m.num_free_blocks
+        self.m.pop(seq, n)
+        assert self.m.length(seq) == length - n
+        assert self.m.num_free_blocks == before + len(blocks) - len(self.m.blocks_of(seq))
+
+    @precondition(lambda self: self.m.sequences())
     @rule(data=st.data())
     def remove(self, data) -> None:
         seq = self._seq(data)
@@ -141,7 +157,8 @@ def tiny_model(tiny_shape_dir):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.sampled_from(["add", "fork", "feed", "remove"]), st.integers(0, 50), st.integers(1, 40)),
+@given(st.lists(st.tuples(st.sampled_from(["add", "fork", "feed", "pop", "remove"]), st.integers(0, 50),
+                          st.integers(1, 40)),
                 min_size=1, max_size=25))
 def test_mirror_agrees_with_tvm(tiny_model, ops):
     """The same random operations on TVM's cache and on the mirror leave the same free-block count."""
@@ -151,17 +168,24 @@ def test_mirror_agrees_with_tvm(tiny_model, ops):
     kv = PagedKVCache(tiny_model, num_blocks=12, block_size=16, max_num_seqs=4, prefill_chunk=64)
     assert kv.in_sync()
     next_id = 0
+    own_from: dict[int, int] = {}  # pops take back only tokens a sequence computed itself (speculation)
     for op, a, b in ops:
         live = kv.blocks.sequences()
         if op == "add" or not live:
             kv.add(next_id)
+            own_from[next_id] = 0
             next_id += 1
         elif op == "fork":
             parent = live[a % len(live)]
             pos = b % (kv.blocks.length(parent) + 1)
             if kv.blocks.blocks_for_fork(pos) <= kv.blocks.num_free_blocks:
                 kv.fork(parent, next_id, pos)
+                own_from[next_id] = pos
+                own_from[parent] = max(own_from[parent], kv.blocks.length(parent))  # its pages are shared now
                 next_id += 1
+        elif op == "pop":
+            seq = live[a % len(live)]
+            kv.pop(seq, min(b, kv.blocks.length(seq) - own_from[seq]))
         elif op == "feed":
             seq = live[a % len(live)]
             if kv.blocks.blocks_needed(seq, b) <= kv.blocks.num_free_blocks:

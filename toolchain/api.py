@@ -9,7 +9,8 @@ from vtool.runtime.weights.default_model import default_model_path
 from vtool.runtime.weights.hub import resolve_model_path
 from vtool.runtime.engine.engine import EngineConfig
 from vtool.runtime.engine.offline import OfflineLLM
-from vtool.runtime.session import open_session
+from vtool.runtime.engine.spec_config import parse_speculative_config
+from vtool.runtime.session import open_session, with_draft_built
 from vtool.toolchain.build import build_artifact
 
 
@@ -19,9 +20,16 @@ class LLM(OfflineLLM):
 
     def __init__(self, model: str | Path | None = None, target: str = "host", dtype: str = "float32",
                  max_model_len: int | None = None, tokenizer_config: str | Path | None = None,
-                 revision: str | None = None, **engine_kwargs: Any):
+                 revision: str | None = None, speculative_config: dict[str, Any] | str | None = None,
+                 **engine_kwargs: Any):
         path = resolve_model_path(str(model), revision) if model else default_model_path()
         checkpoint = open_checkpoint(path)
         artifact = build_artifact(path, target, dtype, checkpoint=checkpoint)
         session = open_session(artifact, checkpoint, tokenizer_config, max_model_len)
+        if speculative_config is not None:
+            # vLLM's LLM(speculative_config={...}); a draft model is built for the same target
+            engine_kwargs["speculative"] = with_draft_built(
+                parse_speculative_config(speculative_config), dtype,
+                lambda draft, draft_dtype, quantization: build_artifact(draft, target, draft_dtype,
+                                                                        quantization=quantization))
         super().__init__(session, EngineConfig(**engine_kwargs))

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the compiler is imported only when a pass is made: resolve_
 GemmBackend = Literal["tir", "cublas"]
 GEMM_CHOICES = ("auto", "tir", "cublas")
 EXTERN_SYMBOL = "vtool_cublas_gemm_nt"
-OFFLOADED_FUNCTIONS = ("prefill", "batch_prefill", "batch_decode")
+OFFLOADED_FUNCTIONS = ("prefill", "batch_prefill", "batch_decode", "batch_verify")
 SOURCE = Path(__file__).with_name("native") / "cublas_gemm.cc"
 _OFFLOADED_DTYPES = ("bfloat16", "float16", "float32")
 

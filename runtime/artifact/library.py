@@ -134,6 +134,10 @@ class CompiledModel:
     def function(self, name: str) -> Any:
         return self._fns[name]
 
+    def has_function(self, name: str) -> bool:
+        """Whether the library has this entry point (artifacts built before it was added lack it)."""
+        return name in self._fns
+
     @property
     def on_gpu(self) -> bool:
         return self.device_type != "cpu"

@@ -28,7 +28,8 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def local_server(model_path: Path, artifact_dir: Path, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_blocks: int | None, console: Console) -> Iterator[tuple[str, Tokenizer]]:
+                 num_blocks: int | None, console: Console,
+                 extra_args: list[str] | None = None) -> Iterator[tuple[str, Tokenizer]]:
     """A `vtool serve` of an artifact already built (the runtime's own command, so this works in a
     runtime-only install and never compiles while the clock runs)."""
     port = free_port()
@@ -37,6 +38,7 @@ def local_server(model_path: Path, artifact_dir: Path, max_num_seqs: int, max_nu
            "--max-num-batched-tokens", str(max_num_batched_tokens), "--disable-log-requests"]
     if num_blocks:
         cmd += ["--num-blocks", str(num_blocks)]
+    cmd += extra_args or []
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vtool-bench-server-{port}.log"
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)

@@ -24,6 +24,8 @@ from vtool.runtime.engine.prefix_cache import PrefixCache
 from vtool.runtime.engine.request import CoreOutput, FinishedRequestStats, Request, Status, StepOutput
 from vtool.runtime.engine.runner import InFlightStep, ModelRunner
 from vtool.runtime.engine.scheduler import POLICIES, Scheduler, SchedulerConfig
+from vtool.runtime.engine.spec_config import SpeculativeConfig
+from vtool.runtime.engine.speculator import Speculator
 from vtool.runtime.engine.step_types import ScheduledSequence
 from vtool.runtime.engine.text_stage import TextStage
 from vtool.runtime.engine.validation import RequestError, RequestLimits
@@ -64,6 +66,8 @@ class EngineConfig:
     # Structured output: append the tokens a grammar forces without a decode step each
     # (engine/grammar_stage.py); False decodes them one step at a time.
     grammar_jump_forward: bool = True
+    # --speculative-config (engine/spec_config.py); None: no speculation.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in POLICIES:
@@ -113,6 +117,13 @@ class EngineCounters:
     # engine's time goes, read as rates between two snapshots.
     schedule_seconds: float = 0.0
     output_seconds: float = 0.0
+    # Speculative decoding, as vLLM counts it: sequences that carried drafts into a step,
+    # the drafts, the accepted ones, and the accepted ones by draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    propose_seconds: float = 0.0
 
 
 @dataclasses.dataclass
@@ -145,6 +156,11 @@ class Engine:
         self.max_model_len = config.max_model_len or session.max_model_len
         if self.max_model_len > session.max_model_len:
             raise VtoolError(f"max_model_len {self.max_model_len} is past the session's {session.max_model_len}")
+        self.vocab_size = self.model.vocab_size
+        self.output_processor = OutputProcessor(self.max_model_len)
+        # Before the KV cache: on a GPU the cache takes a share of what memory is free, and a
+        # draft model's weights and cache must be in place by then.
+        self.speculator = Speculator.create(config.speculative, self) if config.speculative else None
         num_blocks = config.num_blocks or max(
             1, min(kv_memory_budget(self.model, config) // kv_bytes_per_block(self.model.manifest, config.block_size),
                    -(-self.max_model_len * config.max_num_seqs // config.block_size)))
@@ -160,14 +176,13 @@ class Engine:
             log.warning("max_model_len lowered from %d to %d, what %d KV blocks of %d tokens hold",
                         self.max_model_len, capacity, self.kv.blocks.num_blocks, config.block_size)
             self.max_model_len = capacity
-        self.vocab_size = self.model.vocab_size
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, kv_capacity_tokens=capacity,
                                     max_new_tokens_ceiling=config.max_new_tokens_ceiling)
         self.prefix_cache = PrefixCache(self.kv.blocks) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.scheduling_policy), self.kv, self.prefix_cache)
         self.runner = ModelRunner(self.model, self.kv, device_sampling=config.device_sampling)
-        self.output_processor = OutputProcessor(self.max_model_len)
+        self.output_processor.max_model_len = self.max_model_len
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextStage] = {}  # in-process text stages (add_request with_text)
         self.grammar = GrammarStage(self.tokenizer, self.vocab_size, session.stop_ids, config.grammar_jump_forward)
@@ -297,6 +312,10 @@ class Engine:
         return outputs
 
     def _launch(self) -> _Launched | None:
+        if self.speculator is not None:
+            t0 = time.perf_counter()
+            self.speculator.propose(self.scheduler.running)
+            self.counters.propose_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.counters.schedule_seconds += time.perf_counter() - t0
@@ -322,18 +341,27 @@ class Engine:
         for request, sequence, result in zip(launched.requests, launched.flight.step.sequences, ran.results):
             if request.finished:
                 continue
-            self._account(request, sequence, result.logits)
+            if sequence.draft_ids:
+                self._account_drafts(request, sequence, result.num_accepted)
+            else:
+                self._account(request, sequence, result.logits)
             if result.sampled is not None:
-                self.counters.generation_tokens += 1
                 last = request.last_token_time
+                sampled = [result.sampled]
                 finish, stop_reason = self.output_processor.update(request, result.sampled, now)
+                for more in result.more:  # tokens a speculative step kept
+                    if finish is not None:
+                        break
+                    sampled.append(more)
+                    finish, stop_reason = self.output_processor.update(request, more, now)
+                self.counters.generation_tokens += len(sampled)
                 forced: list[int] = []
                 if finish is None and request.sampler.logits_processors:
                     forced = self.grammar.forced_tokens(request, self.output_processor.room(request))
                     if forced:
                         finish, stop_reason = self.output_processor.extend(request, forced)
                         self.counters.generation_tokens += len(forced)
-                taken.append((request, result.sampled, finish, stop_reason, last, forced))
+                taken.append((request, sampled, finish, stop_reason, last, forced))
                 if finish is not None:
                     self._finish(request, finish, stop_reason)
         self.counters.output_seconds += time.perf_counter() - t0
@@ -354,8 +382,9 @@ class Engine:
             outputs.append(out)
         if observer is not None and taken:
             # vLLM's iteration tokens: tokens generated, plus each prompt that got its first token.
-            observer.observe_iteration(len(outputs) + sum(o.num_prompt_tokens for o in outputs
-                                                          if o.num_output_tokens == 1))
+            observer.observe_iteration(sum(len(o.new_token_ids) for o in outputs)
+                                       + sum(o.num_prompt_tokens for o in outputs
+                                             if o.num_output_tokens == len(o.new_token_ids)))
         return outputs
 
     def _account(self, request: Request, sequence: ScheduledSequence, logits: Any) -> None:
@@ -366,6 +395,21 @@ class Engine:
         if sequence.return_logits and logits is not None and request.prompt_logprobs is None:
             self._collect_prompt_logits(request, n, logits)
         request.num_computed += n
+
+    def _account_drafts(self, request: Request, sequence: ScheduledSequence, accepted: int) -> None:
+        """Move the request past its last token and the drafts the target accepted; the rejected
+        drafts' K/V is taken back out of the cache (the draft model's own, at its next proposal)."""
+        k = len(sequence.draft_ids)
+        request.num_computed += 1 + accepted
+        self.kv.pop(request.seq_id, k - accepted)
+        c = self.counters
+        c.spec_num_drafts += 1
+        c.spec_num_draft_tokens += k
+        c.spec_num_accepted_tokens += accepted
+        if len(c.spec_accepted_per_pos) < k:
+            c.spec_accepted_per_pos.extend([0] * (k - len(c.spec_accepted_per_pos)))
+        for pos in range(accepted):
+            c.spec_accepted_per_pos[pos] += 1
 
     def _collect_prompt_logits(self, request: Request, n: int, rows: np.ndarray) -> None:
         chunks = request.prompt_logit_chunks
@@ -381,6 +425,8 @@ class Engine:
         request.status, request.finish_reason, request.stop_reason = Status.FINISHED, reason, stop_reason
         self.scheduler.release(request)
         self.grammar.discard(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release(request)
         self.requests.pop(request.request_id, None)
         if reason == "abort" and not reported:
             self.texts.pop(request.request_id, None)

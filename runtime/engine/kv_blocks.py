@@ -81,6 +81,25 @@ class KVBlockManager:
         self._blocks[seq_id].extend(self._take() for _ in range(need))
         self._lengths[seq_id] += num_tokens
 
+    def pop(self, seq_id: int, num_tokens: int) -> None:
+        """Drop the sequence's last num_tokens (rejected speculative tokens); pages left empty
+        go back unless another sequence holds them."""
+        length = self._lengths[seq_id]
+        if not 0 <= num_tokens <= length:
+            raise ValueError(f"cannot pop {num_tokens} tokens from sequence {seq_id} of length {length}")
+        keep = self._ceil(length - num_tokens)
+        blocks = self._blocks[seq_id]
+        first_touched = (length - num_tokens) // self.block_size
+        if num_tokens and any(self._refs[b] > 1 for b in blocks[first_touched:]):
+            # TVM re-forks such a sequence; the engine only ever pops tokens it appended itself.
+            raise ValueError(f"cannot pop {num_tokens} tokens of sequence {seq_id}: they reach a page it shares")
+        for block in blocks[keep:]:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
+        del blocks[keep:]
+        self._lengths[seq_id] = length - num_tokens
+
     def remove(self, seq_id: int) -> None:
         for block in self._blocks.pop(seq_id):
             self._refs[block] -= 1

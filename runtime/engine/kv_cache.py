@@ -25,7 +25,7 @@ class PagedKVCache:
             shape([0]))
         self._f = {name: global_func(f"vm.builtin.{name}") for name in (
             "kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_fork_sequence",
-            "kv_state_begin_forward", "kv_state_end_forward", "attention_kv_cache_get_num_available_pages")}
+            "kv_state_begin_forward", "kv_state_end_forward", "kv_state_popn", "attention_kv_cache_get_num_available_pages")}
         self._shape = shape
         self.max_num_seqs = max_num_seqs  # TVM sizes a step's arrays by it: no step may run more rows
         # TVM may round the page count up; the mirror starts from what TVM reports.
@@ -46,6 +46,12 @@ class PagedKVCache:
     def remove(self, seq_id: int) -> None:
         self.blocks.remove(seq_id)
         self._f["kv_state_remove_sequence"](self.handle, seq_id)
+
+    def pop(self, seq_id: int, num_tokens: int) -> None:
+        """Take back the sequence's last num_tokens (speculative tokens the target rejected)."""
+        if num_tokens:
+            self.blocks.pop(seq_id, num_tokens)
+            self._f["kv_state_popn"](self.handle, seq_id, num_tokens)
 
     def begin_forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
         for seq_id, n in zip(seq_ids, lengths):

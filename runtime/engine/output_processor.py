@@ -67,16 +67,21 @@ class OutputProcessor:
             num_output_tokens=len(request.output_ids), num_cached_tokens=request.cached_prompt_tokens,
             cumulative_logprob=request.cumulative_logprob)
 
-    def record(self, request: Request, result: SampleResult, finish: str | None,
+    def record(self, request: Request, result: SampleResult | list[SampleResult], finish: str | None,
                stop_reason: int | None, forced: list[int] = ()) -> CoreOutput:
-        """The CoreOutput for a token update() took, and the tokens a grammar forced after it
-        (the request may have moved on since: its counts are read as of those tokens)."""
+        """The CoreOutput for the token(s) update() took (one sampled token, or the tokens a
+        speculative step kept), and the tokens a grammar forced after them (the request may
+        have moved on since: its counts are read as of those tokens)."""
+        results = result if isinstance(result, list) else [result]
         num_output = len(request.output_ids)
+        taken = len(results) + len(forced)
+        last = results[-1].token_id
         return CoreOutput(
-            request_id=request.request_id, new_token_ids=[result.token_id, *forced],
-            new_logprobs=[request.output_logprobs[num_output - 1]] if request.params.logprobs is not None else [],
+            request_id=request.request_id, new_token_ids=[r.token_id for r in results] + list(forced),
+            new_logprobs=request.output_logprobs[num_output - taken:num_output]
+            if request.params.logprobs is not None else [],
             finish_reason=finish, stop_reason=stop_reason, num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=num_output, num_cached_tokens=request.cached_prompt_tokens,
             cumulative_logprob=request.cumulative_logprob,
-            prompt_logprobs=request.prompt_logprobs if num_output == 1 else None,
-            stop_token=finish == "stop" and not forced and request.sampler.is_stop_token(result.token_id))
+            prompt_logprobs=request.prompt_logprobs if num_output == taken else None,
+            stop_token=finish == "stop" and not forced and request.sampler.is_stop_token(last))

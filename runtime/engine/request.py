@@ -33,6 +33,10 @@ class Request:
     prompt_logprobs: list[Any] | None = None
     prompt_logit_chunks: list[Any] = dataclasses.field(default_factory=list)  # until the prompt is through
     num_computed: int = 0  # tokens whose K/V is in the cache
+    # Speculative proposals for the next step (set before each schedule; [] for none), and
+    # the distributions they were drawn from, [k, V] (None: proposed deterministically).
+    draft_ids: list[int] = dataclasses.field(default_factory=list)
+    draft_probs: Any = None
     seq_id: int | None = None  # the KV-cache sequence while scheduled
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"

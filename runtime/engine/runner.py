@@ -20,10 +20,11 @@ from vtool import VtoolError
 from vtool.runtime.artifact.tvm_runtime import global_func
 from vtool.runtime.engine.decode_buckets import DecodeBuckets
 from vtool.runtime.engine.kv_cache import PagedKVCache
-from vtool.runtime.engine.step_types import ModelRunnerOutput, SchedulerOutput, SequenceResult
+from vtool.runtime.engine.step_types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SequenceResult
 from vtool.runtime.sampling.bitmask_batch import prefill_grammars
 from vtool.runtime.sampling.device import DeviceSampler
 from vtool.runtime.sampling.host import sample_batch
+from vtool.runtime.sampling.spec_verify import verify_drafts
 
 log = logging.getLogger("vtool.engine")
 
@@ -148,15 +149,37 @@ class ModelRunner:
                 if flight.on_device:
                     drawn = self.device_sampler.finish_batch(flight.samplers, flight.draw)
                 else:
+                    plain = [i for i in flight.to_sample if not sequences[i].draft_ids]
                     # The grammar rows' masks in one parallel call, before the logits come to
                     # the host (on a GPU, while the step may still run); sample_batch uses them.
-                    prefill_grammars([s.logits_processors for s in flight.samplers])
-                    drawn = sample_batch(flight.logits.last_rows(flight.to_sample), flight.samplers)
+                    prefill_grammars([sequences[i].sampler.logits_processors for i in plain])
+                    drawn = sample_batch(flight.logits.last_rows(plain), [sequences[i].sampler for i in plain]) \
+                        if plain else []
+                    for i in flight.to_sample:
+                        if sequences[i].draft_ids:
+                            self._verify(sequences[i], flight.logits.rows(i), results[i])
+                    flight.to_sample = plain
                 for i, result in zip(flight.to_sample, drawn):
                     results[i].sampled = result
             return ModelRunnerOutput(results)
         finally:
             self.seconds["sample"] += time.perf_counter() - t0
+
+    @staticmethod
+    def _verify(sequence: ScheduledSequence, rows: np.ndarray, result: SequenceResult) -> None:
+        """Keep what the target model accepts of the sequence's drafts (sampling/spec_verify.py);
+        the engine proposed no more drafts than the request has room for after its next token."""
+        drafts = sequence.draft_ids
+        taken, result.num_accepted = verify_drafts(rows, drafts, sequence.sampler, len(drafts) + 1,
+                                                   sequence.draft_probs)
+        result.sampled, result.more = taken[0], taken[1:]
+
+    def _multi_token_entry(self, step: SchedulerOutput) -> str:
+        """batch_verify (decode's numerics) for a step of decodes and speculative verifications
+        only, so greedy speculation gives decoding's tokens; batch_prefill when a prompt chunk
+        is in the step (or the library predates batch_verify)."""
+        verify_only = all(s.num_tokens == 1 + len(s.draft_ids) for s in step.sequences)
+        return "batch_verify" if verify_only and self.model.has_function("batch_verify") else "batch_prefill"
 
     def _forward(self, step: SchedulerOutput) -> StepLogits:
         """Run the batch; the logits of the rows the sequences want, left on the device."""
@@ -193,7 +216,7 @@ class ModelRunner:
             if not positions:
                 positions, owners = [offset - 1], [-1]  # the entry point needs one; its row is dropped
             embeds = self._create_view(flat, m.ffi.Shape([1, len(tokens), m.hidden_size]), m.dtype, 0)
-            logits, _ = m.function("batch_prefill")(
+            logits, _ = m.function(self._multi_token_entry(step))(
                 embeds, m.upload(np.asarray(positions, dtype=np.int32), slot="positions"), self.kv.tvm, m.params)
             return StepLogits(m, logits, self.vocab_size, owners)
         finally:

@@ -102,6 +102,12 @@ class Scheduler:
             if request not in self.running:  # preempted below as someone's victim
                 continue
             n = min(request.num_tokens - request.num_computed, budget)
+            if n == 1 and request.draft_ids:
+                # Verify the drafts too when the budget and the free blocks allow (never
+                # preempting anyone for them); else the request decodes one token.
+                n = 1 + min(len(request.draft_ids), budget - 1)
+                if n > 1 and not self._ensure_free(self.kv.blocks.blocks_needed(request.seq_id, n)):
+                    n = 1
             while not self._ensure_free(self.kv.blocks.blocks_needed(request.seq_id, n)):
                 victim = self._lowest_priority_unscheduled(scheduled)
                 self._preempt(victim)
@@ -123,6 +129,14 @@ class Scheduler:
     def _scheduled(request: Request, n: int) -> ScheduledSequence:
         """The request's share of this step, as the model runner sees it."""
         start = request.num_computed
+        if start + 1 == request.num_tokens and n > 1:  # its last token and n - 1 drafts
+            drafts = tuple(request.draft_ids[: n - 1])
+            probs = request.draft_probs[: n - 1] if request.draft_probs is not None else None
+            return ScheduledSequence(
+                request_id=request.request_id, seq_id=request.seq_id,
+                token_ids=(request.output_ids[-1] if request.output_ids else request.prompt_ids[-1], *drafts),
+                num_computed=start, num_logit_rows=n, sample=True, sampler=request.sampler,
+                logits_processors=request.sampler.logits_processors, draft_ids=drafts, draft_probs=probs)
         completes = start + n == request.num_tokens
         # prompt_logprobs needs the logits at every prompt position it computes.
         wants_prompt = request.params.prompt_logprobs is not None and request.prompt_logprobs is None

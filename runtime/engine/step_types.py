@@ -33,6 +33,11 @@ class ScheduledSequence:
     return_logits: bool = False  # hand the wanted rows back to the host (prompt logprobs, verification)
     sampler: "SequenceSampler | None" = None  # the request's sampling state when `sample`
     logits_processors: tuple["LogitsProcessor", ...] = ()
+    # Speculative tokens: the trailing len(draft_ids) of token_ids are proposals the step
+    # verifies (logits at every position from the last committed token on).
+    draft_ids: tuple[int, ...] = ()
+    # The distribution each draft was drawn from, [k, V] (None: proposed deterministically).
+    draft_probs: "np.ndarray | None" = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -42,6 +47,10 @@ class ScheduledSequence:
                              f"0..{len(self.token_ids)}")
         if self.sample and (self.num_logit_rows == 0 or self.sampler is None):
             raise ValueError(f"request {self.request_id}: sampling needs the last row's logits and a sampler")
+        if self.draft_ids and (not self.sample or self.num_logit_rows != len(self.draft_ids) + 1
+                               or tuple(self.token_ids[-len(self.draft_ids):]) != tuple(self.draft_ids)):
+            raise ValueError(f"request {self.request_id}: drafts are verified from the logits of the last "
+                             f"{len(self.draft_ids) + 1} tokens, which must end with the drafts")
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +85,10 @@ class SequenceResult:
     request_id: str
     sampled: "SampleResult | None" = None  # the drawn token when the sequence asked to sample
     logits: np.ndarray | None = None  # [num_logit_rows, vocab] float32 on the host, when return_logits
+    # Speculation: the tokens taken after `sampled` (kept drafts, then the target's own
+    # token), and how many of all taken tokens are accepted drafts.
+    more: list["SampleResult"] = dataclasses.field(default_factory=list)
+    num_accepted: int = 0
 
 
 @dataclasses.dataclass

@@ -234,6 +234,15 @@ def _sample_filtered(x: np.ndarray, p: SamplingParams, rng: np.random.Generator,
     `x` is a private copy and is scaled in place.
     """
     u = rng.random()  # drawn first and always: the stream advances by one per random step
+    idx, w = filtered_weights(x, p, s, row)
+    return _draw(w, u) if idx is None else int(idx[_draw(w, u)])
+
+
+def filtered_weights(x: np.ndarray, p: SamplingParams, s: _Scratch, row: int = 0) -> tuple[np.ndarray | None, np.ndarray]:
+    """The unnormalised probabilities a random row draws from: temperature, min_p, top_k,
+    top_p applied to the processed logits `x` (a private copy, scaled in place). (None, w)
+    with w over the whole vocabulary (the scratch buffer: read it before the next row), or
+    (idx, w) over the kept token ids `idx` when top_k cut the vocabulary first."""
     x /= np.float32(p.sampling_temperature)
     m = x.max()
     if not np.isfinite(m):
@@ -250,7 +259,7 @@ def _sample_filtered(x: np.ndarray, p: SamplingParams, rng: np.random.Generator,
         if p.top_p < 1.0:
             keep = _nucleus_sorted(xs, w, p.top_p)
             idx, w = idx[keep], w[keep]
-        return int(idx[_draw(w, u)])
+        return idx, w
     e = s.e
     np.subtract(x, m, out=e)
     np.exp(e, out=e)  # unnormalised probabilities; the maximum is exactly 1
@@ -259,7 +268,19 @@ def _sample_filtered(x: np.ndarray, p: SamplingParams, rng: np.random.Generator,
         np.copyto(e, 0.0, where=np.less(e, np.float32(p.min_p), out=s.mask))
     if p.top_p < 1.0:
         _nucleus_dense(x, m, e, p.top_p, s)
-    return _draw(e, u)
+    return None, e
+
+
+def target_probs(x: np.ndarray, p: SamplingParams, s: _Scratch, row: int = 0) -> np.ndarray:
+    """filtered_weights as a dense, normalised float64 distribution over the vocabulary
+    (what speculative verification compares a draft against)."""
+    idx, w = filtered_weights(x, p, s, row)
+    if idx is None:
+        out = w.astype(np.float64)
+    else:
+        out = np.zeros(x.size, np.float64)
+        out[idx] = w
+    return out / out.sum()
 
 
 def _top_k_indices(x: np.ndarray, m: np.float32, k: int, s: _Scratch) -> np.ndarray:

@@ -97,6 +97,12 @@ class ServerMetrics:
         # vtool's own: where the engine core's host time goes, per part of a step (rates between
         # two scrapes give the profile of a running server; a GPU's "sample" includes the wait
         # for the step's kernels).
+        # Speculative decoding (vLLM's SpecDecodingProm names; zero without --speculative-config).
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position.", ("position",))
         self.engine_steps = counter("vtool:engine_steps", "Engine steps run.")
         self.engine_phase_seconds = counter(
             "vtool:engine_step_phase_seconds",
@@ -244,7 +250,15 @@ class ServerMetrics:
             if delta > 0:
                 counter.labels(m, e).inc(delta)
             self._last_engine[key] = stats[key]
-        for key, counter, labels in (("steps", self.engine_steps, ()),
+        for pos, count in enumerate(stats.get("spec_accepted_per_pos", ())):
+            key = f"spec_accepted_pos_{pos}"
+            delta = count - self._last_engine.get(key, 0)
+            if delta > 0:
+                self.spec_accepted_per_pos.labels(m, e, str(pos)).inc(delta)
+            self._last_engine[key] = count
+        for key, counter, labels in (("steps", self.engine_steps, ()), ("spec_num_drafts", self.spec_drafts, ()),
+                                     ("spec_num_draft_tokens", self.spec_draft_tokens, ()),
+                                     ("spec_num_accepted_tokens", self.spec_accepted_tokens, ()),
                                      *((f"{p}_seconds", self.engine_phase_seconds, (p,))
                                        for p in ("schedule", "forward", "sample", "output", "io"))):
             if key not in stats:

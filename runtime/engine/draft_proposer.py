@@ -1,0 +1,177 @@
+"""Drafts from a smaller model that shares the target's vocabulary ("model" in
+--speculative-config): the draft runs its own compiled library with its own paged KV cache.
+
+Per proposal round the draft first computes the tokens of each sequence it has not seen (the
+whole prompt the first time; afterwards the target's last token and the drafts it accepted),
+then decodes one token at a time up to the request's draft limit. Its cache is kept in step
+by common prefix: tokens it holds that the request no longer has (rejected drafts) are popped
+first. Greedy requests take the draft's argmax; random ones draw from the draft's own
+distribution after the request's temperature, top-k, top-p and min-p, which verification
+needs (sampling/spec_verify.py). When the draft's cache is full the least recently used
+sequences leave it; a request that still does not fit gets no drafts that step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vtool import VtoolError
+from vtool.runtime.engine.kv_cache import PagedKVCache
+from vtool.runtime.engine.request import Request
+from vtool.runtime.engine.runner import ModelRunner
+from vtool.runtime.engine.spec_config import SpeculativeConfig
+from vtool.runtime.engine.step_types import ScheduledSequence, SchedulerOutput
+from vtool.runtime.sampling.host import _scratch, _draw, make_generator, target_probs
+
+if TYPE_CHECKING:
+    from vtool.runtime.engine.engine import Engine
+    from vtool.runtime.session import Session
+
+log = logging.getLogger("vtool.engine")
+
+
+@dataclasses.dataclass
+class _DraftSequence:
+    seq_id: int
+    tokens: list[int]  # what the draft's cache holds for the request, in order
+    rng: np.random.Generator
+
+
+class DraftModelProposer:
+    def __init__(self, session: Session, config: SpeculativeConfig, max_num_seqs: int, max_model_len: int,
+                 prefill_chunk: int):
+        self.session, self.model = session, session.model
+        self.k = config.num_speculative_tokens
+        self.prefill_chunk = prefill_chunk
+        # Room for every sequence speculation can serve at once (fewer than disable_by_batch_size),
+        # each at full context plus its drafts.
+        seqs = min(max_num_seqs, config.disable_by_batch_size)
+        per_seq = -(-(max_model_len + self.k + 1) // 16)
+        self.kv = PagedKVCache(self.model, seqs * per_seq, 16, max(seqs, 1), prefill_chunk)
+        self.runner = ModelRunner(self.model, self.kv, device_sampling=False)
+        self._seqs: OrderedDict[str, _DraftSequence] = OrderedDict()  # least recently used first
+        self._next_id = 0
+
+    @classmethod
+    def open(cls, config: SpeculativeConfig, engine: Engine) -> DraftModelProposer:
+        max_len = min(engine.max_model_len, config.max_model_len or engine.max_model_len)
+        session = engine.session.open_draft(config, max_len)
+        if session.model.vocab_size != engine.vocab_size:
+            raise VtoolError(f"--speculative-config: the draft model's vocabulary has {session.model.vocab_size} "
+                             f"entries, the target's {engine.vocab_size}: a draft must share the target's tokens")
+        return cls(session, config, engine.config.max_num_seqs, engine.max_model_len,
+                   engine.config.max_num_batched_tokens)
+
+    # -- proposer interface -------------------------------------------------------------------
+    def propose_batch(self, requests: list[Request], limits: list[int]) -> None:
+        live = [(r, limit, s) for r, limit in zip(requests, limits) if (s := self._sync(r)) is not None]
+        if not live:
+            return
+        last = self._catch_up([(r.all_ids, s) for r, _, s in live])
+        drafts: list[list[int]] = [[] for _ in live]
+        probs: list[list[np.ndarray]] = [[] for _ in live]
+        for round_ in range(max(limit for _, limit, _ in live)):
+            active = [i for i, (_, limit, _) in enumerate(live) if round_ < limit]
+            if round_ > 0:
+                step = [(live[i][2], drafts[i][-1]) for i in active]
+                rows = self._decode(step)
+                last = dict(zip(active, rows))
+            for i in active:
+                request, _, seq = live[i]
+                token, q = self._choose(last[i], request, seq)
+                drafts[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+        for i, (request, _, seq) in enumerate(live):
+            request.draft_ids = drafts[i]
+            request.draft_probs = np.stack(probs[i]) if probs[i] else None
+
+    def release(self, request: Request) -> None:
+        seq = self._seqs.pop(request.request_id, None)
+        if seq is not None:
+            self.kv.remove(seq.seq_id)
+
+    # -- the draft's own cache ----------------------------------------------------------------
+    def _sync(self, request: Request) -> _DraftSequence | None:
+        """The request's draft sequence, its cache cut back to what the request still holds
+        (never its last token, whose logits propose the first draft); None when it cannot fit."""
+        ids = request.all_ids
+        seq = self._seqs.pop(request.request_id, None)
+        if seq is None:
+            if len(self._seqs) >= self.kv.max_num_seqs and not self._evict():
+                return None
+            seq = _DraftSequence(self._next_id, [], make_generator(
+                None if request.params.seed is None else request.params.seed + 1))
+            self._next_id += 1
+            self.kv.add(seq.seq_id)
+        self._seqs[request.request_id] = seq  # most recently used
+        common = 0
+        limit = min(len(seq.tokens), len(ids) - 1)
+        while common < limit and seq.tokens[common] == ids[common]:
+            common += 1
+        self.kv.pop(seq.seq_id, len(seq.tokens) - common)
+        del seq.tokens[common:]
+        need = self.kv.blocks.blocks_needed(seq.seq_id, len(ids) - common + self.k)
+        while self.kv.blocks.num_free_blocks < need:
+            if not self._evict(keep=request.request_id):
+                return None
+        return seq
+
+    def _evict(self, keep: str | None = None) -> bool:
+        for rid in self._seqs:
+            if rid != keep:
+                self.kv.remove(self._seqs.pop(rid).seq_id)
+                return True
+        return False
+
+    def _catch_up(self, items: list[tuple[list[int], _DraftSequence]]) -> dict[int, np.ndarray]:
+        """Run the tokens each draft sequence lacks, in chunks the step budget allows; the logits
+        after each sequence's last token."""
+        last: dict[int, np.ndarray] = {}
+        pending = {i: ids[len(seq.tokens):] for i, (ids, seq) in enumerate(items)}
+        while pending:
+            budget, batch = self.prefill_chunk, []
+            for i, todo in pending.items():
+                if budget <= 0:
+                    break
+                chunk = todo[:budget]
+                batch.append((i, chunk, len(chunk) == len(todo)))
+                budget -= len(chunk)
+            step = SchedulerOutput(tuple(
+                ScheduledSequence(request_id=str(i), seq_id=items[i][1].seq_id, token_ids=tuple(chunk),
+                                  num_computed=len(items[i][1].tokens), num_logit_rows=int(done), sample=False,
+                                  return_logits=done)
+                for i, chunk, done in batch))
+            results = self.runner.execute(step).results
+            for (i, chunk, done), result in zip(batch, results):
+                items[i][1].tokens.extend(chunk)
+                if done:
+                    last[i] = result.logits[-1]
+                    del pending[i]
+                else:
+                    pending[i] = pending[i][len(chunk):]
+        return last
+
+    def _decode(self, step: list[tuple[_DraftSequence, int]]) -> list[np.ndarray]:
+        out = SchedulerOutput(tuple(
+            ScheduledSequence(request_id=str(n), seq_id=seq.seq_id, token_ids=(token,), num_computed=len(seq.tokens),
+                              num_logit_rows=1, sample=False, return_logits=True)
+            for n, (seq, token) in enumerate(step)))
+        results = self.runner.execute(out).results
+        for seq, token in step:
+            seq.tokens.append(token)
+        return [r.logits[-1] for r in results]
+
+    @staticmethod
+    def _choose(row: np.ndarray, request: Request, seq: _DraftSequence) -> tuple[int, np.ndarray | None]:
+        p = request.params
+        if p.greedy:
+            return int(np.argmax(row)), None
+        scratch = _scratch(row.size)
+        x = np.array(row, dtype=np.float32, copy=True)
+        q = target_probs(x, p, scratch)
+        return _draw(q, seq.rng.random()), q

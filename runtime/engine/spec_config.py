@@ -1,0 +1,143 @@
+"""--speculative-config: vLLM's JSON object, read and checked once at startup.
+
+Two proposers run here: "ngram" (prompt lookup: the continuation of the latest earlier
+occurrence of the sequence's last n tokens) and a draft model ("model": a folder or GGUF
+sharing the target's vocabulary). Methods that need a trained head on the target's hidden
+states (EAGLE, EAGLE-3, MTP, Medusa) are refused by name: nothing here loads such a head.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from vtool import VtoolError
+
+# vLLM's ngram defaults when neither bound is given.
+NGRAM_DEFAULT_LOOKUP = 5
+# Speculation pays while a step is bound by reading the weights; past this many running
+# sequences the batch itself keeps the device busy and rejected drafts are wasted work
+# (vLLM's disable_by_batch_size, which vLLM leaves unset; measured in docs/BENCHMARKS.md).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+_HEAD_METHODS = {
+    "eagle": "an EAGLE draft head",
+    "eagle3": "an EAGLE-3 draft head",
+    "mtp": "the checkpoint's multi-token-prediction layers",
+    "deepseek_mtp": "the checkpoint's multi-token-prediction layers",
+    "medusa": "Medusa heads",
+    "mlp_speculator": "an MLP speculator head",
+}
+# "artifact" is vtool's own key: the draft's prebuilt artifact, for installs without the compiler.
+_KEYS = {"artifact", "method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+         "disable_by_batch_size", "quantization", "dtype", "revision", "draft_tensor_parallel_size",
+         "max_model_len"}
+_DRAFT_DTYPES = ("auto", "float32", "float16", "bfloat16")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # "ngram" | "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 0  # ngram only
+    prompt_lookup_max: int = 0
+    model: str | None = None  # draft_model: a folder, .gguf file or hub id
+    revision: str | None = None
+    dtype: str = "auto"  # the draft's; auto: the target's
+    quantization: str = "auto"
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    max_model_len: int | None = None
+    # Filled by whoever builds the draft (the CLI / LLM): the compiled draft's folder and
+    # its weights' path, so an engine in another process opens it without compiling.
+    draft_artifact: str | None = None
+    draft_path: str | None = None
+
+    def resolved(self, draft_artifact: str, draft_path: str) -> SpeculativeConfig:
+        return dataclasses.replace(self, draft_artifact=draft_artifact, draft_path=draft_path)
+
+
+def _int(value: Any, key: str, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise VtoolError(f"--speculative-config: {key} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise VtoolError(f"--speculative-config: {key} must be {bound}, got {value}")
+    return value
+
+
+def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+    """The checked config, or None for no speculation. Every refusal names the key."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise VtoolError(f"--speculative-config is not valid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise VtoolError(f"--speculative-config must be a JSON object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise VtoolError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(_KEYS))}")
+    method = raw.get("method")
+    if method is not None and not isinstance(method, str):
+        raise VtoolError(f"--speculative-config: method must be a string, got {method!r}")
+    if method in ("[ngram]",):
+        method = "ngram"
+    if method is None:
+        if raw.get("model") is None:
+            raise VtoolError('--speculative-config needs "method" ("ngram") or a draft "model"')
+        method = "draft_model"
+    if method in _HEAD_METHODS:
+        raise VtoolError(f"--speculative-config: method {method!r} needs {_HEAD_METHODS[method]} run on the "
+                         "target's hidden states, which vtool cannot load yet; use \"ngram\" or a draft \"model\"")
+    if method not in ("ngram", "draft_model"):
+        raise VtoolError(f"--speculative-config: method {method!r} is not one of ngram, draft_model "
+                         f"(refused by name: {', '.join(sorted(_HEAD_METHODS))})")
+    if "num_speculative_tokens" not in raw:
+        raise VtoolError("--speculative-config: num_speculative_tokens is required")
+    k = _int(raw["num_speculative_tokens"], "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+    tp = raw.get("draft_tensor_parallel_size", 1)
+    if tp is not None and _int(tp, "draft_tensor_parallel_size", 1) != 1:
+        raise VtoolError("--speculative-config: draft_tensor_parallel_size must be 1 (vtool runs one device)")
+    disable = raw.get("disable_by_batch_size")
+    disable = DEFAULT_DISABLE_BY_BATCH_SIZE if disable is None else _int(disable, "disable_by_batch_size", 1)
+    max_len = raw.get("max_model_len")
+    max_len = None if max_len is None else _int(max_len, "max_model_len", 1)
+    if method == "ngram":
+        for key in ("model", "quantization", "dtype", "revision"):
+            if raw.get(key) is not None:
+                raise VtoolError(f"--speculative-config: {key} belongs to a draft model, not method \"ngram\"")
+        lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = NGRAM_DEFAULT_LOOKUP
+        lo = _int(lo if lo is not None else hi, "prompt_lookup_min", 1)
+        hi = _int(hi if hi is not None else lo, "prompt_lookup_max", 1)
+        if lo > hi:
+            raise VtoolError(f"--speculative-config: prompt_lookup_min {lo} is above prompt_lookup_max {hi}")
+        return SpeculativeConfig("ngram", k, prompt_lookup_min=lo, prompt_lookup_max=hi,
+                                 disable_by_batch_size=disable, max_model_len=max_len)
+    for key in ("prompt_lookup_min", "prompt_lookup_max"):
+        if raw.get(key) is not None:
+            raise VtoolError(f"--speculative-config: {key} belongs to method \"ngram\", not a draft model")
+    model = raw.get("model")
+    if not isinstance(model, str) or not model:
+        raise VtoolError(f"--speculative-config: a draft model needs \"model\" (a folder, .gguf file or hub id), "
+                         f"got {model!r}")
+    dtype = raw.get("dtype") or "auto"
+    if dtype not in _DRAFT_DTYPES:
+        raise VtoolError(f"--speculative-config: dtype {dtype!r} is not one of {', '.join(_DRAFT_DTYPES)}")
+    quantization = raw.get("quantization") or "auto"
+    if not isinstance(quantization, str):
+        raise VtoolError(f"--speculative-config: quantization must be a string, got {quantization!r}")
+    revision = raw.get("revision")
+    if revision is not None and not isinstance(revision, str):
+        raise VtoolError(f"--speculative-config: revision must be a string, got {revision!r}")
+    artifact = raw.get("artifact")
+    if artifact is not None and not isinstance(artifact, str):
+        raise VtoolError(f"--speculative-config: artifact must be a path, got {artifact!r}")
+    return SpeculativeConfig("draft_model", k, model=model, revision=revision, dtype=dtype,
+                             quantization=quantization, disable_by_batch_size=disable, max_model_len=max_len,
+                             draft_artifact=artifact)
