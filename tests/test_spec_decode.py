@@ -169,10 +169,10 @@ def run_many(n: int, draft_from_q: bool, params: dict) -> tuple[np.ndarray, np.n
         first[taken[0].token_id] += 1
         if taken[0].token_id == drafts[0] and len(taken) > 1:
             second[taken[1].token_id] += 1
-    from vtool.runtime.sampling.host import _scratch, target_probs
+    from vtool.runtime.sampling.host import scratch_buffers, target_probs
 
     p = SamplingParams(max_tokens=10, **params)
-    expect = [target_probs(P_ROWS[j].copy(), p, _scratch(VOCAB)) for j in range(2)]
+    expect = [target_probs(P_ROWS[j].copy(), p, scratch_buffers(VOCAB)) for j in range(2)]
     return first, second, np.stack(expect)
 
 

@@ -25,7 +25,7 @@ from vtool.runtime.engine.request import Request
 from vtool.runtime.engine.runner import ModelRunner
 from vtool.runtime.engine.spec_config import SpeculativeConfig
 from vtool.runtime.engine.step_types import ScheduledSequence, SchedulerOutput
-from vtool.runtime.sampling.host import _scratch, _draw, make_generator, target_probs
+from vtool.runtime.sampling.host import draw_index, make_generator, scratch_buffers, target_probs
 
 if TYPE_CHECKING:
     from vtool.runtime.engine.engine import Engine
@@ -171,7 +171,7 @@ class DraftModelProposer:
         p = request.params
         if p.greedy:
             return int(np.argmax(row)), None
-        scratch = _scratch(row.size)
+        scratch = scratch_buffers(row.size)
         x = np.array(row, dtype=np.float32, copy=True)
         q = target_probs(x, p, scratch)
-        return _draw(q, seq.rng.random()), q
+        return draw_index(q, seq.rng.random()), q

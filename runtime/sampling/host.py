@@ -179,7 +179,7 @@ class _Scratch:
 _SCRATCH = threading.local()  # one set of buffers per thread (the engine's, a Generator's)
 
 
-def _scratch(vocab: int) -> _Scratch:
+def scratch_buffers(vocab: int) -> _Scratch:
     s = getattr(_SCRATCH, "buffers", None)
     if s is None or s.vocab != vocab:
         s = _SCRATCH.buffers = _Scratch(vocab)
@@ -193,7 +193,7 @@ def sample_batch(logits: np.ndarray, seqs: Sequence[SequenceSampler]) -> list[Sa
         raise VtoolError(f"sample_batch needs logits of shape [{len(seqs)}, vocab] for {len(seqs)} "
                          f"sequences, got {logits.shape}")
     vocab = logits.shape[1]
-    scratch = _scratch(vocab)
+    scratch = scratch_buffers(vocab)
     if sum(1 for seq in seqs if seq.logits_processors) > 1:
         # Every grammar row's mask in one parallel call, before the rows' apply() (which then
         # uses it); a lone grammar computes its own.
@@ -210,7 +210,7 @@ def sample_batch(logits: np.ndarray, seqs: Sequence[SequenceSampler]) -> list[Sa
             if not np.isfinite(raw_max):
                 raise VtoolError(f"logits row {i} has no finite maximum ({raw_max}): the model produced NaN/inf")
             seq.append_token(token)
-            results.append(_raw_logprobs(raw, raw_max, token, seq.params.logprobs, scratch))
+            results.append(raw_logprobs(raw, raw_max, token, seq.params.logprobs, scratch))
             continue
         raw_max = raw.max()
         if not np.isfinite(raw_max):
@@ -223,7 +223,7 @@ def sample_batch(logits: np.ndarray, seqs: Sequence[SequenceSampler]) -> list[Sa
         else:
             token = _sample_filtered(x, seq.params, seq.rng, scratch, row=i)
         seq.append_token(token)
-        results.append(_raw_logprobs(raw, raw_max, token, seq.params.logprobs, scratch))
+        results.append(raw_logprobs(raw, raw_max, token, seq.params.logprobs, scratch))
     return results
 
 
@@ -235,7 +235,7 @@ def _sample_filtered(x: np.ndarray, p: SamplingParams, rng: np.random.Generator,
     """
     u = rng.random()  # drawn first and always: the stream advances by one per random step
     idx, w = filtered_weights(x, p, s, row)
-    return _draw(w, u) if idx is None else int(idx[_draw(w, u)])
+    return draw_index(w, u) if idx is None else int(idx[draw_index(w, u)])
 
 
 def filtered_weights(x: np.ndarray, p: SamplingParams, s: _Scratch, row: int = 0) -> tuple[np.ndarray | None, np.ndarray]:
@@ -356,7 +356,7 @@ def _nucleus_dense(x: np.ndarray, m: np.float32, e: np.ndarray, top_p: float, s:
 _DRAW_BLOCK = 1024
 
 
-def _draw(w: np.ndarray, u: float) -> int:
+def draw_index(w: np.ndarray, u: float) -> int:
     """Index i with probability w[i] / sum(w), from one uniform u in [0, 1): inverse CDF,
     by block sums first so a 150k vocabulary needs no full cumulative sum."""
     n = w.size
@@ -400,7 +400,7 @@ def _top_n(raw: np.ndarray, raw_max: np.float32, n: int, s: _Scratch) -> np.ndar
     return idx[np.lexsort((idx, -raw[idx]))][:n]
 
 
-def _raw_logprobs(raw: np.ndarray, raw_max: np.float32, token: int, num: int | None,
+def raw_logprobs(raw: np.ndarray, raw_max: np.float32, token: int, num: int | None,
                   s: _Scratch) -> SampleResult:
     lse = _raw_logsumexp(raw, raw_max, s)
     result = SampleResult(token_id=token, logprob=float(raw[token]) - lse)
@@ -437,6 +437,6 @@ def prompt_logprobs(logits_for_prompt: np.ndarray, prompt_ids: Sequence[int],
         raw_max = raw.max()
         if not np.isfinite(raw_max):
             raise VtoolError(f"prompt logits row {pos - 1} has no finite maximum ({raw_max})")
-        result = _raw_logprobs(raw, raw_max, ids[pos], k, scratch)
+        result = raw_logprobs(raw, raw_max, ids[pos], k, scratch)
         out.append(result.logprobs_dict())
     return out

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from vtool import VtoolError
-from vtool.runtime.sampling.host import SampleResult, SequenceSampler, _draw, _raw_logprobs, _scratch, target_probs
+from vtool.runtime.sampling.host import (SampleResult, SequenceSampler, draw_index, raw_logprobs, scratch_buffers,
+                                         target_probs)
 
 
 def _ended(seq: SequenceSampler, token: int) -> bool:
@@ -44,7 +45,7 @@ def verify_drafts(rows: np.ndarray, drafts: Sequence[int], seq: SequenceSampler,
         raise VtoolError(f"verification needs room for at least one token, got {room}")
     vocab = rows.shape[1]
     seq._check_vocab(vocab)
-    scratch = _scratch(vocab)
+    scratch = scratch_buffers(vocab)
     p = seq.params
     results: list[SampleResult] = []
     accepted = 0
@@ -63,7 +64,7 @@ def verify_drafts(rows: np.ndarray, drafts: Sequence[int], seq: SequenceSampler,
         else:
             target = target_probs(x, p, scratch, row=j)
             if draft is None:
-                token, kept = _draw(target, seq.rng.random()), False
+                token, kept = draw_index(target, seq.rng.random()), False
             else:
                 q = None if draft_probs is None else np.asarray(draft_probs[j], dtype=np.float64)
                 q_d = 1.0 if q is None else float(q[draft])
@@ -78,9 +79,9 @@ def verify_drafts(rows: np.ndarray, drafts: Sequence[int], seq: SequenceSampler,
                         residual = np.maximum(target - q, 0.0)
                     if residual.sum() <= 0.0:  # p == q up to rounding: any draw from p is right
                         residual = target
-                    token = _draw(residual, seq.rng.random())
+                    token = draw_index(residual, seq.rng.random())
         seq.append_token(token)
-        results.append(_raw_logprobs(raw, raw_max, token, p.logprobs, scratch))
+        results.append(raw_logprobs(raw, raw_max, token, p.logprobs, scratch))
         if kept:
             accepted += 1
         if not kept or _ended(seq, token) or len(results) >= room:

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the draft is the file real_gguf_check.py already pins: one source for its packages and hash
 import real_gguf_check  # noqa: E402
+from vtool.runtime.weights.default_model import sha256_of  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -58,14 +59,6 @@ def _write_stamp(path: Path, digest: str) -> None:
     _stamp(path).write_text(json.dumps({"sha256": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns}) + "\n")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def is_verified(path: Path, asset: Asset) -> bool:
     """Whether `path` is the asset: by its stamp when size and mtime still match, else by hashing
     it (and stamping it when it is right)."""
@@ -79,7 +72,7 @@ def is_verified(path: Path, asset: Asset) -> bool:
     except (OSError, ValueError, KeyError):
         pass
     log(f"hashing {path}")
-    digest = _sha256(path)
+    digest = sha256_of(path)
     if digest == asset.sha256:
         _write_stamp(path, digest)
     return digest == asset.sha256
