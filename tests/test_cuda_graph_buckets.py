@@ -78,9 +78,10 @@ def test_pick_size_examples():
 
 
 def test_the_entry_point_name_is_the_toolchains():
-    from vtool.toolchain.families import CAPTURED_BATCH_DECODE
+    from vtool.toolchain.families import CAPTURED_BATCH_DECODE, CAPTURED_BATCH_VERIFY
 
     assert db.CAPTURED_ENTRY == CAPTURED_BATCH_DECODE
+    assert db.CAPTURED_VERIFY_ENTRY == CAPTURED_BATCH_VERIFY
 
 
 # --- the padding protocol against a stand-in KV cache --------------------------------------------
@@ -480,8 +481,16 @@ def test_the_cuda_pipeline_adds_a_captured_batch_decode_and_no_kernel(tiny_check
     assert all(line.rstrip().endswith("),))") or "ty_args" in line for line in calls)
     assert "run_or_capture" not in functions[(2, 4, 16)]["batch_decode"].script()  # eager batch_decode unchanged
     assert not any(gv.name_hint == "batch_decode_captured" for gv in functions[()].get_global_vars())
+    # speculative verification: batch_verify captured per (token count, position count)
+    verify = functions[(2, 4, 16)]["batch_verify_captured"]
+    assert {k: int(v) for k, v in verify.attrs["tir_var_upper_bound"].items()} == {"seq_len": 16, "batch_size": 16}
+    assert list(verify.attrs["relax.rewrite_cuda_graph.capture_symbolic_vars"]) == ["seq_len", "batch_size"]
+    assert verify.script().count("vm.builtin.cuda_graph.run_or_capture") >= cfg.num_hidden_layers
+    assert "run_or_capture" not in functions[(2, 4, 16)]["batch_verify"].script()
+    assert not any(gv.name_hint == "batch_verify_captured" for gv in functions[()].get_global_vars())
     described = describe("cuda", "cublas", (2, 4, 16))
     assert described["cuda_graph_batch"] == {"entry": "batch_decode_captured", "sizes": [2, 4, 16], "max_batch": 16}
+    assert described["cuda_graph_verify"] == {"entry": "batch_verify_captured", "max_tokens": 16}
     assert described["passes"].index("VtoolCaptureBatchDecode") == described["passes"].index("cuda.dataflow_lower") - 1
     assert "cuda_graph_batch" not in describe("cuda", "cublas", ())
     assert tvm is not None

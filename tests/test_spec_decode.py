@@ -5,6 +5,7 @@ KV block a rejected draft took, with the tiny model as target and as its own dra
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from vtool import VtoolError
+from vtool.runtime.engine.decode_buckets import CAPTURED_VERIFY_ENTRY
 from vtool.runtime.engine.engine import Engine, EngineConfig
 from vtool.runtime.engine.ngram_proposer import NgramProposer, ngram_drafts
 from vtool.runtime.engine.spec_config import DEFAULT_DISABLE_BY_BATCH_SIZE, parse_speculative_config
@@ -285,6 +287,75 @@ def test_the_tiny_model_as_its_own_draft_accepts_everything_and_changes_nothing(
     # sampling with a seed: the same tokens twice
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)
     assert run(engine, prompts, params) == run(engine, prompts, params)
+
+
+class GraphStandIn:
+    """The model as a runner sees it, with `batch_verify_captured` answered by the library's own
+    batch_verify (a CPU build captures no CUDA graph; the same entry point runs) and every entry
+    point called counted: which one each step chose, checked without a GPU."""
+
+    def __init__(self, model):
+        self._model, self.calls = model, Counter()
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def _real(self, name: str) -> str:
+        return "batch_verify" if name == CAPTURED_VERIFY_ENTRY else name
+
+    def has_function(self, name: str) -> bool:
+        return self._model.has_function(self._real(name))
+
+    def function(self, name: str):
+        self.calls[name] += 1
+        return self._model.function(self._real(name))
+
+
+def test_short_verifications_take_the_captured_entry_on_target_and_draft(tiny_session, tiny_model_dir,
+                                                                          tiny_artifact, prompts, baseline):
+    config = parse_speculative_config({"model": str(tiny_model_dir), "num_speculative_tokens": 3})
+    engine = Engine(tiny_session, EngineConfig(speculative=config.resolved(str(tiny_artifact), str(tiny_model_dir))))
+    runners = {"target": engine.runner, "draft": engine.speculator.proposer.runner}
+    for runner in runners.values():
+        runner.model, runner.verify_graph_tokens = GraphStandIn(runner.model), 12
+    assert run(engine, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) == baseline
+    target, draft = (runners[k].model.calls for k in ("target", "draft"))
+    # 3 sequences x (1 + 3 drafts) = 12 tokens: every verification captured, the prompts not
+    assert target[CAPTURED_VERIFY_ENTRY] > 0 and target["batch_verify"] == 0 and target["batch_prefill"] >= 1
+    # the draft's catch-up after each verification (at most 1 + k tokens, every row) is captured;
+    # its first catch-up (the prompts) wants one row each and runs batch_verify uncaptured
+    assert draft[CAPTURED_VERIFY_ENTRY] > 0 and draft["batch_verify"] >= 1 and draft["batch_prefill"] == 0
+    assert engine.kv.in_sync() and engine.kv_usage() == 0.0
+
+
+def test_the_runner_picks_the_multi_token_entry_by_what_the_step_holds(tiny_session):
+    from vtool.runtime.engine.kv_cache import PagedKVCache
+    from vtool.runtime.engine.runner import ModelRunner
+    from vtool.runtime.engine.step_types import ScheduledSequence, SchedulerOutput
+
+    kv = PagedKVCache(tiny_session.model, 8, 16, 4, 64)
+    runner, follower = ModelRunner(tiny_session.model, kv), ModelRunner(tiny_session.model, kv, continuations=True)
+    for r in (runner, follower):
+        r.verify_graph_tokens = 8
+
+    def seq(n: int, drafts: int = 0, rows: int | None = None) -> ScheduledSequence:
+        tokens = tuple(range(1, n + 1))
+        return ScheduledSequence(request_id=f"{n}-{drafts}", seq_id=0, token_ids=tokens, num_computed=4,
+                                 num_logit_rows=n if rows is None else rows, sample=bool(drafts),
+                                 sampler=SequenceSampler(SamplingParams(temperature=0), [0], vocab_size=64)
+                                 if drafts else None, draft_ids=tokens[n - drafts:] if drafts else ())
+
+    def entry(r, *seqs) -> str:
+        step = SchedulerOutput(seqs)
+        return r._multi_token_entry(step, sum(s.num_logit_rows for s in seqs))
+
+    assert entry(runner, seq(4, 3), seq(1, 0, 1)) == CAPTURED_VERIFY_ENTRY  # 5 tokens, every row
+    assert entry(runner, seq(5, 4), seq(5, 4)) == "batch_verify"  # 10 tokens: past the graphs' bound
+    assert entry(runner, seq(6, 0, 1), seq(3, 2)) == "batch_prefill"  # a prompt chunk in the step
+    assert entry(follower, seq(3, 0, 3)) == CAPTURED_VERIFY_ENTRY  # a draft's catch-up, every row
+    assert entry(follower, seq(6, 0, 1)) == "batch_verify"  # one row of six: no graph for it
+    runner.verify_graph_tokens = 0  # a library without the captured entry
+    assert entry(runner, seq(4, 3)) == "batch_verify"
 
 
 def test_speculation_stops_at_the_batch_size_rule(tiny_session, prompts):

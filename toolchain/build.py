@@ -162,7 +162,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     t0 = time.perf_counter()
     target, mod, params, entry_points = model_module(cfg, target_spec, dtype, progress, attention=attention)
     graph_sizes = tuple(cuda_graph_sizes)
-    entry_points = entry_points + graph_entry_points(graph_sizes)  # batch_decode_captured (toolchain/pipeline.py)
+    entry_points = entry_points + graph_entry_points(graph_sizes, entry_points)  # the *_captured copies (pipeline.py)
     t_export = time.perf_counter() - t0
     tuning = _tuning_records(target_spec, progress, records)
     record: dict[str, Any] = {"archs": list(target_spec.archs), "ptx": target_spec.ptx}

@@ -34,6 +34,9 @@ Progress = Callable[[str], None]
 # size (toolchain/pipeline.py). The runtime calls it by this name (runtime/engine/decode_buckets.py
 # writes it too; a test holds the two equal), and the pass that makes it is named in the manifest.
 CAPTURED_BATCH_DECODE = "batch_decode_captured"
+# batch_verify, captured per token count (speculative verification and other short steps that
+# want logits at every position; runtime/engine/runner.py calls it by this name).
+CAPTURED_BATCH_VERIFY = "batch_verify_captured"
 CAPTURE_PASS = "VtoolCaptureBatchDecode"
 
 
@@ -175,6 +178,8 @@ def _describe_cuda(family: Family, gemm: str, graph_sizes: tuple[int, ...] = ())
     if graph_sizes:  # the runtime pads a decode step to one of these (runtime/engine/decode_buckets.py)
         described["cuda_graph_batch"] = {"entry": CAPTURED_BATCH_DECODE, "sizes": list(graph_sizes),
                                          "max_batch": max(graph_sizes)}
+        # a verification step of up to max_tokens tokens runs captured, one graph per token count
+        described["cuda_graph_verify"] = {"entry": CAPTURED_BATCH_VERIFY, "max_tokens": max(graph_sizes)}
     return described
 
 

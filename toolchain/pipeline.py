@@ -26,6 +26,11 @@ largest size}` makes the planner give its intermediates constant-size storage, w
 what lets them be static. MLC-LLM captures its batch_decode the same way. `batch_decode`
 itself stays as it was: eager, for any batch size. The KV-cache calls (attention, its
 aux-data copies, kernels whose grids follow the batch) stay outside the graphs, between them.
+
+Speculative verification the same way: `batch_verify` is copied into `batch_verify_captured`,
+captured per (token count, logit-position count), both at most the largest size. Unlike decode
+it is not padded: the runtime calls it only with logits wanted at every position, so there is
+one graph per token count (at most the largest size of them), each captured on first use.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
-from vtool.toolchain.families import CAPTURE_PASS, CAPTURED_BATCH_DECODE, family_named
+from vtool.toolchain.families import CAPTURE_PASS, CAPTURED_BATCH_DECODE, CAPTURED_BATCH_VERIFY, family_named
 
 # The symbolic batch dimension of batch_decode (models/decoder.py's spec names it).
 BATCH_VAR = "batch_size"
@@ -58,33 +63,48 @@ def describe(family: str, gemm: str = "tir", graph_sizes: tuple[int, ...] = ()) 
     return entry.describe_pipeline(entry, gemm, tuple(graph_sizes))
 
 
-def graph_entry_points(graph_sizes: tuple[int, ...]) -> list[str]:
-    """The entry points the capture pass adds to the model's (the manifest lists them)."""
-    return [CAPTURED_BATCH_DECODE] if graph_sizes else []
+# What the capture pass copies: source entry point -> (captured copy, its symbolic dims, each
+# bounded by the largest graph size). batch_verify (speculative verification: every position's
+# logits) is keyed by its token count and position count; the runtime only asks for it with
+# logits at every position, so one graph per token count.
+CAPTURED_COPIES = {
+    "batch_decode": (CAPTURED_BATCH_DECODE, (BATCH_VAR,)),
+    "batch_verify": (CAPTURED_BATCH_VERIFY, ("seq_len", BATCH_VAR)),
+}
+
+
+def graph_entry_points(graph_sizes: tuple[int, ...], entry_points: list[str]) -> list[str]:
+    """The entry points the capture pass adds to a model with these (the manifest lists them)."""
+    if not graph_sizes:
+        return []
+    return [copy for source, (copy, _dims) in CAPTURED_COPIES.items() if source in entry_points]
 
 
 def capture_batch_decode_pass(graph_sizes: tuple[int, ...]) -> tvm.transform.Pass:
-    """Add `batch_decode_captured`: a copy of `batch_decode` that RewriteCUDAGraph captures
-    once per batch size, for batch sizes up to max(graph_sizes) (the module docstring says
-    how). Run after the schedules, the copy calls the very kernels batch_decode does."""
+    """Add `batch_decode_captured` (and `batch_verify_captured`): copies that RewriteCUDAGraph
+    captures once per value of their symbolic dims, each dim at most max(graph_sizes) (the
+    module docstring says how). Run after the schedules, a copy calls the very kernels its
+    source does."""
     bound = max(graph_sizes)
 
     @tvm.transform.module_pass(opt_level=0, name=CAPTURE_PASS)
     def _capture(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        if not any(gv.name_hint == "batch_decode" for gv in mod.get_global_vars()):
-            return mod
-        source = mod["batch_decode"]
-        defined = [v.name for v in relax.analysis.defined_symbolic_vars(source)]
-        if BATCH_VAR not in defined:
-            raise RuntimeError(f"batch_decode has no symbolic {BATCH_VAR!r} to capture per value (has {defined})")
-        # A copy with fresh variables: one function's Relax and TIR variables may not be another's.
-        captured = relax.utils.copy_with_new_vars(source).with_attrs({
-            "global_symbol": CAPTURED_BATCH_DECODE,
-            "tir_var_upper_bound": {BATCH_VAR: bound},
-            "relax.rewrite_cuda_graph.capture_symbolic_vars": [BATCH_VAR],
-        })
+        names = {gv.name_hint for gv in mod.get_global_vars()}
         out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs, global_infos=mod.global_infos)
-        out[CAPTURED_BATCH_DECODE] = captured
+        for source_name, (copy_name, dims) in CAPTURED_COPIES.items():
+            if source_name not in names:
+                continue
+            source = mod[source_name]
+            defined = [v.name for v in relax.analysis.defined_symbolic_vars(source)]
+            missing = [d for d in dims if d not in defined]
+            if missing:
+                raise RuntimeError(f"{source_name} has no symbolic {missing} to capture per value (has {defined})")
+            # A copy with fresh variables: one function's Relax and TIR variables may not be another's.
+            out[copy_name] = relax.utils.copy_with_new_vars(source).with_attrs({
+                "global_symbol": copy_name,
+                "tir_var_upper_bound": {d: bound for d in dims},
+                "relax.rewrite_cuda_graph.capture_symbolic_vars": list(dims),
+            })
         return out
 
     return _capture

@@ -30,13 +30,26 @@ import numpy as np
 
 from vtool.runtime.artifact.tvm_runtime import global_func
 
-# The entry point's name, as toolchain/families.py writes it (a test holds the two equal).
+# The entry points' names, as toolchain/families.py writes them (a test holds them equal).
 CAPTURED_ENTRY = "batch_decode_captured"
+CAPTURED_VERIFY_ENTRY = "batch_verify_captured"
 PAD_SEQ_BASE = -(1 << 40)  # pad row i is KV sequence PAD_SEQ_BASE - i
 PAD_TOKEN = 0  # a valid id in any vocabulary; its row's logits are dropped
 # VTOOL_ENFORCE_EAGER=1: never run the captured entry (batched decode runs `batch_decode`,
 # uncaptured, at its own size; one sequence still runs `decode`, captured at build time).
 ENFORCE_EAGER_ENV = "VTOOL_ENFORCE_EAGER"
+
+
+def captured_verify_tokens(model: Any) -> int:
+    """The most tokens a step may hold to run `batch_verify_captured` (one CUDA graph per token
+    count, logits at every position), or 0: a library without it (CPU builds, CUDA builds made
+    with --cuda-graph-sizes none or before it) or VTOOL_ENFORCE_EAGER=1."""
+    manifest = getattr(model, "manifest", {})
+    graphs = manifest.get("build", {}).get("pipeline", {}).get("cuda_graph_verify")
+    if (not graphs or CAPTURED_VERIFY_ENTRY not in manifest.get("entry_points", ())
+            or os.environ.get(ENFORCE_EAGER_ENV, "") not in ("", "0")):
+        return 0
+    return int(graphs["max_tokens"])
 
 
 def usable_sizes(built: Sequence[int], max_batch: int) -> tuple[int, ...]:

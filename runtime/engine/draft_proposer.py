@@ -52,7 +52,8 @@ class DraftModelProposer:
         seqs = min(max_num_seqs, config.disable_by_batch_size)
         per_seq = -(-(max_model_len + self.k + 1) // 16)
         self.kv = PagedKVCache(self.model, seqs * per_seq, 16, max(seqs, 1), prefill_chunk)
-        self.runner = ModelRunner(self.model, self.kv, device_sampling=False)
+        # the draft only ever computes tokens the target has decided: decode's numerics throughout
+        self.runner = ModelRunner(self.model, self.kv, device_sampling=False, continuations=True)
         self._seqs: OrderedDict[str, _DraftSequence] = OrderedDict()  # least recently used first
         self._next_id = 0
 
@@ -143,8 +144,8 @@ class DraftModelProposer:
                 budget -= len(chunk)
             step = SchedulerOutput(tuple(
                 ScheduledSequence(request_id=str(i), seq_id=items[i][1].seq_id, token_ids=tuple(chunk),
-                                  num_computed=len(items[i][1].tokens), num_logit_rows=int(done), sample=False,
-                                  return_logits=done)
+                                  num_computed=len(items[i][1].tokens), num_logit_rows=self._rows_wanted(chunk, done),
+                                  sample=False, return_logits=done)
                 for i, chunk, done in batch))
             results = self.runner.execute(step).results
             for (i, chunk, done), result in zip(batch, results):
@@ -155,6 +156,14 @@ class DraftModelProposer:
                 else:
                     pending[i] = pending[i][len(chunk):]
         return last
+
+    def _rows_wanted(self, chunk: list[int], done: bool) -> int:
+        """Logit rows for a catch-up chunk: the last one is all the draft needs, but a short
+        chunk after a verification (the target's token and the accepted drafts) asks for every
+        row, which lets a CUDA library run it as a captured graph (runner._multi_token_entry)."""
+        if not done:
+            return 0
+        return len(chunk) if len(chunk) <= self.k + 1 else 1
 
     def _decode(self, step: list[tuple[_DraftSequence, int]]) -> list[np.ndarray]:
         out = SchedulerOutput(tuple(

@@ -18,7 +18,7 @@ import numpy as np
 
 from vtool import VtoolError
 from vtool.runtime.artifact.tvm_runtime import global_func
-from vtool.runtime.engine.decode_buckets import DecodeBuckets
+from vtool.runtime.engine.decode_buckets import CAPTURED_VERIFY_ENTRY, DecodeBuckets, captured_verify_tokens
 from vtool.runtime.engine.kv_cache import PagedKVCache
 from vtool.runtime.engine.step_types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SequenceResult
 from vtool.runtime.sampling.bitmask_batch import prefill_grammars
@@ -86,8 +86,11 @@ class InFlightStep:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, kv: PagedKVCache, device_sampling: bool = True):
+    def __init__(self, model: Any, kv: PagedKVCache, device_sampling: bool = True, continuations: bool = False):
+        """continuations: every multi-token step holds tokens already decided elsewhere (a
+        draft model catching up with its target), so it runs with decode's numerics too."""
         self.model = model
+        self.continuations = continuations
         self.kv = kv
         self.vocab_size = model.vocab_size
         self._create_view = global_func("runtime.TVMTensorCreateView")
@@ -96,6 +99,7 @@ class ModelRunner:
         # kernels are queued, not waited for) and sampling (on a GPU: the wait for the step).
         self.seconds = {"forward": 0.0, "sample": 0.0}
         self.decode_buckets = DecodeBuckets.for_model(model, kv)  # None: no captured batch_decode
+        self.verify_graph_tokens = captured_verify_tokens(model)  # 0: no captured batch_verify
 
     def _make_device_sampler(self) -> DeviceSampler | None:
         """The library's sampling functions on a GPU (the full logits then stay there), or
@@ -174,12 +178,18 @@ class ModelRunner:
                                                    sequence.draft_probs)
         result.sampled, result.more = taken[0], taken[1:]
 
-    def _multi_token_entry(self, step: SchedulerOutput) -> str:
+    def _multi_token_entry(self, step: SchedulerOutput, num_rows: int) -> str:
         """batch_verify (decode's numerics) for a step of decodes and speculative verifications
-        only, so greedy speculation gives decoding's tokens; batch_prefill when a prompt chunk
-        is in the step (or the library predates batch_verify)."""
-        verify_only = all(s.num_tokens == 1 + len(s.draft_ids) for s in step.sequences)
-        return "batch_verify" if verify_only and self.model.has_function("batch_verify") else "batch_prefill"
+        only (or any step of a continuations runner), so greedy speculation gives decoding's
+        tokens: captured in a CUDA graph when the library has it, the step wants logits at every
+        position and it holds few enough tokens. batch_prefill when a prompt chunk is in the step
+        (or the library predates batch_verify)."""
+        verify = self.continuations or all(s.num_tokens == 1 + len(s.draft_ids) for s in step.sequences)
+        if not verify or not self.model.has_function("batch_verify"):
+            return "batch_prefill"
+        if num_rows == step.num_tokens <= self.verify_graph_tokens:
+            return CAPTURED_VERIFY_ENTRY
+        return "batch_verify"
 
     def _forward(self, step: SchedulerOutput) -> StepLogits:
         """Run the batch; the logits of the rows the sequences want, left on the device."""
@@ -216,7 +226,7 @@ class ModelRunner:
             if not positions:
                 positions, owners = [offset - 1], [-1]  # the entry point needs one; its row is dropped
             embeds = self._create_view(flat, m.ffi.Shape([1, len(tokens), m.hidden_size]), m.dtype, 0)
-            logits, _ = m.function(self._multi_token_entry(step))(
+            logits, _ = m.function(self._multi_token_entry(step, len(positions)))(
                 embeds, m.upload(np.asarray(positions, dtype=np.int32), slot="positions"), self.kv.tvm, m.params)
             return StepLogits(m, logits, self.vocab_size, owners)
         finally:
