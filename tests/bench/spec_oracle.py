@@ -54,7 +54,8 @@ def decode_rate(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, 
 
 
 def step_times(engine: Engine, k: int, reps: int = 30) -> dict[str, float]:
-    """Median ms of the model step alone: decode of 1 token, batch_verify of 1 + k tokens."""
+    """Median ms of the model step alone: decode of 1 token, batch_verify of 1 + k tokens (and,
+    on a CUDA build, its captured copy)."""
     m, kv = engine.model, engine.kv
     from vtool.runtime.artifact.tvm_runtime import global_func
 
@@ -67,7 +68,10 @@ def step_times(engine: Engine, k: int, reps: int = 30) -> dict[str, float]:
     m.function("prefill")(view(emb, m.ffi.Shape([1, 128, m.hidden_size]), m.dtype, 0), kv.tvm, m.params)
     kv.end_forward()
     result = {}
-    for name, n in (("decode", 1), ("batch_verify", 1 + k)):
+    entries = [("decode", 1), ("batch_verify", 1 + k)]
+    if m.has_function("batch_verify_captured"):  # CUDA builds: one graph per token count
+        entries.append(("batch_verify_captured", 1 + k))
+    for name, n in entries:
         e = m.function("embed")(m.upload(ids[:n]), m.params)
         times = []
         for _ in range(reps):
