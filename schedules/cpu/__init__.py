@@ -11,7 +11,7 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-from vtool.schedules.cpu.attention import rewrite_decode_paged, rewrite_prefill_ragged
+from vtool.schedules.cpu.attention import rewrite_decode_paged, rewrite_prefill_paged, rewrite_prefill_ragged
 from vtool.schedules.cpu.matmul import schedule_nt_matmul
 from vtool.schedules.cpu.quantized import schedule_quantized_matmul
 from vtool.schedules.cpu.rowwise import schedule_rowwise
@@ -39,8 +39,9 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc) or func.attrs is None:
                 continue
-            # TVM's serial CPU prefill and decode attention
-            rewritten = rewrite_prefill_ragged(gv.name_hint, func) or rewrite_decode_paged(gv.name_hint, func)
+            # TVM's serial CPU prefill (ragged and paged) and decode attention
+            rewritten = (rewrite_prefill_ragged(gv.name_hint, func) or rewrite_prefill_paged(gv.name_hint, func)
+                         or rewrite_decode_paged(gv.name_hint, func))
             if rewritten is not None:
                 updates[gv] = rewritten
                 continue
