@@ -395,7 +395,7 @@ def test_unknown_pre_tokenizer_is_refused(tmp_path: Path) -> None:
         assert isinstance(e.value, VtoolError)
 
 
-@pytest.mark.parametrize("model", ["llama", "bert", "t5"])  # SentencePiece, WordPiece, Unigram
+@pytest.mark.parametrize("model", ["bert", "t5"])  # WordPiece, Unigram (SentencePiece: test_tokenizer_spm.py)
 def test_non_bpe_gguf_is_refused(tmp_path: Path, model: str) -> None:
     with pytest.raises(TokenizerError, match=rf"'{model}'.*'gpt2'"):
         Tokenizer.from_gguf(_tiny_gguf(tmp_path / f"{model}.gguf", model, "default"))

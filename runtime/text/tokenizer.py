@@ -2,9 +2,9 @@
 
 Two sources:
 - a model folder with tokenizer.json (+ tokenizer_config.json, chat_template.jinja): `Tokenizer.from_dir`
-- a GGUF file's tokenizer metadata: `Tokenizer.from_gguf`. Only byte-level BPE ('gpt2') is built; the
-  pre-tokenizer split regexes per `tokenizer.ggml.pre` follow llama.cpp's llama-vocab.cpp, written in the
-  original (tokenizer.json) form that the HF reference tokenizers use.
+- a GGUF file's tokenizer metadata: `Tokenizer.from_gguf`. Byte-level BPE ('gpt2'): the pre-tokenizer
+  split regexes per `tokenizer.ggml.pre` follow llama.cpp's llama-vocab.cpp, written in the original
+  (tokenizer.json) form that the HF reference tokenizers use. SentencePiece ('llama'): spm.py.
 
 `IncrementalDetokenizer` turns a stream of generated ids into text deltas that never end in a broken
 UTF-8 sequence.
@@ -61,7 +61,10 @@ GGUF_PRE_TOKENIZERS: dict[str, _Pre] = {
     "llama3": _LLAMA3_PRE,    # older names llama.cpp treats exactly like llama-bpe
     "llama-v3": _LLAMA3_PRE,
 }
-SUPPORTED_GGUF_MODELS = ("gpt2",)  # byte-level BPE; SentencePiece 'llama', WordPiece 'bert', ... are refused
+# byte-level BPE; SentencePiece and Gemma 4's BPE over SentencePiece's spelling (spm.py); WordPiece 'bert',
+# Unigram 't5', ... are refused
+SUPPORTED_GGUF_MODELS = ("gpt2", "llama", "gemma4")
+_SPM = _Pre((), add_bos=True)  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -74,7 +77,7 @@ def _gguf_fields(path: Path) -> dict[str, Any]:
     from vtool.runtime.weights.gguf_reader import GGUFFile, _Truncated
 
     try:
-        reader = GGUFFile(path, keep=lambda key: key.startswith("tokenizer."))
+        reader = GGUFFile(path, keep=lambda key: key.startswith("tokenizer.") or key == "general.name")
     except (OSError, ValueError, KeyError, IndexError, _Truncated) as e:  # bad magic, truncated, duplicate keys
         raise TokenizerError(f"{path}: cannot read as GGUF ({type(e).__name__}: {e})") from e
     if reader.byte_order != "I":
@@ -87,7 +90,11 @@ def _build_gguf_backend(path: Path, meta: Mapping[str, Any]) -> tuple[_Backend, 
     if model not in SUPPORTED_GGUF_MODELS:
         raise TokenizerError(
             f"{path}: tokenizer.ggml.model is {model!r}; vtool builds GGUF tokenizers only for "
-            f"{', '.join(map(repr, SUPPORTED_GGUF_MODELS))} (byte-level BPE)")
+            f"{', '.join(map(repr, SUPPORTED_GGUF_MODELS))} (byte-level BPE, SentencePiece, Gemma 4)")
+    if model in ("llama", "gemma4"):
+        from .spm import build_gemma4_backend, build_spm_backend  # here: spm.py builds on this module
+
+        return (build_spm_backend if model == "llama" else build_gemma4_backend)(path, meta), _SPM
     pre_name = meta.get("tokenizer.ggml.pre")
     pre = GGUF_PRE_TOKENIZERS.get(pre_name) if isinstance(pre_name, str) else None
     if pre is None:
@@ -244,8 +251,12 @@ class Tokenizer:
         backend, pre = _build_gguf_backend(p, meta)
         tokens = meta["tokenizer.ggml.tokens"]
 
+        # llama.cpp's ids for a SentencePiece vocabulary that names none (<s>, </s>, <unk>)
+        defaults = {"bos_token_id": 1, "eos_token_id": 2, "unknown_token_id": 0} \
+            if meta.get("tokenizer.ggml.model") == "llama" else {}
+
         def tok(key: str) -> str | None:
-            i = meta.get(f"tokenizer.ggml.{key}")
+            i = meta.get(f"tokenizer.ggml.{key}", defaults.get(key))
             return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
         add_bos = meta.get("tokenizer.ggml.add_bos_token")
