@@ -7,13 +7,17 @@ Each ISA runs where this CPU can execute it (AVX2 on any x86-64 CI machine of to
 AVX-512 VNNI on Ice Lake / Zen 4 and later) and is skipped, saying why, elsewhere."""
 from __future__ import annotations
 
+import functools
+
 import gguf
 import numpy as np
 import pytest
 import tvm
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vtool.models.int8_activations import int8_isa as isa_for
-from vtool.schedules.cpu.int8_gemv import FORMATS, gemm_func, gemv_func
+from vtool.schedules.cpu.int8_gemv import DEFAULT_CHUNK, FORMATS, MAX_CHUNK, gemm_func, gemv_func
 from vtool.runtime.weights import quant_blocks
 from vtool.targets.host import host_cpu_features
 
@@ -73,23 +77,68 @@ def test_gemv_equals_q8_0_activations_times_dequantized_weights(isa, fmt, n, k):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale + 1e-6)
 
 
+@functools.lru_cache(maxsize=None)
+def _gemm_and_gemv(fmt: str, isa: str, n: int, k: int, rows_per_chunk: int):
+    gemm = gemm_func(fmt, isa, n, k, (1, tvm.tirx.Var("m", "int64")), rows_per_chunk=rows_per_chunk)
+    return _compile_func(gemm, isa), _compile(fmt, isa, n, k)
+
+
+def _compile_func(func, isa: str):
+    target = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": MCPU[isa]})
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)["main"]
+
+
+def _gemm_rows_check(fmt: str, isa: str, m: int, seed: int, rows_per_chunk: int = DEFAULT_CHUNK) -> None:
+    """m rows through the GEMM: each row equals the GEMV of that row bit for bit (speculative
+    verification scores k + 1 positions with the GEMM and must give decode's numerics), and
+    the oracle up to float32 summation order."""
+    n, k = 64, 256
+    rng = np.random.default_rng(seed)
+    raw = gguf.quants.quantize((rng.standard_normal((n, k)) * rng.uniform(0.01, 0.3, (n, 1))).astype(np.float32),
+                               getattr(Q, fmt))
+    gemm, gemv = _gemm_and_gemv(fmt, isa, n, k, rows_per_chunk)
+    parts = _parts(fmt, raw, k)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
+    x[rng.integers(m), :32] = 0  # an all-zero block in one row
+    y = tvm.runtime.tensor(np.full((1, m, n), np.nan, np.float32))
+    gemm(tvm.runtime.tensor(x[None]), *parts, y)
+    got = y.numpy()[0]
+    for row in range(m):
+        one = tvm.runtime.tensor(np.full((1, 1, n), np.nan, np.float32))
+        gemv(tvm.runtime.tensor(x[row].reshape(1, 1, k)), *parts, one)
+        np.testing.assert_array_equal(got[row], one.numpy()[0, 0], err_msg=f"row {row} of {m}")
+    want = _oracle(fmt, raw, x)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * float(np.abs(want).max()), err_msg=f"{m} rows")
+
+
 @pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gemm_rows_in_chunks_and_the_rest(isa, fmt):
-    """Symbolic row counts (prefill, batches): chunks of 4 rows share each weight load, the
-    remainder goes one row at a time; every row must equal its own GEMV."""
+def test_gemm_rows_equal_the_gemv_for_1_to_9_rows(isa, fmt):
+    """Every row count a verify step of k <= 8 drafts gives: full passes of DEFAULT_CHUNK rows,
+    then one pass of the remaining count."""
     _runnable(isa)
-    n, k = 64, 256
-    rng = np.random.default_rng(11)
-    raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.1).astype(np.float32), getattr(Q, fmt))
-    run = _compile(fmt, isa, n, k, gemm=True)
-    for m in (1, 3, 4, 9):
-        x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
-        y = tvm.runtime.tensor(np.full((1, m, n), np.nan, np.float32))
-        run(tvm.runtime.tensor(x[None]), *_parts(fmt, raw, k), y)
-        want = _oracle(fmt, raw, x)
-        np.testing.assert_allclose(y.numpy()[0], want, rtol=0, atol=2e-5 * float(np.abs(want).max()),
-                                   err_msg=f"{m} rows")
+    for m in range(1, 10):
+        _gemm_rows_check(fmt, isa, m, seed=m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemm_rows_equal_the_gemv_any_rows_any_chunk(isa, fmt):
+    """Under hypothesis: row counts past a few passes, and every pass size the kernel allows."""
+    _runnable(isa)
+
+    @settings(max_examples=20, deadline=None)
+    @given(m=st.integers(1, 40), chunk=st.sampled_from([1, 3, 4, DEFAULT_CHUNK, MAX_CHUNK]), seed=st.integers(0, 2**16))
+    def check(m, chunk, seed):
+        _gemm_rows_check(fmt, isa, m, seed, chunk)
+
+    check()
+
+
+def test_rows_per_chunk_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="rows_per_chunk"):
+        gemm_func("Q4_1", "avx2", 64, 256, (1, tvm.tirx.Var("m", "int64")), rows_per_chunk=MAX_CHUNK + 1)
 
 
 def test_isa_choice_by_cpu_name():
