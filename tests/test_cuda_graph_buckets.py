@@ -603,3 +603,83 @@ def test_the_device_sampler_draws_from_the_padded_steps_own_rows(cuda_artifacts)
     assert padded.runner.decode_buckets.plan(list(range(5))).size == 8
     drawn = [r.sampled.token_id for r in padded.runner.execute(step).results]
     assert drawn == [int(np.argmax(reference[s])) for s in range(5)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_captured_verification_matches_uncaptured_and_keeps_greedy_output(cuda_artifacts, dtype, tmp_path):
+    """batch_verify_captured against the uncaptured batch_verify on the same steps (every row's
+    logits, token counts 2..9 across one to three sequences, each count twice with other
+    tokens so a replayed graph must read its new inputs), then (float32) the tiny model as its
+    own draft through the engine: greedy output equal to plain decoding, with target and draft
+    both verifying through graphs."""
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.runtime.engine.engine import Engine, EngineConfig
+    from vtool.runtime.engine.spec_config import parse_speculative_config
+    from vtool.runtime.sampling.params import SamplingParams
+    from vtool.runtime.session import open_session
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+
+    if dtype not in cuda_artifacts.get("llama-gqa", {}):
+        pytest.skip(f"no llama-gqa {dtype} artifact")
+    checkpoint, artifact = cuda_artifacts["llama-gqa"][dtype]
+    model = CompiledModel(artifact, open_checkpoint(checkpoint))
+    assert db.CAPTURED_VERIFY_ENTRY in model.manifest["entry_points"]
+    h = Harness.make(model, 100, 8)
+    assert h.runner.verify_graph_tokens == 16  # the build's largest graph size
+    rng = np.random.default_rng(3)
+    for s in range(3):
+        h.prefill(s, [int(t) for t in rng.integers(3, model.vocab_size, size=11 + s)])
+    worst = 0.0
+    for counts in ([2], [3, 1], [4, 2, 3], [5], [2, 2, 5], [9], [2], [4, 2, 3]):
+        seqs = list(range(len(counts)))
+        step = SchedulerOutput(tuple(
+            ScheduledSequence(f"r{s}", s, tuple(int(t) for t in rng.integers(3, model.vocab_size, size=n)),
+                              len(h.tokens[s]), n, False, return_logits=True) for s, n in zip(seqs, counts)))
+        rows = {}
+        for graphs in (16, 0):
+            h.runner.verify_graph_tokens = graphs
+            # a draft model's runner: every multi-token step is a continuation (batch_verify)
+            h.runner.continuations = True
+            assert h.runner._multi_token_entry(step, sum(counts)) == (
+                db.CAPTURED_VERIFY_ENTRY if graphs else "batch_verify")
+            rows[graphs] = [r.logits for r in h.runner.execute(step).results]
+            for s, n in zip(seqs, counts):
+                h.kv.pop(s, n)
+        for a, b in zip(rows[16], rows[0]):
+            worst = max(worst, float(np.abs(a - b).max()))
+    print(f"\n[gpu verify {dtype}] max |dlogit| captured vs eager {worst:.3g}")
+    assert worst <= TOLERANCE[dtype]
+    if dtype != "float32":  # bf16: verify (GEMM) and decode (GEMV) round differently, near ties may flip
+        return
+
+    # the engine wants a tokenizer beside the weights; the tiny checkpoint has none (ids go in as ids)
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    with_tokenizer = tmp_path / "llama-gqa"
+    shutil.copytree(checkpoint, with_tokenizer)
+    Tokenizer(WordLevel({f"t{i}": i for i in range(model.vocab_size)}, unk_token="t0")).save(
+        str(with_tokenizer / "tokenizer.json"))
+    checkpoint = with_tokenizer
+    session = open_session(artifact, open_checkpoint(checkpoint), max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [[int(t) for t in rng.integers(3, model.vocab_size, size=n)] for n in (7, 12)]
+
+    def generate(engine: Engine) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"r{i}", ids, params)
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+        return out
+
+    baseline = generate(Engine(session, EngineConfig()))
+    config = parse_speculative_config({"model": str(checkpoint), "num_speculative_tokens": 3})
+    engine = Engine(session, EngineConfig(speculative=config.resolved(str(artifact), str(checkpoint))))
+    assert engine.runner.verify_graph_tokens == engine.speculator.proposer.runner.verify_graph_tokens == 16
+    assert generate(engine) == baseline
+    stats = engine.stats()
+    assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0
+    assert engine.kv.in_sync() and engine.kv_usage() == 0.0
