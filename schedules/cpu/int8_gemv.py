@@ -80,6 +80,12 @@ MAX_CHUNK = 8  # rows of x per pass over a weight tile: the remainder passes are
 # 182 us; 1 row unchanged. At 8 per pass the accumulators spill (AVX-512: every row count
 # slower, 1 row +50%). On the AVX2 path, 6 is as fast as 4 or slightly faster.
 DEFAULT_CHUNK = 6
+# Software prefetch distance, in weight tiles (a tile's block: 64 bytes of Q4 quants, 128 of
+# Q8_0). The tiles a thread runs are consecutive, so the next ones are what it reads next.
+# Measured with 30 copies of each of the default model's weights in turn (DRAM-bound, as in
+# the model), 2-core Xeon: 5-row GEMMs 19.1 -> 12.3 ms on AVX-512 VNNI, 44 -> 21 ms on AVX2;
+# the 1-row GEMVs 11.2 -> 9.2 ms and 14.8 -> 10.7 ms.
+PREFETCH_TILES = 2
 
 
 def gemm_func(fmt: str, isa: str, n: int, k: int, lead: tuple, rows_per_chunk: int = DEFAULT_CHUNK) -> tirx.PrimFunc:
@@ -135,6 +141,11 @@ def _round_half_away(v: tirx.PrimExpr) -> tirx.PrimExpr:
     a = T.fabs(v)
     f = T.floor(a)
     return T.if_then_else(v < T.float32(0), -(f + T.floor((a - f) * T.float32(2))), f + T.floor((a - f) * T.float32(2)))
+
+
+def _prefetch(address: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A read prefetch of the cache line at `address` into all cache levels."""
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", address, T.int32(0), T.int32(3), T.int32(1))
 
 
 def _vnni(acc: tirx.PrimExpr, a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -297,6 +308,15 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
             acc[i, T.Ramp(16, 1, 16)] = T.Broadcast(T.float32(0), 16)
             corr[i, T.Ramp(0, 1, 4)] = T.Broadcast(T.float32(0), 4)
         for b in range(nb):
+            # This block of the tile PREFETCH_TILES ahead, into L1: the weights stream from DRAM
+            # once, and the hardware prefetcher alone left the multi-row passes waiting on them
+            # (prefetches of addresses past the last tile do not fault).
+            _prefetch(T.address_of(qw[t + PREFETCH_TILES, b, 0, 0]))
+            if not q4:  # a Q8_0 tile block is two cache lines
+                _prefetch(T.address_of(qw[t + PREFETCH_TILES, b, 2, 0]))
+            _prefetch(T.address_of(sc[t + PREFETCH_TILES, b, 0]))
+            if has_min:
+                _prefetch(T.address_of(mn[t + PREFETCH_TILES, b, 0]))
             for i in T.unroll(count):
                 accumulate(acc, corr, qw, sc, mn, xr, xd, xs, t, b, first + i, i)
         for i in T.unroll(count):
