@@ -260,6 +260,70 @@ def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.PrimFunc
     return batch_decode_paged_kv_cpu
 
 
+def _page_scores(q: tirx.Buffer, pages: tirx.Buffer, q_row: tirx.PrimExpr, h: tirx.PrimExpr, page: tirx.PrimExpr,
+                 hk: tirx.PrimExpr, d: int) -> tirx.PrimExpr:
+    """float32x16, lane t = q[q_row, h] . key t of `page` (a page of LANES keys): each key's
+    products summed over the head dim into one vector, then the 16 vectors reduced together
+    by a transpose-and-add tree (4 levels of two shuffles and an add), in place of a
+    horizontal sum per key. A lane only ever adds values of its own key."""
+    n_c = d // LANES
+    vt = f"float32x{LANES}"
+    bindings = []  # (var, value): each vector computed once (TIR would repeat a shared subexpression)
+    vecs = []
+    for t in range(LANES):
+        v = None
+        for c in range(n_c):
+            term = q.vload([q_row, h, c * LANES], vt) * pages.vload([page, 0, hk, t, c * LANES], vt)
+            v = term if v is None else v + term
+        var = tirx.Var(f"dot{t}", vt)
+        bindings.append((var, v))
+        vecs.append(var)
+    width = LANES  # partial sums per key in each vector
+    level = 0
+    while width > 1:
+        half = width // 2
+        # a pair holds keys A (lanes 0..15) and B (16..31) in groups of `width` partials per key;
+        # keep the first and second halves of every group, add them
+        lo = [g * width + i for g in range(2 * LANES // width) for i in range(half)]
+        hi = [i + half for i in lo]
+        summed = []
+        for i in range(0, len(vecs), 2):
+            var = tirx.Var(f"sum{level}_{i // 2}", vt)
+            bindings.append((var, T.Shuffle([vecs[i], vecs[i + 1]], lo) + T.Shuffle([vecs[i], vecs[i + 1]], hi)))
+            summed.append(var)
+        vecs, width, level = summed, half, level + 1
+    result = vecs[0]
+    for var, value in reversed(bindings):
+        result = tirx.Let(var, value, result)
+    return result
+
+
+# 2^f on [-1/2, 1/2] (Cephes exp2f): 1 + f * P(f), relative error below 2e-7
+_EXP2_P = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3, 5.550332471162809e-2,
+           2.402264791363012e-1, 6.931472028550421e-1)
+
+
+def _exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """2^x for a float32x16 of x <= 0 (softmax weights), in vector registers: x = n + f with
+    n = round(x), |f| <= 1/2, 2^f by Cephes' polynomial, 2^n put in the exponent bits. Within
+    2 ulp of exp2f; x below -126 gives 2^-126 (the weight of a key 126 binary orders below the
+    max: nothing, in a float32 sum that holds 1). One libm call per key made the scalar loop
+    spill every vector register around it."""
+    lanes = LANES
+    xv = tirx.Var("e2x", f"float32x{lanes}")
+    nv = tirx.Var("e2n", f"float32x{lanes}")
+    fv = tirx.Var("e2f", f"float32x{lanes}")
+    poly = T.Broadcast(T.float32(_EXP2_P[0]), lanes)
+    for c in _EXP2_P[1:]:
+        poly = poly * fv + T.Broadcast(T.float32(c), lanes)
+    two_f = poly * fv + T.Broadcast(T.float32(1.0), lanes)
+    two_n = T.reinterpret(f"float32x{lanes}", T.shift_left(
+        T.Cast(f"int32x{lanes}", nv) + T.Broadcast(T.int32(127), lanes), T.Broadcast(T.int32(23), lanes)))
+    body = tirx.Let(fv, xv - nv, two_f * two_n)
+    body = tirx.Let(nv, T.floor(xv + T.Broadcast(T.float32(0.5), lanes)), body)
+    return tirx.Let(xv, T.max(x, T.Broadcast(T.float32(-126.0), lanes)), body)
+
+
 PAGED_PREFILL_NAME = "batch_prefill_paged_kv_cpu"
 
 
@@ -356,32 +420,47 @@ def _paged_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.P
                     for p in T.serial((n_keys + page_size - 1) // page_size):
                         page: T.let[T.int32] = page_values[first + p]
                         st[2] = T.float32(neg)
-                        for t in T.serial(page_size):
-                            if p * page_size + t < n_keys:
-                                for j in T.vectorized(LANES):
-                                    part[j] = q[q_row, h, j] * pages[page, 0, hk, t, j]
-                                for c in T.unroll(1, n_c):
-                                    for j in T.vectorized(LANES):
-                                        part[j] = part[j] + q[q_row, h, c * LANES + j] * pages[page, 0, hk, t, c * LANES + j]
-                                for j in T.vectorized(8):  # a tree, not a 16-add chain
-                                    part[j] = part[j] + part[j + 8]
-                                for j in T.vectorized(4):
-                                    part[j] = part[j] + part[j + 4]
-                                s[t] = ((part[0] + part[2]) + (part[1] + part[3])) * scale
+                        if page_size == LANES:
+                            # the page's 16 scores at once (keys past n_keys masked, never summed
+                            # into another key's lane), then their max
+                            s[T.Ramp(0, 1, LANES)] = T.Select(
+                                T.Ramp(0, 1, LANES) < T.Broadcast(n_keys - T.Cast("int32", p) * page_size, LANES),
+                                _page_scores(q, pages, q_row, h, page, hk, d) * T.Broadcast(scale, LANES),
+                                T.Broadcast(T.float32(neg), LANES))
+                            for t in T.serial(page_size):
                                 st[2] = T.max(st[2], s[t])
+                        else:
+                            for t in T.serial(page_size):
+                                if p * page_size + t < n_keys:
+                                    for j in T.vectorized(LANES):
+                                        part[j] = q[q_row, h, j] * pages[page, 0, hk, t, j]
+                                    for c in T.unroll(1, n_c):
+                                        for j in T.vectorized(LANES):
+                                            part[j] = part[j] + q[q_row, h, c * LANES + j] * pages[page, 0, hk, t, c * LANES + j]
+                                    for j in T.vectorized(8):  # a tree, not a 16-add chain
+                                        part[j] = part[j] + part[j + 8]
+                                    for j in T.vectorized(4):
+                                        part[j] = part[j] + part[j + 4]
+                                    s[t] = ((part[0] + part[2]) + (part[1] + part[3])) * scale
+                                    st[2] = T.max(st[2], s[t])
                         if st[2] > st[0]:  # the page raised the max: rescale what is accumulated
                             st[3] = T.exp2(st[0] - st[2])
                             st[1] = st[1] * st[3]
                             for i in T.vectorized(d):
                                 acc[i] = acc[i] * st[3]
                             st[0] = st[2]
+                        if page_size == LANES:  # the page's weights in vector registers
+                            s[T.Ramp(0, 1, LANES)] = _exp2(s[T.Ramp(0, 1, LANES)] - T.Broadcast(st[0], LANES))
+                        else:
+                            for t in T.serial(page_size):
+                                if p * page_size + t < n_keys:
+                                    s[t] = T.exp2(s[t] - st[0])
                         for t in T.serial(page_size):
                             if p * page_size + t < n_keys:
-                                st[3] = T.exp2(s[t] - st[0])
-                                st[1] = st[1] + st[3]
+                                st[1] = st[1] + s[t]
                                 for c in T.unroll(n_c):
                                     for j in T.vectorized(LANES):
-                                        acc[c * LANES + j] = acc[c * LANES + j] + st[3] * pages[page, 1, hk, t, c * LANES + j]
+                                        acc[c * LANES + j] = acc[c * LANES + j] + s[t] * pages[page, 1, hk, t, c * LANES + j]
                     for i in T.vectorized(d):
                         output[q_row, h, i] = T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0))
                     lse[q_row, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(neg))
