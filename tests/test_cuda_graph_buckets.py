@@ -683,3 +683,56 @@ def test_captured_verification_matches_uncaptured_and_keeps_greedy_output(cuda_a
     stats = engine.stats()
     assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0
     assert engine.kv.in_sync() and engine.kv_usage() == 0.0
+
+
+@pytest.mark.gpu
+def test_short_steps_attend_as_decode_and_long_steps_as_before(cuda_artifacts):
+    """The cached part of a multi-token step's attention: steps of at most 128 tokens run the
+    split-KV short kernel, longer ones TVM's tiled kernel (schedules/cuda/short_prefill_attention.py
+    dispatches). A verify step's rows equal decoding the same tokens one by one, and a prompt
+    prefilled in chunks (each over a cached prefix: short chunks, then one past 128 tokens)
+    gives the logits of the same prompt in one step (float32)."""
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+
+    # head_dim 32 (the short kernel's lanes split it; llama-gqa's 16 keeps TVM's kernel), GQA 4/1
+    if "float32" not in cuda_artifacts.get("llama3-rope", {}):
+        pytest.skip("no llama3-rope float32 artifact")
+    checkpoint, artifact = cuda_artifacts["llama3-rope"]["float32"]
+    model = CompiledModel(artifact, open_checkpoint(checkpoint))
+    h = Harness.make(model, 200, 8)
+    rng = np.random.default_rng(5)
+    tokens = [int(t) for t in rng.integers(3, model.vocab_size, size=400)]
+
+    def chunk(seq: int, ids: list[int], rows: int) -> np.ndarray:
+        step = SchedulerOutput((ScheduledSequence(f"r{seq}", seq, tuple(ids), len(h.tokens[seq]), rows, False,
+                                                  return_logits=True),))
+        out = h.runner.execute(step).results[0].logits
+        h.tokens[seq].extend(ids)
+        return out
+
+    worst = 0.0
+    for context, n in ((40, 5), (90, 9), (17, 2)):
+        h.kv.add(0)
+        h.tokens[0] = []
+        chunk(0, tokens[:context], 1)
+        rows = chunk(0, tokens[context:context + n], n)  # a verify-like step: every row
+        h.kv.pop(0, n)
+        del h.tokens[0][context:]
+        for j in range(n):
+            one = h.decode({0: tokens[context + j]})[0]
+            worst = max(worst, float(np.abs(rows[j] - one).max()))
+        h.leave(0)
+    whole = {}
+    for seq, cuts in ((1, (250,)), (2, (60, 100, 90)), (3, (50, 200))):
+        h.kv.add(seq)
+        h.tokens[seq] = []
+        start = 0
+        for cut in cuts:
+            last = chunk(seq, tokens[start:start + cut], 1)[-1]
+            start += cut
+        whole[seq] = last
+        h.leave(seq)
+    chunked = max(float(np.abs(whole[s] - whole[1]).max()) for s in (2, 3))
+    print(f"\n[gpu short steps] verify rows vs decode {worst:.3g}; chunked vs whole prompt {chunked:.3g}")
+    assert worst <= TOLERANCE["float32"] and chunked <= TOLERANCE["float32"]

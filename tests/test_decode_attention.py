@@ -75,3 +75,47 @@ def test_a_head_dim_the_lanes_cannot_split_keeps_tvms_kernel():
     (name, before), = _decode_kernels(mod).items()
     mod, replaced = replace_decode_attention(mod)
     assert replaced == 0 and _decode_kernels(mod)[name].same_as(before)
+
+
+def _symbols(mod) -> dict:
+    import tvm
+
+    return {f.attrs.get("global_symbol"): (g, f) for g, f in mod.functions.items()
+            if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None}
+
+
+def test_short_steps_get_the_split_kernel_behind_a_dispatcher_that_compiles():
+    """batch_prefill_paged_kv becomes host code choosing between the split-KV short kernel and
+    TVM's own (renamed); the KV cache's GlobalVar now names the dispatcher; all three compile
+    for sm_90a. Their numbers are checked on a GPU (test_cuda_graph_buckets.py)."""
+    import tvm
+
+    from vtool.schedules.cuda.short_prefill_attention import (PAGED_PREFILL_SYMBOL, SHORT_STEP_TOKENS, SHORT_SYMBOL,
+                                                              TILED_SYMBOL, replace_prefill_paged_attention)
+    from vtool.targets import lookup
+
+    mod = _export(64)
+    gvar, stock = _symbols(mod)[PAGED_PREFILL_SYMBOL]
+    mod, replaced = replace_prefill_paged_attention(mod)
+    symbols = _symbols(mod)
+    assert replaced == 1 and symbols[PAGED_PREFILL_SYMBOL][0].same_as(gvar)
+    assert symbols[TILED_SYMBOL][1].body.same_as(stock.body)  # TVM's kernel, only renamed
+    dispatch = symbols[PAGED_PREFILL_SYMBOL][1].script()
+    assert "T.thread_binding" not in dispatch and f"total_len <= {SHORT_STEP_TOKENS}" in dispatch
+    assert dispatch.count(SHORT_SYMBOL) == 1 and dispatch.count(TILED_SYMBOL) == 1
+    assert [str(p.ty.dtype) if hasattr(p.ty, "shape") else str(p.ty) for p in symbols[SHORT_SYMBOL][1].params] == \
+           [str(p.ty.dtype) if hasattr(p.ty, "shape") else str(p.ty) for p in stock.params]
+    kernels = tvm.IRModule({name: f for name, (_g, f) in symbols.items()
+                            if name in (PAGED_PREFILL_SYMBOL, SHORT_SYMBOL, TILED_SYMBOL)})
+    target = tvm.target.Target(lookup("sm_90a").tvm)
+    with target:
+        tvm.compile(kernels, target=target)
+
+
+def test_a_head_dim_the_lanes_cannot_split_keeps_tvms_prefill_kernel():
+    from vtool.schedules.cuda.short_prefill_attention import PAGED_PREFILL_SYMBOL, replace_prefill_paged_attention
+
+    mod = _export(80)
+    _gvar, before = _symbols(mod)[PAGED_PREFILL_SYMBOL]
+    mod, replaced = replace_prefill_paged_attention(mod)
+    assert replaced == 0 and _symbols(mod)[PAGED_PREFILL_SYMBOL][1].same_as(before)

@@ -151,6 +151,14 @@ def _cuda_extra_modules(cfg: ModelConfig) -> list[Any]:
     return [sampler_module(cfg.vocab_size)]
 
 
+def _short_prefill_attention() -> Any:
+    """Split-KV attention for the cached part of short multi-token steps (speculative
+    verification), in front of TVM's paged prefill kernel."""
+    from vtool.schedules.cuda.short_prefill_attention import short_prefill_attention_pass
+
+    return short_prefill_attention_pass()
+
+
 def _split_kv_decode() -> Any:
     # schedules/cuda/decode_attention.py's split-KV kernel in place of TVM's decode attention.
     from vtool.schedules.cuda.decode_attention import decode_attention_pass
@@ -206,7 +214,8 @@ CUDA = Family(
     gemm=("tir", "cublas"), gemm_auto=MappingProxyType({"bfloat16": "cublas", "float16": "cublas"}),
     attention=("tir", "flashinfer"),
     relax_backend="tvm.relax.backend.cuda",
-    model_passes=(("VtoolSplitKVDecodeAttention", _split_kv_decode),),
+    model_passes=(("VtoolSplitKVDecodeAttention", _split_kv_decode),
+                  ("VtoolShortPrefillAttention", _short_prefill_attention)),
     schedules="cuda", opt_level=3,
     # CUDA graphs: RewriteCUDAGraph in the finalize passes reads it. TIR's common-subexpression
     # pass emits a use before its definition in the KV cache's llama3-rope kernels for CUDA

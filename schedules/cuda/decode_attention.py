@@ -40,10 +40,20 @@ def num_splits(num_qo_heads: int) -> int:
     return splits
 
 
-def split_kv_decode(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
-                    page_size: int = 16) -> tvm.tirx.PrimFunc:
-    if head_dim % LANES or head_dim > 256:
-        raise ValueError(f"split-KV decode needs head_dim a multiple of {LANES} up to 256, got {head_dim}")
+def split_kv_macros(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
+                    page_size: int = 16) -> tuple[object, object, int]:
+    """The two halves of split-KV paged attention for one query row, as TVMScript macros any
+    kernel with this layout expands (this decode kernel; short_prefill_attention.py's), and
+    the split count S:
+
+    partial(Q, row, head, split, pages, page_values, page_begin, kv_len, grid_rows, part_o,
+    part_m, part_d, sm_scale, ty, tx): inside a block of WARPS x LANES threads, row `row` of
+    Q (query head `head`) against the first kv_len tokens of the sequence whose pages start
+    at page_values[page_begin]: this split's share, written as a partial state. grid_rows is
+    rows x query heads in the grid (the split count in use follows it).
+
+    merge(part_o, part_m, part_d, row, head, output, lse, tx): the S partial states of one
+    (row, head) into output and lse, by one warp."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     GROUP = H_qo // H_kv
     V = D // LANES  # elements of a head each lane owns
@@ -51,6 +61,114 @@ def split_kv_decode(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
     LOG2E = math.log2(math.e)
 
     # pylint: disable=too-many-locals,too-many-statements
+    @T.macro
+    def partial(Q, row, head, split, pages, page_table_values, page_begin, kv_len, grid_rows, part_o, part_m,
+                part_d, sm_scale, ty, tx):
+        q_local = T.sblock_alloc_buffer((V,), "float32", scope="local")
+        o_local = T.sblock_alloc_buffer((V,), "float32", scope="local")
+        st = T.sblock_alloc_buffer((2,), "float32", scope="local")  # m, d
+        dot = T.sblock_alloc_buffer((1,), "float32", scope="local")
+        score = T.sblock_alloc_buffer((1,), "float32", scope="local")
+        o_smem = T.sblock_alloc_buffer((WARPS, D), "float32", scope="shared")
+        md_smem = T.sblock_alloc_buffer((WARPS, 2), "float32", scope="shared")
+        merged = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        where = T.sblock_alloc_buffer((2,), "int32", scope="local")  # page, offset
+
+        kv_head: T.let[T.int32] = head // GROUP
+        splits: T.let[T.int32] = T.max(1, T.min(
+            S, T.min(T.ceildiv(TARGET_BLOCKS, grid_rows), T.ceildiv(kv_len, MIN_CHUNK))))
+        chunk: T.let[T.int32] = T.ceildiv(kv_len, splits)
+        start: T.let[T.int32] = split * chunk
+        end: T.let[T.int32] = T.min(start + chunk, kv_len)
+
+        for v in T.serial(V):
+            q_local[v] = T.cast(Q[row, head, tx * V + v], "float32") * sm_scale * LOG2E
+            o_local[v] = T.float32(0)
+        st[0] = T.float32(-5e4)
+        st[1] = T.float32(0)
+
+        for it in T.serial(T.ceildiv(T.max(end - start, 0), WARPS)):
+            pos: T.let[T.int32] = start + it * WARPS + ty
+            dot[0] = T.float32(0)
+            if pos < end:
+                where[0] = page_table_values[page_begin + T.floordiv(pos, page_size)]
+                where[1] = T.floormod(pos, page_size)
+                for v in T.serial(V):
+                    dot[0] += q_local[v] * T.cast(pages[where[0], 0, kv_head, where[1], tx * V + v], "float32")
+            # every lane of the warp takes part, inside the range or not
+            with T.sblock("lane_sum"):
+                T.reads(dot[0])
+                T.writes(score[0])
+                T.attr(T.comm_reducer(lambda a, b: a + b, [T.float32(0)]), "reduce_scope", T.int32(0))
+                T.tvm_thread_allreduce(T.uint32(1), dot[0], True, score[0], tx, dtype="void")
+            if pos < end:
+                m_new: T.let[T.float32] = T.max(st[0], score[0])
+                rescale: T.let[T.float32] = T.exp2(st[0] - m_new)
+                p: T.let[T.float32] = T.exp2(score[0] - m_new)
+                st[1] = st[1] * rescale + p
+                for v in T.serial(V):
+                    o_local[v] = o_local[v] * rescale + p * T.cast(
+                        pages[where[0], 1, kv_head, where[1], tx * V + v], "float32")
+                st[0] = m_new
+
+        # merge the warps' states, then write this split's part
+        for v in T.serial(V):
+            o_smem[ty, tx * V + v] = o_local[v]
+        if tx == 0:
+            md_smem[ty, 0] = st[0]
+            md_smem[ty, 1] = st[1]
+        T.tvm_storage_sync("shared")
+        if ty == 0:
+            merged[0] = md_smem[0, 0]
+            for w in T.serial(1, WARPS):
+                merged[0] = T.max(merged[0], md_smem[w, 0])
+            merged[1] = T.float32(0)
+            for w in T.serial(WARPS):
+                merged[1] += md_smem[w, 1] * T.exp2(md_smem[w, 0] - merged[0])
+            for v in T.serial(V):
+                o_local[v] = T.float32(0)
+                for w in T.serial(WARPS):
+                    o_local[v] += o_smem[w, tx * V + v] * T.exp2(md_smem[w, 0] - merged[0])
+                part_o[row, head, split, tx * V + v] = o_local[v]
+            if tx == 0:
+                part_m[row, head, split] = merged[0]
+                part_d[row, head, split] = merged[1]
+        # (a block past the splits in use finds an empty range and
+        # writes an empty state: m = -5e4, d = 0, o = 0)
+
+    @T.macro
+    def merge(part_o, part_m, part_d, row, head, output, lse, tx):
+        acc = T.sblock_alloc_buffer((V,), "float32", scope="local")
+        md = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        # Every block of the partial kernel wrote a state (an empty one past the splits in
+        # use), so all S are read, in unrolled loops whose loads can all be in flight at once.
+        md[0] = part_m[row, head, 0]
+        for s in T.unroll(1, S):
+            md[0] = T.max(md[0], part_m[row, head, s])
+        md[1] = T.float32(0)
+        for v in T.serial(V):
+            acc[v] = T.float32(0)
+        for s in T.unroll(S):
+            weight: T.let[T.float32] = T.exp2(part_m[row, head, s] - md[0])
+            md[1] += part_d[row, head, s] * weight
+            for v in T.serial(V):
+                acc[v] += part_o[row, head, s, tx * V + v] * weight
+        for v in T.serial(V):
+            output[row, head, tx * V + v] = T.cast(T.if_then_else(md[1] > 0, acc[v] / md[1], T.float32(0)), dtype)
+        if tx == 0:
+            lse[row, head] = T.if_then_else(md[1] > 0, md[0] + T.log2(md[1]), T.float32(-5e4))
+
+    return partial, merge, S
+
+
+def split_kv_decode(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
+                    page_size: int = 16) -> tvm.tirx.PrimFunc:
+    if head_dim % LANES or head_dim > 256:
+        raise ValueError(f"split-KV decode needs head_dim a multiple of {LANES} up to 256, got {head_dim}")
+    H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
+    partial, merge, S = split_kv_macros(H_kv, H_qo, D, dtype, page_size)
+
+    # pylint: disable=too-many-locals
     @T.prim_func(s_tir=True)
     def decode(
         Q_handle: T.handle,
@@ -106,111 +224,19 @@ def split_kv_decode(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
                     for ty in T.thread_binding(WARPS, thread="threadIdx.y"):
                         for tx in T.thread_binding(LANES, thread="threadIdx.x"):
                             with T.sblock("partial"):
-                                q_local = T.sblock_alloc_buffer((V,), "float32", scope="local")
-                                o_local = T.sblock_alloc_buffer((V,), "float32", scope="local")
-                                st = T.sblock_alloc_buffer((2,), "float32", scope="local")  # m, d
-                                dot = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                                score = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                                o_smem = T.sblock_alloc_buffer((WARPS, D), "float32", scope="shared")
-                                md_smem = T.sblock_alloc_buffer((WARPS, 2), "float32", scope="shared")
-                                merged = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                                where = T.sblock_alloc_buffer((2,), "int32", scope="local")  # page, offset
-
-                                kv_head: T.let[T.int32] = by // GROUP
                                 page_begin: T.let[T.int32] = page_table_indptr[bx]
                                 num_pages: T.let[T.int32] = page_table_indptr[bx + 1] - page_begin
                                 kv_len: T.let[T.int32] = T.if_then_else(
                                     num_pages > 0, (num_pages - 1) * page_size + length_info[bx], 0)
-                                splits: T.let[T.int32] = T.max(1, T.min(
-                                    S, T.min(T.ceildiv(TARGET_BLOCKS, B * H_qo), T.ceildiv(kv_len, MIN_CHUNK))))
-                                chunk: T.let[T.int32] = T.ceildiv(kv_len, splits)
-                                start: T.let[T.int32] = bz * chunk
-                                end: T.let[T.int32] = T.min(start + chunk, kv_len)
-
-                                for v in T.serial(V):
-                                    q_local[v] = T.cast(Q[bx, by, tx * V + v], "float32") * sm_scale * LOG2E
-                                    o_local[v] = T.float32(0)
-                                st[0] = T.float32(-5e4)
-                                st[1] = T.float32(0)
-
-                                for it in T.serial(T.ceildiv(T.max(end - start, 0), WARPS)):
-                                    pos: T.let[T.int32] = start + it * WARPS + ty
-                                    dot[0] = T.float32(0)
-                                    if pos < end:
-                                        where[0] = page_table_values[page_begin + T.floordiv(pos, page_size)]
-                                        where[1] = T.floormod(pos, page_size)
-                                        for v in T.serial(V):
-                                            dot[0] += q_local[v] * T.cast(
-                                                pages[where[0], 0, kv_head, where[1], tx * V + v], "float32")
-                                    # every lane of the warp takes part, inside the range or not
-                                    with T.sblock("lane_sum"):
-                                        T.reads(dot[0])
-                                        T.writes(score[0])
-                                        T.attr(T.comm_reducer(lambda a, b: a + b, [T.float32(0)]),
-                                               "reduce_scope", T.int32(0))
-                                        T.tvm_thread_allreduce(T.uint32(1), dot[0], True, score[0], tx,
-                                                               dtype="void")
-                                    if pos < end:
-                                        m_new: T.let[T.float32] = T.max(st[0], score[0])
-                                        rescale: T.let[T.float32] = T.exp2(st[0] - m_new)
-                                        p: T.let[T.float32] = T.exp2(score[0] - m_new)
-                                        st[1] = st[1] * rescale + p
-                                        for v in T.serial(V):
-                                            o_local[v] = o_local[v] * rescale + p * T.cast(
-                                                pages[where[0], 1, kv_head, where[1], tx * V + v], "float32")
-                                        st[0] = m_new
-
-                                # merge the warps' states, then write this split's part
-                                for v in T.serial(V):
-                                    o_smem[ty, tx * V + v] = o_local[v]
-                                if tx == 0:
-                                    md_smem[ty, 0] = st[0]
-                                    md_smem[ty, 1] = st[1]
-                                T.tvm_storage_sync("shared")
-                                if ty == 0:
-                                    merged[0] = md_smem[0, 0]
-                                    for w in T.serial(1, WARPS):
-                                        merged[0] = T.max(merged[0], md_smem[w, 0])
-                                    merged[1] = T.float32(0)
-                                    for w in T.serial(WARPS):
-                                        merged[1] += md_smem[w, 1] * T.exp2(md_smem[w, 0] - merged[0])
-                                    for v in T.serial(V):
-                                        o_local[v] = T.float32(0)
-                                        for w in T.serial(WARPS):
-                                            o_local[v] += o_smem[w, tx * V + v] * T.exp2(md_smem[w, 0] - merged[0])
-                                        part_o[bx, by, bz, tx * V + v] = o_local[v]
-                                    if tx == 0:
-                                        part_m[bx, by, bz] = merged[0]
-                                        part_d[bx, by, bz] = merged[1]
-                                # (a block past the splits in use finds an empty range and
-                                # writes an empty state: m = -5e4, d = 0, o = 0)
+                                partial(Q, bx, by, bz, pages, page_table_values, page_begin, kv_len, B * H_qo,
+                                        part_o, part_m, part_d, sm_scale, ty, tx)
 
         # Kernel 2: merge the splits of each (sequence, query head).
         for bx in T.thread_binding(B, thread="blockIdx.x"):
             for by in T.thread_binding(H_qo, thread="blockIdx.y"):
                 for tx in T.thread_binding(LANES, thread="threadIdx.x"):
                     with T.sblock("merge"):
-                        acc = T.sblock_alloc_buffer((V,), "float32", scope="local")
-                        md = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                        # Every block of kernel 1 wrote a state (an empty one past the splits
-                        # in use), so all S are read, in unrolled loops whose loads can all
-                        # be in flight at once.
-                        md[0] = part_m[bx, by, 0]
-                        for s in T.unroll(1, S):
-                            md[0] = T.max(md[0], part_m[bx, by, s])
-                        md[1] = T.float32(0)
-                        for v in T.serial(V):
-                            acc[v] = T.float32(0)
-                        for s in T.unroll(S):
-                            weight: T.let[T.float32] = T.exp2(part_m[bx, by, s] - md[0])
-                            md[1] += part_d[bx, by, s] * weight
-                            for v in T.serial(V):
-                                acc[v] += part_o[bx, by, s, tx * V + v] * weight
-                        for v in T.serial(V):
-                            output[bx, by, tx * V + v] = T.cast(
-                                T.if_then_else(md[1] > 0, acc[v] / md[1], T.float32(0)), dtype)
-                        if tx == 0:
-                            lse[bx, by] = T.if_then_else(md[1] > 0, md[0] + T.log2(md[1]), T.float32(-5e4))
+                        merge(part_o, part_m, part_d, bx, by, output, lse, tx)
 
     return decode
 
