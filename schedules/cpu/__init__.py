@@ -11,7 +11,8 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-from vtool.schedules.cpu.attention import rewrite_decode_paged, rewrite_prefill_paged, rewrite_prefill_ragged
+from vtool.schedules.cpu.attention import (rewrite_decode_paged, rewrite_prefill_paged, rewrite_prefill_ragged,
+                                          schedule_fused_rope)
 from vtool.schedules.cpu.matmul import schedule_nt_matmul
 from vtool.schedules.cpu.quantized import schedule_quantized_matmul
 from vtool.schedules.cpu.rowwise import schedule_rowwise
@@ -41,7 +42,7 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
                 continue
             # TVM's serial CPU prefill (ragged and paged) and decode attention
             rewritten = (rewrite_prefill_ragged(gv.name_hint, func) or rewrite_prefill_paged(gv.name_hint, func)
-                         or rewrite_decode_paged(gv.name_hint, func))
+                         or rewrite_decode_paged(gv.name_hint, func) or schedule_fused_rope(func))
             if rewritten is not None:
                 updates[gv] = rewritten
                 continue

@@ -466,3 +466,33 @@ def _paged_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.P
                     lse[q_row, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(neg))
 
     return batch_prefill_paged_kv_cpu
+
+
+ROPE_BLOCK = "llama_fused_rope"
+
+
+def schedule_fused_rope(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """TVM's rotary embedding of the KV cache (`llama_rope_with_position_map`: q and k rotated,
+    v copied, for every (position, fused head, dim)) arrives unscheduled: one serial loop that
+    calls powf, cosf and sinf for every element, though they depend on (position, dim) only.
+    Here the head loop goes innermost and is unrolled, so that the heads' identical pure calls
+    are one call after LLVM's common-subexpression elimination, and (position, dim) run in
+    parallel; the expressions are untouched (the same results, bit for bit). SmolLM2-135M's
+    15 fused heads of 64, 2-core Xeon: 1 position 11.8 -> 4.4 us a layer, 5 positions 58 ->
+    12 us (a 5-token verify step: 1.4 ms less), 64 positions 707 -> 106 us. None when `func`
+    has no such block."""
+    from tvm import s_tir
+
+    try:
+        sch = s_tir.Schedule(func)
+        block = sch.get_sblock(ROPE_BLOCK)
+    except Exception:  # noqa: BLE001 - no block of that name: not the rope kernel
+        return None
+    loops = sch.get_loops(block)
+    if len(loops) != 3:
+        return None
+    position, head, dim = loops
+    sch.reorder(position, dim, head)
+    sch.unroll(head)
+    sch.parallel(sch.fuse(position, dim))
+    return sch.mod["main"]
