@@ -1,0 +1,92 @@
+"""Speculation on any built model (a GPU artifact and its checkpoint or GGUF) against the same
+engine without it, greedy, best of 3 after a warm-up: decode tok/s (after the first token), the
+drafts kept, whether the tokens are identical. n-gram lookup by default; a draft model with
+--draft-artifact/--draft-model. Prompts: spec_ngram_cpu.py's copy-heavy one (`copy`) or a
+write-new-code one (`write`), through the model's chat template unless --raw.
+
+    python tests/bench/spec_ngram_artifact.py --artifact ART --model FILE.gguf [--k 2,4,8] [--tokens 256]
+        [--prompt copy|write] [--raw] [--draft-artifact ART --draft-model FILE.gguf]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from spec_ngram_cpu import PROMPT
+
+from vtool.runtime.engine.engine import Engine, EngineConfig
+from vtool.runtime.engine.spec_config import parse_speculative_config
+from vtool.runtime.sampling.params import SamplingParams
+from vtool.runtime.session import open_session
+from vtool.runtime.weights.checkpoint import open_checkpoint
+
+
+WRITE = ("Write a Python class LRUCache with get and put methods, a capacity given to the constructor, and "
+         "docstrings; then write five unit tests for it with unittest.")
+
+
+def decode_rate(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    out: list[int] = []
+    first = last = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            last = time.perf_counter()
+            first = first or last
+            out.extend(o.new_token_ids)
+    engine.reset_prefix_cache()
+    return (len(out) - 1) / (last - first), out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--artifact", type=Path, required=True)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--k", default="4", help="draft lengths, comma-separated")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--lookup", default="2,4", help="prompt_lookup_min,max")
+    ap.add_argument("--draft-artifact", type=Path, help="speculate with this draft model instead of n-gram lookup")
+    ap.add_argument("--draft-model", type=Path, help="the draft's checkpoint or GGUF")
+    ap.add_argument("--prompt", choices=("copy", "write"), default="copy",
+                    help="copy: repeat a piece of code; write: write new code (drafts must guess)")
+    ap.add_argument("--raw", action="store_true", help="the prompt as plain text, not through the chat template")
+    a = ap.parse_args()
+    session = open_session(a.artifact, open_checkpoint(a.model), max_model_len=4096)
+    text = PROMPT if a.prompt == "copy" else WRITE
+    tok = session.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False) \
+        if tok.chat_template is not None and not a.raw else tok.encode(text)
+    lo, hi = (int(x) for x in a.lookup.split(","))
+    report: dict = {"bench": "spec_draft" if a.draft_artifact else "spec_ngram", "prompt": a.prompt, "raw": a.raw,
+                    "artifact": a.artifact.name, "model": a.model.name, "tokens": a.tokens,
+                    "prompt_tokens": len(prompt)}
+    base = Engine(session, EngineConfig(max_num_seqs=4))
+    decode_rate(base, prompt, 16)
+    rates = [decode_rate(base, prompt, a.tokens) for _ in range(3)]
+    report["no_spec_tok_s"] = max(r for r, _ in rates)
+    reference = rates[0][1]
+    del base
+    for k in (int(x) for x in a.k.split(",")):
+        if a.draft_artifact:
+            config = parse_speculative_config({"model": str(a.draft_model), "num_speculative_tokens": k}) \
+                .resolved(str(a.draft_artifact), str(a.draft_model))
+        else:
+            config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k,
+                                               "prompt_lookup_min": lo, "prompt_lookup_max": hi})
+        engine = Engine(session, EngineConfig(max_num_seqs=4, speculative=config))
+        decode_rate(engine, prompt, 16)
+        runs = [decode_rate(engine, prompt, a.tokens) for _ in range(3)]
+        s = engine.stats()
+        best = max(r for r, _ in runs)
+        report[f"k{k}"] = {"tok_s": best, "speedup": best / report["no_spec_tok_s"],
+                           "same_tokens": all(t == reference for _, t in runs),
+                           "kept": s["spec_num_accepted_tokens"], "drafted": s["spec_num_draft_tokens"],
+                           "steps": s["steps"]}
+        del engine
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
