@@ -49,9 +49,11 @@ def _plan(c: ModelConfig) -> WeightPlan:
 
 
 def plan_parameters(named_params: Iterable[tuple[str, Any]],
-                    formats: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+                    formats: Mapping[str, str] | None = None,
+                    fused_sources: Mapping[str, tuple[str, ...]] = FUSED) -> list[dict[str, Any]]:
     """The decoder's parameters: one manifest entry per compiled parameter, in the order the
-    library expects them.
+    library expects them. fused_sources: the compiled fused modules whose HF weights come
+    apart (FUSED; a family whose checkpoints store them fused, as Phi-3's, passes {}).
 
     A part of a weight kept in blocks (module path in `formats`) carries
     `quant: {format, part}`: the runtime repacks its source tensors' blocks and binds that
@@ -67,7 +69,7 @@ def plan_parameters(named_params: Iterable[tuple[str, Any]],
             entry["quant"] = {"format": formats[module], "part": leaf}
             leaf = "weight"
             entry["sources"] = [f"{module}.{leaf}"]
-        for fused, parts in FUSED.items():
+        for fused, parts in fused_sources.items():
             if module.endswith("." + fused):
                 prefix = module[: -len(fused) - 1]
                 entry["transform"] = "concat_rows"

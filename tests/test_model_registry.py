@@ -112,7 +112,7 @@ def test_gguf_names_cover_the_weight_plan(family):
         assert found is not None, f"gguf-py has no {family.gguf_architecture} tensor for {hf}"
         kind, gguf_name = found
         assert kind in gguf.MODEL_TENSORS[arch], (hf, kind)
-        assert gguf_reader.hf_name(gguf_name, Path("x.gguf")) == hf
+        assert gguf_reader.hf_name(gguf_name, Path("x.gguf"), family.gguf_architecture) == hf
 
 
 @pytest.mark.parametrize("family", GGUF_FAMILIES, ids=lambda f: f.name)

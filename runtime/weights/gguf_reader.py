@@ -34,6 +34,7 @@ ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # GGML tensor types load() can expand to floats (gguf-py's dequantizers): every type llama.cpp's
 # standard presets write. Those vtool has kernels for stay in blocks on the CPU (ggml_blocks.py);
@@ -62,19 +63,27 @@ _PER_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # stored fused (phi3)
 }
+# Where an architecture's converter stores a tensor under another meaning: phi3's ffn_up holds
+# gate|up stacked (2 x feed_forward_length rows), as its HF checkpoint does.
+_PER_LAYER_BY_ARCH = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Per-frequency rope factors of longrope scaling (Phi-3 128k, Phi-3.5): no supported HF rope type
+LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _NORMS = {"attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"}  # RMSNorm: weight only
 _BLOCK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-frequency rope divisors, folded into config
 
 
-def hf_name(gguf_name: str, file: Path) -> str:
-    """The Hugging Face name of a GGUF tensor; unknown names are refused."""
+def hf_name(gguf_name: str, file: Path, arch: str = "llama") -> str:
+    """The Hugging Face name of a GGUF tensor of general.architecture `arch`; unknown names
+    are refused."""
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
-    if m and m[2] in _PER_LAYER and not (m[2] in _NORMS and m[3] == "bias"):
-        return f"model.layers.{int(m[1])}.{_PER_LAYER[m[2]]}.{m[3]}"
+    per_layer = {**_PER_LAYER, **_PER_LAYER_BY_ARCH.get(arch, {})}
+    if m and m[2] in per_layer and not (m[2] in _NORMS and m[3] == "bias"):
+        return f"model.layers.{int(m[1])}.{per_layer[m[2]]}.{m[3]}"
     raise CheckpointError(
         f"{file}: tensor {gguf_name!r} has no Hugging Face counterpart vtool knows "
         f"(known: {', '.join(_TOP_LEVEL)}, blk.N.{{{','.join(_PER_LAYER)}}}.weight/.bias)"
@@ -430,8 +439,11 @@ class GGUFCheckpoint(Checkpoint):
         hidden = int(self._scalar(k("embedding_length")))
         heads = int(self._scalar(k("attention.head_count")))
         kv_heads = int(self._scalar(k("attention.head_count_kv"), heads))
-        head_dim = self._scalar(k("attention.key_length"), None) or self._scalar(k("rope.dimension_count"), None)
-        head_dim = int(head_dim or hidden // heads)
+        rope_dims = self._scalar(k("rope.dimension_count"), None)
+        if arch == "phi3":  # its rope may cover part of a head (Phi-4-mini): the head is hidden / heads
+            head_dim = int(self._scalar(k("attention.key_length"), None) or hidden // heads)
+        else:
+            head_dim = int(self._scalar(k("attention.key_length"), None) or rope_dims or hidden // heads)
         value_dim = self._scalar(k("attention.value_length"), head_dim)
         if value_dim != head_dim:
             raise CheckpointError(
@@ -464,6 +476,16 @@ class GGUFCheckpoint(Checkpoint):
         }
         if arch == "llama":
             cfg["mlp_bias"] = "blk.0.ffn_gate.bias" in names
+        if arch == "phi3":
+            window = int(self._scalar(k("attention.sliding_window"), 0) or 0)
+            if window:
+                cfg["sliding_window"] = window
+            if rope_dims is not None and int(rope_dims) != head_dim:
+                cfg["partial_rotary_factor"] = int(rope_dims) / head_dim  # normalize refuses it, by name
+            found = [n for n in LONGROPE_FACTORS if n in names]
+            if found:
+                raise CheckpointError(f"{self.path}: tensors {', '.join(found)} hold longrope scaling factors "
+                                      "(Phi-3 128k, Phi-3.5); longrope is not supported yet")
         for hf_key, gguf_key in (
             ("bos_token_id", "bos_token_id"),
             ("eos_token_id", "eos_token_id"),
@@ -516,7 +538,7 @@ class GGUFCheckpoint(Checkpoint):
             for t in self._reader.tensors:
                 if t.name == ROPE_FREQS:
                     continue  # not a weight in HF: config()'s rope_scaling carries it
-                name = hf_name(t.name, self.path)
+                name = hf_name(t.name, self.path, self._arch())
                 kind = t.tensor_type.name
                 if kind in NOTICE_TYPES:
                     noticed.setdefault(kind, []).append(t.name)
