@@ -54,6 +54,11 @@ class ModelConfig:
     max_position_embeddings: int
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # RMSNorm on each q and k head before RoPE (Qwen3)
+    # q and k normalized over all their heads at once, one weight of heads x head_dim (OLMo-2)
+    qk_norm_full: bool = False
+    # norms after attention and after the MLP, on their outputs before the residual add, and
+    # none before them (OLMo-2); False: Llama's norms before each
+    post_norms: bool = False
 
     @property
     def family(self) -> str:

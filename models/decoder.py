@@ -75,15 +75,23 @@ class Attention(nn.Module):
         self.qkv_proj = make_linear(prefix + "qkv_proj", c.hidden_size, (self.hq + 2 * self.hkv) * self.head_dim,
                                     c.attention_bias, dtype, formats)
         self.o_proj = make_linear(prefix + "o_proj", self.hq * self.head_dim, c.hidden_size, False, dtype, formats)
-        self.qk_norm = c.qk_norm
+        self.qk_norm, self.qk_norm_full = c.qk_norm, c.qk_norm_full
         if c.qk_norm:
-            self.q_norm = nn.RMSNorm(self.head_dim, -1, c.rms_norm_eps, bias=False, dtype=dtype)
-            self.k_norm = nn.RMSNorm(self.head_dim, -1, c.rms_norm_eps, bias=False, dtype=dtype)
+            # per head (Qwen3), or over all heads at once (OLMo-2)
+            q_dim, k_dim = (self.hq * self.head_dim, self.hkv * self.head_dim) if c.qk_norm_full \
+                else (self.head_dim, self.head_dim)
+            self.q_norm = nn.RMSNorm(q_dim, -1, c.rms_norm_eps, bias=False, dtype=dtype)
+            self.k_norm = nn.RMSNorm(k_dim, -1, c.rms_norm_eps, bias=False, dtype=dtype)
 
     def forward(self, x: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
         b, s, _ = x.shape
-        qkv = op.reshape(self.qkv_proj(x), (b, s, self.hq + 2 * self.hkv, self.head_dim))
-        if self.qk_norm:
+        qkv = self.qkv_proj(x)
+        if self.qk_norm_full:
+            q_end, k_end = self.hq * self.head_dim, (self.hq + self.hkv) * self.head_dim
+            q, k, v = op.split(qkv, [q_end, k_end], axis=-1)
+            qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        qkv = op.reshape(qkv, (b, s, self.hq + 2 * self.hkv, self.head_dim))
+        if self.qk_norm and not self.qk_norm_full:
             q, k, v = op.split(qkv, [self.hq, self.hq + self.hkv], axis=2)
             qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
         # RoPE and paged attention both happen inside the KV-cache builtin.
@@ -106,10 +114,17 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, dtype: str, formats: Formats, prefix: str):
         self.self_attn = Attention(c, dtype, formats, prefix + "self_attn.")
         self.mlp = MLP(c, dtype, formats, prefix + "mlp.")
-        self.input_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
+        self.post_norms = c.post_norms
+        if not c.post_norms:
+            self.input_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
+        if c.post_norms:
+            self.post_feedforward_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
 
     def forward(self, h: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
+        if self.post_norms:  # OLMo-2: each block's output normalized, then added
+            h = h + self.post_attention_layernorm(self.self_attn(h, kv, layer_id))
+            return h + self.post_feedforward_layernorm(self.mlp(h))
         h = h + self.self_attn(self.input_layernorm(h), kv, layer_id)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -7,7 +7,7 @@ Adding a family: one file, models/<family>.py with its FAMILY, and one row in FA
 """
 from __future__ import annotations
 
-from vtool.models import llama, phi3, qwen2, qwen3
+from vtool.models import llama, olmo2, phi3, qwen2, qwen3
 from vtool.models.config import ConfigError
 from vtool.models.family import ModelFamily
 
@@ -16,6 +16,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     qwen2.FAMILY,
     qwen3.FAMILY,
     phi3.FAMILY,
+    olmo2.FAMILY,
 )
 
 # architecture -> its family, in FAMILIES order (refusals list them so)

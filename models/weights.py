@@ -137,12 +137,16 @@ def _decoder_source_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_proj.bias"] = (c.num_key_value_heads * d,)
             shapes[p + "self_attn.v_proj.bias"] = (c.num_key_value_heads * d,)
         if c.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
+            full = c.qk_norm_full
+            shapes[p + "self_attn.q_norm.weight"] = (c.num_attention_heads * d,) if full else (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.num_key_value_heads * d,) if full else (d,)
         shapes[p + "mlp.gate_proj.weight"] = (i, h)
         shapes[p + "mlp.up_proj.weight"] = (i, h)
         shapes[p + "mlp.down_proj.weight"] = (h, i)
-        shapes[p + "input_layernorm.weight"] = (h,)
+        if c.post_norms:
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+        else:
+            shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
     return shapes
 

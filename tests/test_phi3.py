@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from hf_gguf import write_hf_as_gguf
 from hf_oracle import greedy
 from vtool.models.config import ConfigError, parse_hf_config
 from vtool.runtime.artifact.library import CompiledModel
@@ -28,39 +29,8 @@ STEPS = 24
 
 def write_phi3_gguf(folder: Path, path: Path, matrices: "gguf.GGMLQuantizationType" = gguf.GGMLQuantizationType.F32,
                     sliding_window: int = 0, extra: dict[str, np.ndarray] | None = None) -> Path:
-    """The tiny HF Phi-3 in `folder` as a phi3 GGUF."""
-    from safetensors.numpy import load_file
-
-    cfg = json.loads((folder / "config.json").read_text())
-    tensors = load_file(str(folder / "model.safetensors"))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, cfg["num_hidden_layers"])
-    w = gguf.GGUFWriter(str(path), "phi3")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
-    w.add_rope_freq_base(10000.0)
-    w.add_sliding_window(sliding_window)
-    w.add_vocab_size(cfg["vocab_size"])
-    for hf, arr in tensors.items():
-        module, leaf = hf.rsplit(".", 1)
-        name = names.get_name(module) + "." + leaf
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if arr.ndim == 2 and matrices != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, gguf.quants.quantize(arr, matrices), raw_dtype=matrices)
-        else:
-            w.add_tensor(name, arr)
-    for name, arr in (extra or {}).items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    """The tiny HF Phi-3 in `folder` as a phi3 GGUF (llama.cpp writes the window, 0 for none)."""
+    return write_hf_as_gguf(folder, path, gguf.MODEL_ARCH.PHI3, matrices, sliding_window, extra)
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 # GGML tensor types load() can expand to floats (gguf-py's dequantizers): every type llama.cpp's
 # standard presets write. Those vtool has kernels for stay in blocks on the CPU (ggml_blocks.py);
@@ -64,13 +65,15 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "attn_qkv": "self_attn.qkv_proj",  # stored fused (phi3)
+    "post_attention_norm": "post_attention_layernorm",  # olmo2: after attention
+    "post_ffw_norm": "post_feedforward_layernorm",  # olmo2: after the MLP
 }
 # Where an architecture's converter stores a tensor under another meaning: phi3's ffn_up holds
 # gate|up stacked (2 x feed_forward_length rows), as its HF checkpoint does.
 _PER_LAYER_BY_ARCH = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 # Per-frequency rope factors of longrope scaling (Phi-3 128k, Phi-3.5): no supported HF rope type
 LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-_NORMS = {"attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"}  # RMSNorm: weight only
+_NORMS = {"attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"}  # RMSNorm: weight only
 _BLOCK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-frequency rope divisors, folded into config
 

@@ -1,7 +1,7 @@
 """Tiny random-weight checkpoints made by transformers itself, for parity tests.
 
 Each shape exercises something: GQA, head_dim != hidden/heads, tied and untied heads,
-Qwen2's q/k/v bias, Qwen3's q/k norm, Llama-3 rope scaling, Phi-3's fused q|k|v and gate|up.
+Qwen2's q/k/v bias, Qwen3's q/k norm, Llama-3 rope scaling, Phi-3's fused q|k|v and gate|up, OLMo-2's post-norms.
 """
 from __future__ import annotations
 
@@ -41,6 +41,9 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
     "phi3-fused": dict(arch="phi3", hidden_size=128, intermediate_size=96, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0,
                        sliding_window=None),
+    # OLMo-2: norms after attention and the MLP, q/k RMSNorm over all heads, GQA 4/2
+    "olmo2-postnorm": dict(arch="olmo2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0),
     # Qwen3 with untied head and MHA, head_dim 32 != 64/4
     "qwen3-untied": dict(arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, head_dim=32, tie_word_embeddings=False,
@@ -67,12 +70,13 @@ def spread_init(model) -> None:
 def make_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
     """Write config.json + model.safetensors for TINY_SHAPES[name] into folder (float32)."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config,
+                              Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-               "phi3": (Phi3Config, Phi3ForCausalLM)}
+               "phi3": (Phi3Config, Phi3ForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM)}
     spec = dict(TINY_SHAPES[name])
     config_cls, model_cls = classes[spec.pop("arch")]
     torch.manual_seed(seed)
