@@ -3,7 +3,9 @@ a copy-heavy prompt (repeat a piece of Python), greedy, best of 3 after a warm-u
 model step alone at the prompt's context: decode of 1 token against batch_verify of 1 + k
 (best and median of 15), the ratio that decides whether speculation can pay.
 
-    python tests/bench/spec_ngram_cpu.py [--tokens 128] [--k 4]
+    python tests/bench/spec_ngram_cpu.py [--tokens 128] [--k 4] [--target host|x86-avx2|...]
+
+(--target x86-avx2 runs the AVX2 kernels on an AVX-512 machine: the AVX2-only CPUs' code.)
 """
 from __future__ import annotations
 
@@ -60,13 +62,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--target", default="host")
     a = ap.parse_args()
     params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
     outputs, rates = {}, {}
     llm = None
     for name, spec in (("none", None), ("ngram", {"method": "ngram", "num_speculative_tokens": a.k,
                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 2})):
-        llm = LLM(max_model_len=2048, speculative_config=spec)
+        llm = LLM(target=a.target, max_model_len=2048, speculative_config=spec)
         llm.generate(PROMPT, params)
         best = float("inf")
         for _ in range(3):
