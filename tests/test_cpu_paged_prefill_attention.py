@@ -114,3 +114,29 @@ def test_any_lengths_match_a_float64_softmax(seqs, causal, seed):
     """Empty sequences (no keys: output 0, lse -5e4 as TVM's), queries with no visible key
     (causal, more queries than keys), keys ending mid-page (the rest of the page NaN)."""
     _check([n_q for n_q, _ in seqs], [n_kv for _, n_kv in seqs], causal, seed)
+
+
+@pytest.mark.parametrize("kv_len", [1, 16, 37, 130])
+def test_decode_kernel_ignores_slots_past_the_end(kv_len):
+    """The decode kernel scores a page of 16 keys at once as well: slots past the sequence's end
+    (NaN here) must be masked, never summed into a result."""
+    from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode_cpu
+
+    from vtool.schedules.cpu.attention import DECODE_NAME, rewrite_decode_paged
+
+    orig = _attention_decode_cpu(H_KV, H_Q, D, "float32", False, {}).with_attr("global_symbol", DECODE_NAME)
+    run = tvm.compile(tvm.IRModule({"main": rewrite_decode_paged(DECODE_NAME, orig)}), target=TARGET)["main"]
+    rng = np.random.default_rng(kv_len)
+    n_pages = (kv_len + PAGE - 1) // PAGE
+    order = rng.permutation(n_pages + 2).astype("int32")[:n_pages]
+    last = kv_len - (n_pages - 1) * PAGE
+    pages = rng.standard_normal((n_pages + 2, 2, H_KV, PAGE, D)).astype("float32")
+    pages[order[-1], :, :, last:] = np.nan
+    q = rng.standard_normal((1, H_Q, D)).astype("float32")
+    out = tvm.runtime.tensor(np.full((1, H_Q, D), np.nan, "float32"))
+    lse = tvm.runtime.tensor(np.full((1, H_Q), np.nan, "float32"))
+    run(*[tvm.runtime.tensor(a) for a in [q, pages, np.array([0, n_pages], "int32"), order, np.array([last], "int32"),
+                                          np.zeros(1, "int32"), np.zeros(1, "int32")]], out, lse, 0, 1.0, 10000.0, 0.125)
+    want_out, want_lse = _reference(q, pages, np.array([0, n_pages]), order, [kv_len], [1], 0, 0.125)
+    np.testing.assert_allclose(out.numpy(), want_out, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(lse.numpy(), want_lse, atol=2e-5, rtol=1e-5)

@@ -174,7 +174,10 @@ def rewrite_decode_paged(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | None
 
 def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.PrimFunc:
     """Parallel over (sequence, query head); one page of keys per online-softmax step; the
-    q.k dot products and p.v updates vectorized over the head dimension."""
+    q.k dot products and p.v updates vectorized over the head dimension. With pages of 16
+    keys, the page's scores and softmax weights come out 16 at once, as in the paged prefill
+    kernel (`_page_scores`, `_exp2`): SmolLM2's 9/3 heads, 2-core Xeon, 512 keys 46 -> 29 us,
+    128 keys 14 -> 10 us."""
     group = h_q // h_kv
     n_c = d // LANES
     neg = -5e4
@@ -227,32 +230,45 @@ def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.PrimFunc
                 for p in T.serial(n_pages):
                     page: T.let[T.int32] = page_values[first + p]
                     st[2] = T.float32(neg)
-                    for t in T.serial(page_size):
-                        if p * page_size + t < n_keys:
-                            for j in T.vectorized(LANES):
-                                part[j] = q[b, h, j] * pages[page, 0, hk, t, j]
-                            for c in T.unroll(1, n_c):
-                                for j in T.vectorized(LANES):
-                                    part[j] = part[j] + q[b, h, c * LANES + j] * pages[page, 0, hk, t, c * LANES + j]
-                            for j in T.vectorized(8):  # a tree, not a 16-add chain
-                                part[j] = part[j] + part[j + 8]
-                            for j in T.vectorized(4):
-                                part[j] = part[j] + part[j + 4]
-                            s[t] = ((part[0] + part[2]) + (part[1] + part[3])) * scale
+                    if page_size == LANES:  # as the paged prefill kernel: 16 scores at once
+                        s[T.Ramp(0, 1, LANES)] = T.Select(
+                            T.Ramp(0, 1, LANES) < T.Broadcast(n_keys - T.Cast("int32", p) * page_size, LANES),
+                            _page_scores(q, pages, b, h, page, hk, d) * T.Broadcast(scale, LANES),
+                            T.Broadcast(T.float32(neg), LANES))
+                        for t in T.serial(page_size):
                             st[2] = T.max(st[2], s[t])
+                    else:
+                        for t in T.serial(page_size):
+                            if p * page_size + t < n_keys:
+                                for j in T.vectorized(LANES):
+                                    part[j] = q[b, h, j] * pages[page, 0, hk, t, j]
+                                for c in T.unroll(1, n_c):
+                                    for j in T.vectorized(LANES):
+                                        part[j] = part[j] + q[b, h, c * LANES + j] * pages[page, 0, hk, t, c * LANES + j]
+                                for j in T.vectorized(8):  # a tree, not a 16-add chain
+                                    part[j] = part[j] + part[j + 8]
+                                for j in T.vectorized(4):
+                                    part[j] = part[j] + part[j + 4]
+                                s[t] = ((part[0] + part[2]) + (part[1] + part[3])) * scale
+                                st[2] = T.max(st[2], s[t])
                     if st[2] > st[0]:  # the page raised the max: rescale what is accumulated
                         st[3] = T.exp2(st[0] - st[2])
                         st[1] = st[1] * st[3]
                         for i in T.vectorized(d):
                             acc[i] = acc[i] * st[3]
                         st[0] = st[2]
+                    if page_size == LANES:  # the page's weights in vector registers
+                        s[T.Ramp(0, 1, LANES)] = _exp2(s[T.Ramp(0, 1, LANES)] - T.Broadcast(st[0], LANES))
+                    else:
+                        for t in T.serial(page_size):
+                            if p * page_size + t < n_keys:
+                                s[t] = T.exp2(s[t] - st[0])
                     for t in T.serial(page_size):
                         if p * page_size + t < n_keys:
-                            st[3] = T.exp2(s[t] - st[0])
-                            st[1] = st[1] + st[3]
+                            st[1] = st[1] + s[t]
                             for c in T.unroll(n_c):
                                 for j in T.vectorized(LANES):
-                                    acc[c * LANES + j] = acc[c * LANES + j] + st[3] * pages[page, 1, hk, t, c * LANES + j]
+                                    acc[c * LANES + j] = acc[c * LANES + j] + s[t] * pages[page, 1, hk, t, c * LANES + j]
                 for i in T.vectorized(d):
                     output[b, h, i] = T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0))
                 lse[b, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(neg))
