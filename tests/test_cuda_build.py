@@ -163,12 +163,16 @@ def _check(folder: Path, archs: list[str], ptx: str, tmp_path: Path) -> dict:
     assert cuda["embedded"] == {"module_formats": ["cubin"], "sass": archs, "ptx": [ptx]}
     assert manifest["build"]["pipeline"]["cuda_graph"] is True
     passes = manifest["build"]["pipeline"]["passes"]
-    expected = ["VtoolSplitKVDecodeAttention"] + (["VtoolOffloadGemmToCublas"] if manifest["gemm"] == "cublas" else [])
+    expected = ["VtoolSplitKVDecodeAttention", "VtoolShortPrefillAttention"] + (
+        ["VtoolOffloadGemmToCublas"] if manifest["gemm"] == "cublas" else [])
     assert passes[:len(expected) + 1] == expected + ["FuseTransposeMatmul"]
     # the split-KV decode kernel (two kernels under TVM's symbol, the merge one named "_1")
     # replaces TVM's where the lanes can split the head, and TVM's stays elsewhere
     splits = manifest["config"]["head_dim"] % 32 == 0
-    assert (b"batch_decode_paged_kv_kernel_1" in (folder / "model.so").read_bytes()) == splits
+    library = (folder / "model.so").read_bytes()
+    assert (b"batch_decode_paged_kv_kernel_1" in library) == splits
+    # and so does the short-step kernel in front of TVM's paged prefill attention
+    assert (b"vtool_prefill_paged_kv_short" in library) == splits
     return manifest
 
 
