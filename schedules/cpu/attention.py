@@ -172,6 +172,79 @@ def rewrite_decode_paged(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | None
     return new.with_attrs(func.attrs) if func.attrs is not None else new
 
 
+def _page_attention(d: int, page_size: int):  # noqa: ANN202 - a TVMScript macro
+    """The attention of one query row (`row` of q, query head `h`, KV head `hk`) over the first
+    n_keys keys of a sequence whose pages start at page_values[first]: one page of keys per
+    online-softmax step (scores scaled by `scale` = sm_scale * log2(e)), the q.k dot products
+    and p.v updates vectorized over the head dimension; with pages of LANES keys the page's
+    scores and weights come out LANES at once (`_page_scores`, `_exp2`). Writes output[row, h]
+    and lse[row, h] (log2 units; -5e4 with no key). The decode and the paged prefill kernels
+    expand it inside their parallel loops."""
+    n_c = d // LANES
+    neg = -5e4
+
+    @T.macro
+    def attend(q, pages, page_values, output, lse, row, h, hk, first, n_keys, scale):
+        with T.sblock("attn"):
+            acc = T.sblock_alloc_buffer((d,), "float32")
+            part = T.sblock_alloc_buffer((LANES,), "float32")
+            s = T.sblock_alloc_buffer((page_size,), "float32")
+            st = T.sblock_alloc_buffer((4,), "float32")  # m, d, page max, scratch
+            for i in T.vectorized(d):
+                acc[i] = T.float32(0)
+            st[0] = T.float32(neg)
+            st[1] = T.float32(0)
+            for p in T.serial((n_keys + page_size - 1) // page_size):
+                page: T.let[T.int32] = page_values[first + p]
+                st[2] = T.float32(neg)
+                if page_size == LANES:
+                    # the page's 16 scores at once (keys past n_keys masked, never summed
+                    # into another key's lane), then their max
+                    s[T.Ramp(0, 1, LANES)] = T.Select(
+                        T.Ramp(0, 1, LANES) < T.Broadcast(n_keys - T.Cast("int32", p) * page_size, LANES),
+                        _page_scores(q, pages, row, h, page, hk, d) * T.Broadcast(scale, LANES),
+                        T.Broadcast(T.float32(neg), LANES))
+                    for t in T.serial(page_size):
+                        st[2] = T.max(st[2], s[t])
+                else:
+                    for t in T.serial(page_size):
+                        if p * page_size + t < n_keys:
+                            for j in T.vectorized(LANES):
+                                part[j] = q[row, h, j] * pages[page, 0, hk, t, j]
+                            for c in T.unroll(1, n_c):
+                                for j in T.vectorized(LANES):
+                                    part[j] = part[j] + q[row, h, c * LANES + j] * pages[page, 0, hk, t, c * LANES + j]
+                            for j in T.vectorized(8):  # a tree, not a 16-add chain
+                                part[j] = part[j] + part[j + 8]
+                            for j in T.vectorized(4):
+                                part[j] = part[j] + part[j + 4]
+                            s[t] = ((part[0] + part[2]) + (part[1] + part[3])) * scale
+                            st[2] = T.max(st[2], s[t])
+                if st[2] > st[0]:  # the page raised the max: rescale what is accumulated
+                    st[3] = T.exp2(st[0] - st[2])
+                    st[1] = st[1] * st[3]
+                    for i in T.vectorized(d):
+                        acc[i] = acc[i] * st[3]
+                    st[0] = st[2]
+                if page_size == LANES:  # the page's weights in vector registers
+                    s[T.Ramp(0, 1, LANES)] = _exp2(s[T.Ramp(0, 1, LANES)] - T.Broadcast(st[0], LANES))
+                else:
+                    for t in T.serial(page_size):
+                        if p * page_size + t < n_keys:
+                            s[t] = T.exp2(s[t] - st[0])
+                for t in T.serial(page_size):
+                    if p * page_size + t < n_keys:
+                        st[1] = st[1] + s[t]
+                        for c in T.unroll(n_c):
+                            for j in T.vectorized(LANES):
+                                acc[c * LANES + j] = acc[c * LANES + j] + s[t] * pages[page, 1, hk, t, c * LANES + j]
+            for i in T.vectorized(d):
+                output[row, h, i] = T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0))
+            lse[row, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(neg))
+
+    return attend
+
+
 def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.PrimFunc:
     """Parallel over (sequence, query head); one page of keys per online-softmax step; the
     q.k dot products and p.v updates vectorized over the head dimension. With pages of 16
@@ -179,8 +252,7 @@ def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.PrimFunc
     kernel (`_page_scores`, `_exp2`): SmolLM2's 9/3 heads, 2-core Xeon, 512 keys 46 -> 29 us,
     128 keys 14 -> 10 us."""
     group = h_q // h_kv
-    n_c = d // LANES
-    neg = -5e4
+    attend = _page_attention(d, page_size)
 
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv_cpu(
@@ -218,60 +290,7 @@ def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.PrimFunc
             n_pages: T.let[T.int32] = page_indptr[b + 1] - page_indptr[b]
             n_keys: T.let[T.int32] = T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
             scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
-            with T.sblock("attn"):
-                acc = T.sblock_alloc_buffer((d,), "float32")
-                part = T.sblock_alloc_buffer((LANES,), "float32")
-                s = T.sblock_alloc_buffer((page_size,), "float32")
-                st = T.sblock_alloc_buffer((4,), "float32")  # m, d, page max, scratch
-                for i in T.vectorized(d):
-                    acc[i] = T.float32(0)
-                st[0] = T.float32(neg)
-                st[1] = T.float32(0)
-                for p in T.serial(n_pages):
-                    page: T.let[T.int32] = page_values[first + p]
-                    st[2] = T.float32(neg)
-                    if page_size == LANES:  # as the paged prefill kernel: 16 scores at once
-                        s[T.Ramp(0, 1, LANES)] = T.Select(
-                            T.Ramp(0, 1, LANES) < T.Broadcast(n_keys - T.Cast("int32", p) * page_size, LANES),
-                            _page_scores(q, pages, b, h, page, hk, d) * T.Broadcast(scale, LANES),
-                            T.Broadcast(T.float32(neg), LANES))
-                        for t in T.serial(page_size):
-                            st[2] = T.max(st[2], s[t])
-                    else:
-                        for t in T.serial(page_size):
-                            if p * page_size + t < n_keys:
-                                for j in T.vectorized(LANES):
-                                    part[j] = q[b, h, j] * pages[page, 0, hk, t, j]
-                                for c in T.unroll(1, n_c):
-                                    for j in T.vectorized(LANES):
-                                        part[j] = part[j] + q[b, h, c * LANES + j] * pages[page, 0, hk, t, c * LANES + j]
-                                for j in T.vectorized(8):  # a tree, not a 16-add chain
-                                    part[j] = part[j] + part[j + 8]
-                                for j in T.vectorized(4):
-                                    part[j] = part[j] + part[j + 4]
-                                s[t] = ((part[0] + part[2]) + (part[1] + part[3])) * scale
-                                st[2] = T.max(st[2], s[t])
-                    if st[2] > st[0]:  # the page raised the max: rescale what is accumulated
-                        st[3] = T.exp2(st[0] - st[2])
-                        st[1] = st[1] * st[3]
-                        for i in T.vectorized(d):
-                            acc[i] = acc[i] * st[3]
-                        st[0] = st[2]
-                    if page_size == LANES:  # the page's weights in vector registers
-                        s[T.Ramp(0, 1, LANES)] = _exp2(s[T.Ramp(0, 1, LANES)] - T.Broadcast(st[0], LANES))
-                    else:
-                        for t in T.serial(page_size):
-                            if p * page_size + t < n_keys:
-                                s[t] = T.exp2(s[t] - st[0])
-                    for t in T.serial(page_size):
-                        if p * page_size + t < n_keys:
-                            st[1] = st[1] + s[t]
-                            for c in T.unroll(n_c):
-                                for j in T.vectorized(LANES):
-                                    acc[c * LANES + j] = acc[c * LANES + j] + s[t] * pages[page, 1, hk, t, c * LANES + j]
-                for i in T.vectorized(d):
-                    output[b, h, i] = T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0))
-                lse[b, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(neg))
+            attend(q, pages, page_values, output, lse, b, h, hk, first, n_keys, scale)
 
     return batch_decode_paged_kv_cpu
 
@@ -377,8 +396,7 @@ def _paged_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.P
     kv_len - n + i + 1 keys when causal (TVM's mask), all kv_len otherwise. One page of keys
     per online-softmax step, as the decode kernel."""
     group = h_q // h_kv
-    n_c = d // LANES
-    neg = -5e4
+    attend = _page_attention(d, page_size)
 
     @T.prim_func(s_tir=True)
     def batch_prefill_paged_kv_cpu(
@@ -424,62 +442,7 @@ def _paged_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.P
                 n_keys: T.let[T.int32] = T.if_then_else(causal > 0, T.max(T.min(n_kv - n_q + q_idx + 1, n_kv), 0),
                                                         n_kv)
                 scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
-                with T.sblock("attn"):
-                    acc = T.sblock_alloc_buffer((d,), "float32")
-                    part = T.sblock_alloc_buffer((LANES,), "float32")
-                    s = T.sblock_alloc_buffer((page_size,), "float32")
-                    st = T.sblock_alloc_buffer((4,), "float32")  # m, d, page max, scratch
-                    for i in T.vectorized(d):
-                        acc[i] = T.float32(0)
-                    st[0] = T.float32(neg)
-                    st[1] = T.float32(0)
-                    for p in T.serial((n_keys + page_size - 1) // page_size):
-                        page: T.let[T.int32] = page_values[first + p]
-                        st[2] = T.float32(neg)
-                        if page_size == LANES:
-                            # the page's 16 scores at once (keys past n_keys masked, never summed
-                            # into another key's lane), then their max
-                            s[T.Ramp(0, 1, LANES)] = T.Select(
-                                T.Ramp(0, 1, LANES) < T.Broadcast(n_keys - T.Cast("int32", p) * page_size, LANES),
-                                _page_scores(q, pages, q_row, h, page, hk, d) * T.Broadcast(scale, LANES),
-                                T.Broadcast(T.float32(neg), LANES))
-                            for t in T.serial(page_size):
-                                st[2] = T.max(st[2], s[t])
-                        else:
-                            for t in T.serial(page_size):
-                                if p * page_size + t < n_keys:
-                                    for j in T.vectorized(LANES):
-                                        part[j] = q[q_row, h, j] * pages[page, 0, hk, t, j]
-                                    for c in T.unroll(1, n_c):
-                                        for j in T.vectorized(LANES):
-                                            part[j] = part[j] + q[q_row, h, c * LANES + j] * pages[page, 0, hk, t, c * LANES + j]
-                                    for j in T.vectorized(8):  # a tree, not a 16-add chain
-                                        part[j] = part[j] + part[j + 8]
-                                    for j in T.vectorized(4):
-                                        part[j] = part[j] + part[j + 4]
-                                    s[t] = ((part[0] + part[2]) + (part[1] + part[3])) * scale
-                                    st[2] = T.max(st[2], s[t])
-                        if st[2] > st[0]:  # the page raised the max: rescale what is accumulated
-                            st[3] = T.exp2(st[0] - st[2])
-                            st[1] = st[1] * st[3]
-                            for i in T.vectorized(d):
-                                acc[i] = acc[i] * st[3]
-                            st[0] = st[2]
-                        if page_size == LANES:  # the page's weights in vector registers
-                            s[T.Ramp(0, 1, LANES)] = _exp2(s[T.Ramp(0, 1, LANES)] - T.Broadcast(st[0], LANES))
-                        else:
-                            for t in T.serial(page_size):
-                                if p * page_size + t < n_keys:
-                                    s[t] = T.exp2(s[t] - st[0])
-                        for t in T.serial(page_size):
-                            if p * page_size + t < n_keys:
-                                st[1] = st[1] + s[t]
-                                for c in T.unroll(n_c):
-                                    for j in T.vectorized(LANES):
-                                        acc[c * LANES + j] = acc[c * LANES + j] + s[t] * pages[page, 1, hk, t, c * LANES + j]
-                    for i in T.vectorized(d):
-                        output[q_row, h, i] = T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0))
-                    lse[q_row, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(neg))
+                attend(q, pages, page_values, output, lse, q_row, h, hk, first, n_keys, scale)
 
     return batch_prefill_paged_kv_cpu
 
