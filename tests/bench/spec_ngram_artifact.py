@@ -11,33 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from spec_ngram_cpu import PROMPT
+from spec_oracle import decode_rate
 
 from vtool.runtime.engine.engine import Engine, EngineConfig
 from vtool.runtime.engine.spec_config import parse_speculative_config
-from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.session import open_session
 from vtool.runtime.weights.checkpoint import open_checkpoint
 
 
 WRITE = ("Write a Python class LRUCache with get and put methods, a capacity given to the constructor, and "
          "docstrings; then write five unit tests for it with unittest.")
-
-
-def decode_rate(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
-    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    out: list[int] = []
-    first = last = None
-    while engine.has_unfinished():
-        for o in engine.step():
-            last = time.perf_counter()
-            first = first or last
-            out.extend(o.new_token_ids)
-    engine.reset_prefix_cache()
-    return (len(out) - 1) / (last - first), out
 
 
 def main() -> None:
