@@ -35,19 +35,11 @@ VECTOR_FAMILIES = ["qwen2", "qwen35", "gpt-2", "llama-bpe"]
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _asset(fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except assets.AssetError as e:
-        error = str(e)
-    pytest.fail(f"test asset unavailable (tests/support/assets.py): {error}", pytrace=False)  # fail, never skip
-
-
 @functools.lru_cache(maxsize=None)
 def _gguf_builds() -> dict[str, Future]:
     """Build every GGUF tokenizer once per session, in worker processes: GGUFReader spends 3-9 s of
     pure-Python time on a 150k vocab, so running them side by side keeps the file's wall time down."""
-    paths = {name: _asset(assets.llama_cpp_vocab, name) for name in VECTOR_FAMILIES}
+    paths = {name: assets.required(assets.llama_cpp_vocab, name) for name in VECTOR_FAMILIES}
     paths["smollm"] = default_gguf()
     pool = ProcessPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1), mp_context=get_context("spawn"))
     builds = {name: pool.submit(Tokenizer.from_gguf, path) for name, path in paths.items()}
@@ -61,7 +53,7 @@ def gguf_tok(name: str) -> Tokenizer:
 
 @functools.lru_cache(maxsize=None)
 def qwen3_tok() -> Tokenizer:
-    return Tokenizer.from_dir(_asset(assets.qwen3_tokenizer_dir))
+    return Tokenizer.from_dir(assets.required(assets.qwen3_tokenizer_dir))
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,11 +79,11 @@ def smollm_hf() -> Any:
 def qwen3_hf() -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(_asset(assets.qwen3_tokenizer_dir)))
+    return AutoTokenizer.from_pretrained(str(assets.required(assets.qwen3_tokenizer_dir)))
 
 
 def _agreement(tok: Tokenizer, family: str) -> tuple[int, list[tuple[str, list[int], list[int]]]]:
-    vectors = _asset(assets.llama_cpp_vectors, family)
+    vectors = assets.required(assets.llama_cpp_vectors, family)
     bad = []
     for text, want in vectors:
         got = tok.encode(text, add_special_tokens=False)
@@ -125,7 +117,7 @@ def test_qwen3_tokenizer_json_matches_qwen2_vectors() -> None:
 def test_qwen2_gguf_equals_real_qwen3_tokenizer_including_nfd_text() -> None:
     # The qwen35 vector file adds decomposed (NFD) strings; Qwen2/3's tokenizer.json normalizes to NFC,
     # so the GGUF-built qwen2 tokenizer must too.
-    texts = [t for fam in ("qwen2", "qwen35") for t, _ in _asset(assets.llama_cpp_vectors, fam)]
+    texts = [t for fam in ("qwen2", "qwen35") for t, _ in assets.required(assets.llama_cpp_vectors, fam)]
     gguf, real = gguf_tok("qwen2"), qwen3_tok()
     assert [gguf.encode(t, add_special_tokens=False) for t in texts] == \
         [real.encode(t, add_special_tokens=False) for t in texts]
@@ -312,7 +304,7 @@ def test_chat_template_sources_and_errors(tmp_path: Path) -> None:
                                 [{"role": "user", "content": "x"}]) == "x"
     assert render_chat_template("{{ strftime_now('%Y') | length }}", []) == "4"
     # chat_template.jinja beside tokenizer.json wins over the config's template
-    q = _asset(assets.qwen3_tokenizer_dir)
+    q = assets.required(assets.qwen3_tokenizer_dir)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / f).symlink_to(q / f)
     (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}|{{ eos_token }}|{{ messages|length }}")
@@ -421,7 +413,7 @@ def test_run_tokenize_prints_ids_and_count(tmp_path: Path) -> None:
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("Hello world! 12345 你好 🦙\n" * 50, encoding="utf-8")
-    tj = _asset(assets.qwen3_tokenizer_dir) / "tokenizer.json"
+    tj = assets.required(assets.qwen3_tokenizer_dir) / "tokenizer.json"
     report = tokenize_file(str(tj), str(corpus))
     assert report.ids == qwen3_tok().encode(corpus.read_text(encoding="utf-8"))
     out = io.StringIO()

@@ -33,17 +33,9 @@ SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[Heal
 TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)
 
 
-def _asset(fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except assets.AssetError as e:
-        error = str(e)
-    pytest.fail(f"test asset unavailable (tests/support/assets.py): {error}", pytrace=False)  # fail, never skip
-
-
 @functools.lru_cache(maxsize=None)
 def tok(family: str) -> Tokenizer:
-    return Tokenizer.from_gguf(_asset(assets.llama_cpp_vocab, family))
+    return Tokenizer.from_gguf(assets.required(assets.llama_cpp_vocab, family))
 
 
 def _specials(t: Tokenizer) -> list[str]:
@@ -54,7 +46,7 @@ def _specials(t: Tokenizer) -> list[str]:
 
 @pytest.mark.parametrize("family", SPM_FAMILIES + ["gemma-4"])
 def test_matches_llama_cpp_vectors(family: str) -> None:
-    vectors = _asset(assets.llama_cpp_vectors, family)
+    vectors = assets.required(assets.llama_cpp_vectors, family)
     bad = [(text, got, want) for text, want in vectors
            if (got := tok(family).encode(text, add_special_tokens=False)) != want]
     detail = "; ".join(f"{t!r}: got {g[:10]} want {w[:10]}" for t, g, w in bad[:5])
@@ -117,7 +109,7 @@ def sentencepiece_model(meta: dict[str, Any]) -> bytes:
 def sp_reference(family: str) -> Any:
     import sentencepiece
 
-    meta = _gguf_fields(_asset(assets.llama_cpp_vocab, family))
+    meta = _gguf_fields(assets.required(assets.llama_cpp_vocab, family))
     return sentencepiece.SentencePieceProcessor(model_proto=sentencepiece_model(meta))
 
 
@@ -125,7 +117,7 @@ def sp_reference(family: str) -> Any:
 def test_sentencepiece_reference_reproduces_the_vectors(family: str) -> None:
     """The hand-written sentencepiece model is a faithful reference: it gives llama.cpp's vectors too."""
     sp = sp_reference(family)
-    vectors = _asset(assets.llama_cpp_vectors, family)
+    vectors = assets.required(assets.llama_cpp_vectors, family)
     assert [sp.encode(text) for text, _ in vectors] == [want for _, want in vectors]
 
 
@@ -297,7 +289,7 @@ def test_vtool_tokenize_reads_an_spm_gguf(tmp_path: Path) -> None:
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("Hello world 🦙", encoding="utf-8")
-    gguf_path = _asset(assets.llama_cpp_vocab, "llama-spm")
+    gguf_path = assets.required(assets.llama_cpp_vocab, "llama-spm")
     done = CliRunner().invoke(main, ["tokenize", str(gguf_path), str(corpus)])
     assert done.exit_code == 0, done.output
     ids = tok("llama-spm").encode("Hello world 🦙")

@@ -18,7 +18,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 from vtool.runtime.weights.default_model import sha256_of
 from vtool.runtime.paths import cache_root
@@ -60,8 +60,22 @@ MISTRAL_FILES = {
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
+_T = TypeVar("_T")
+
+
 class AssetError(RuntimeError):
     """A test asset could not be fetched or failed its checksum."""
+
+
+def required(fn: Callable[..., _T], *args: object) -> _T:
+    """fn(*args), or the test fails (never skips) naming why the asset is unavailable."""
+    import pytest
+
+    try:
+        return fn(*args)
+    except AssetError as e:
+        error = str(e)
+    pytest.fail(f"test asset unavailable (tests/support/assets.py): {error}", pytrace=False)
 
 
 def assets_root() -> Path:
