@@ -10,6 +10,7 @@ Quantized blocks are expanded with gguf.quants.dequantize, the same code transfo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import mmap
@@ -78,13 +79,19 @@ _BLOCK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-frequency rope divisors, folded into config
 
 
+@functools.lru_cache(maxsize=None)
+def _per_layer(arch: str) -> dict[str, str]:
+    """blk.N.<key> -> model.layers.N.<value> for this architecture."""
+    return {**_PER_LAYER, **_PER_LAYER_BY_ARCH.get(arch, {})}
+
+
 def hf_name(gguf_name: str, file: Path, arch: str = "llama") -> str:
     """The Hugging Face name of a GGUF tensor of general.architecture `arch`; unknown names
     are refused."""
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
-    per_layer = {**_PER_LAYER, **_PER_LAYER_BY_ARCH.get(arch, {})}
+    per_layer = _per_layer(arch)
     if m and m[2] in per_layer and not (m[2] in _NORMS and m[3] == "bias"):
         return f"model.layers.{int(m[1])}.{per_layer[m[2]]}.{m[3]}"
     raise CheckpointError(
@@ -538,10 +545,11 @@ class GGUFCheckpoint(Checkpoint):
         if self._infos is None:
             infos: dict[str, TensorInfo] = {}
             noticed: dict[str, list[str]] = {}
+            arch = self._arch()
             for t in self._reader.tensors:
                 if t.name == ROPE_FREQS:
                     continue  # not a weight in HF: config()'s rope_scaling carries it
-                name = hf_name(t.name, self.path, self._arch())
+                name = hf_name(t.name, self.path, arch)
                 kind = t.tensor_type.name
                 if kind in NOTICE_TYPES:
                     noticed.setdefault(kind, []).append(t.name)
