@@ -20,7 +20,7 @@ from typing import Any
 
 from vtool.models import llama
 from vtool.models.config import ConfigError, ModelConfig, parse_decoder
-from vtool.models.weights import FUSED, WeightPlan, _decoder_modules, _decoder_source_shapes, plan_parameters
+from vtool.models.weights import FUSED, WeightPlan, decoder_modules, decoder_source_shapes, plan_parameters
 
 
 def normalize(cfg: dict[str, Any], arch: str) -> ModelConfig:
@@ -47,7 +47,7 @@ def _fused_name(name: str) -> tuple[str, bool] | None:
 def _source_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The decoder's, with each fused module's parts stacked into one tensor."""
     out: dict[str, tuple[int, ...]] = {}
-    for name, shape in _decoder_source_shapes(c).items():
+    for name, shape in decoder_source_shapes(c).items():
         fused = _fused_name(name)
         if fused is None:
             out[name] = shape
@@ -62,7 +62,7 @@ def _source_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _modules(c: ModelConfig) -> dict[str, tuple[str, ...]]:
     """The decoder's, with a fused module made of its own stored weight."""
     return {module: sources if _fused_name(sources[0]) is None else (module + ".weight",)
-            for module, sources in _decoder_modules(c).items()}
+            for module, sources in decoder_modules(c).items()}
 
 
 PHI3_WEIGHTS = WeightPlan(parameters=functools.partial(plan_parameters, fused_sources={}),

@@ -83,7 +83,7 @@ def weight_modules(c: ModelConfig) -> dict[str, tuple[str, ...]]:
     return _plan(c).modules(c)
 
 
-def _decoder_modules(c: ModelConfig) -> dict[str, tuple[str, ...]]:
+def decoder_modules(c: ModelConfig) -> dict[str, tuple[str, ...]]:
     modules: dict[str, tuple[str, ...]] = {"model.embed_tokens": ("model.embed_tokens.weight",)}
     if not c.tie_word_embeddings:
         modules["lm_head"] = ("lm_head.weight",)
@@ -121,7 +121,7 @@ def expected_source_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return _plan(c).source_shapes(c)
 
 
-def _decoder_source_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+def decoder_source_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
@@ -151,8 +151,8 @@ def _decoder_source_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-DECODER_WEIGHTS = WeightPlan(parameters=plan_parameters, source_shapes=_decoder_source_shapes,
-                             modules=_decoder_modules)
+DECODER_WEIGHTS = WeightPlan(parameters=plan_parameters, source_shapes=decoder_source_shapes,
+                             modules=decoder_modules)
 
 
 def check_checkpoint_shapes(c: ModelConfig, available: dict[str, tuple[int, ...]], where: str) -> None:

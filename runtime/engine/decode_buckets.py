@@ -19,6 +19,10 @@ PAD_TOKEN at position 0 (one page, taken from the free pages the real rows leave
 removed once the step has ended, so between steps the KV state, TVM's and the block mirror's,
 is exactly that of the unpadded step. The runner gets a view of the first n rows of the
 logits: pad rows never reach a sampler.
+
+The same manifest says whether the library also holds `batch_verify_captured` (speculative
+verification captured per token count, not padded; `captured_verify_tokens`, which the model
+runner reads).
 """
 from __future__ import annotations
 
