@@ -528,3 +528,42 @@ def test_flashinfer_bfloat16_matches_transformers(gpu, case):
     gen = Generator(model, max_model_len=256)
     ref = bf16_reference(load_hf_tiny(folder, torch.float32), load_hf_tiny(folder, torch.bfloat16), PROMPT)
     check_bfloat16(f"{case} flashinfer bfloat16", gen, PROMPT, ref, near_tie=TINY_NEAR_TIE_REF_ERRS * ref["ref_err"])
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_smollm2_as_its_own_draft_changes_no_greedy_token_on_the_gpu(smollm2, artifacts):
+    """Speculation on the GPU with SmolLM2 drafting for itself: a greedy request's
+    verification takes the argmax of its rows on the device (only token ids come to the host);
+    its tokens are those of the engine without speculation and every KV block is back at the
+    end. A greedy request batched with a sampling one verifies on the host, same tokens."""
+    from vtool.runtime.engine.engine import Engine, EngineConfig
+    from vtool.runtime.engine.spec_config import parse_speculative_config
+
+    session, tokenizer, prompts, _ = smollm2
+    gguf, artifact = artifacts.smollm2()
+    greedy = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    plain, _ = _engine_tokens(session, prompts[:1], lambda _i: greedy, device_sampling=True)
+    config = parse_speculative_config({"model": str(gguf), "num_speculative_tokens": 3})
+    engine = Engine(session, EngineConfig(max_num_seqs=4, enable_prefix_caching=False, gpu_memory_utilization=0.3,
+                                          speculative=config.resolved(str(artifact), str(gguf))))
+    calls = {"device_verifies": 0}
+    rows = engine.runner._finish_greedy_rows
+
+    def counted_rows(*args):
+        calls["device_verifies"] += 1
+        return rows(*args)
+
+    engine.runner._finish_greedy_rows = counted_rows
+    got = _run_engine(engine, prompts[:1], lambda _i: greedy)
+    stats = engine.stats()
+    print(f"[smollm2 self-draft] {calls}, {stats['spec_num_accepted_tokens']}/{stats['spec_num_draft_tokens']} kept")
+    assert got == plain
+    assert calls["device_verifies"] > 0
+    assert stats["spec_num_accepted_tokens"] >= 0.9 * stats["spec_num_draft_tokens"] > 0
+    assert engine.kv.in_sync() and engine.kv_usage() == 0.0
+    mixed = [greedy, SamplingParams(temperature=0.8, seed=5, max_tokens=STEPS, ignore_eos=True)]
+    calls["device_verifies"] = 0
+    both = _run_engine(engine, prompts[:2], lambda i: mixed[i])
+    assert both["r0"] == plain["r0"] and calls["device_verifies"] == 0
+    assert engine.kv.in_sync() and engine.kv_usage() == 0.0

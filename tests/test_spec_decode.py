@@ -21,7 +21,7 @@ from vtool.runtime.engine.spec_config import DEFAULT_DISABLE_BY_BATCH_SIZE, pars
 from vtool.runtime.session import with_draft_built
 from vtool.runtime.sampling.host import SequenceSampler
 from vtool.runtime.sampling.params import SamplingParams
-from vtool.runtime.sampling.spec_verify import verify_drafts
+from vtool.runtime.sampling.spec_verify import greedy_on_device, verify_drafts, verify_greedy_argmax
 
 
 # -- --speculative-config ---------------------------------------------------------------------
@@ -134,6 +134,44 @@ def test_verification_stops_at_a_stop_token_and_at_the_room_left():
     seq = sampler(SamplingParams(temperature=0, max_tokens=10))
     taken, _ = verify_drafts(rows, [2, 2, 2], seq, room=2)
     assert len(taken) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), k=st.integers(0, 6), vocab=st.integers(2, 12), room=st.integers(1, 8),
+       eos=st.one_of(st.none(), st.integers(0, 11)))
+def test_verifying_from_the_devices_argmax_equals_verifying_the_rows(data, k, vocab, room, eos):
+    """What a GPU verification does for a greedy request (the argmax and its raw logprob per
+    row, drawn on the device) keeps exactly the tokens, logprobs and accepted count that
+    verifying the whole rows on the host keeps, stop tokens and room included."""
+    values = st.floats(-8, 8, allow_nan=False, width=32)
+    rows = np.asarray(data.draw(st.lists(st.lists(values, min_size=vocab, max_size=vocab), min_size=k + 1,
+                                         max_size=k + 1)), np.float32)
+    best = rows.argmax(axis=1)
+    # drafts mostly right, so long accepted runs are drawn too
+    drafts = [int(best[j]) if data.draw(st.booleans()) or data.draw(st.booleans()) else
+              data.draw(st.integers(0, vocab - 1)) for j in range(k)]
+    stops = None if eos is None or eos >= vocab else [eos]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    host = SequenceSampler(params, [1], eos_token_ids=stops, vocab_size=vocab)
+    device = SequenceSampler(params, [1], eos_token_ids=stops, vocab_size=vocab)
+    assert greedy_on_device(device)
+    lse = np.log(np.exp(rows.astype(np.float64) - rows.max(axis=1, keepdims=True)).sum(axis=1)) + rows.max(axis=1)
+    logprobs = rows[np.arange(k + 1), best] - lse
+    want, want_kept = verify_drafts(rows, drafts, host, room)
+    got, got_kept = verify_greedy_argmax(best.tolist(), logprobs.tolist(), drafts, device, room)
+    assert [t.token_id for t in got] == [t.token_id for t in want] and got_kept == want_kept
+    assert np.allclose([t.logprob for t in got], [t.logprob for t in want], atol=1e-5)
+    assert device.output_token_ids == host.output_token_ids
+
+
+def test_only_plain_greedy_requests_verify_from_the_devices_argmax():
+    assert greedy_on_device(sampler(SamplingParams(temperature=0)))
+    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, logprobs=2),
+                   SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=0, min_tokens=3),
+                   SamplingParams(temperature=0, logit_bias={1: 2.0})):
+        assert not greedy_on_device(sampler(params)), params
+    with pytest.raises(VtoolError, match="3 argmax rows for 2 drafts"):
+        verify_greedy_argmax([1, 2], [0.0, 0.0], [1, 2], sampler(SamplingParams(temperature=0)), room=3)
 
 
 def test_penalties_see_the_drafts_kept_before_each_row():

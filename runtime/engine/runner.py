@@ -22,9 +22,9 @@ from vtool.runtime.engine.decode_buckets import CAPTURED_VERIFY_ENTRY, DecodeBuc
 from vtool.runtime.engine.kv_cache import PagedKVCache
 from vtool.runtime.engine.step_types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SequenceResult
 from vtool.runtime.sampling.bitmask_batch import prefill_grammars
-from vtool.runtime.sampling.device import DeviceSampler
-from vtool.runtime.sampling.host import sample_batch
-from vtool.runtime.sampling.spec_verify import verify_drafts
+from vtool.runtime.sampling.device import ARGMAX, DeviceSampler, PreparedDraw
+from vtool.runtime.sampling.host import SampleResult, sample_batch
+from vtool.runtime.sampling.spec_verify import greedy_on_device, verify_drafts, verify_greedy_argmax
 
 log = logging.getLogger("vtool.engine")
 
@@ -83,6 +83,8 @@ class InFlightStep:
     samplers: list[Any]
     on_device: bool
     draw: Any = None
+    # a greedy verification step's argmax of every row, drawn on the device (_greedy_rows_on_device)
+    argmax_rows: Any = None
 
 
 class ModelRunner:
@@ -137,8 +139,23 @@ class ModelRunner:
             prepared = self.device_sampler.prepare_batch(samplers, defer_mask=True)
         logits = self._forward(step)
         draw = self.device_sampler.launch(logits.tensor, prepared) if prepared is not None else None
+        argmax_rows = None
+        if prepared is None and to_sample and self._greedy_rows_on_device(step, logits, samplers):
+            argmax_rows = self.device_sampler.launch(logits.tensor, PreparedDraw(len(logits.owners), ARGMAX, ()))
         self.seconds["forward"] += time.perf_counter() - t0
-        return InFlightStep(step, logits, to_sample, samplers, prepared is not None, draw)
+        return InFlightStep(step, logits, to_sample, samplers, prepared is not None, draw, argmax_rows)
+
+    def _greedy_rows_on_device(self, step: SchedulerOutput, logits: StepLogits, samplers: list[Any]) -> bool:
+        """Whether a step with speculative verification can take every row's argmax on the
+        device: every row is a sampling sequence's and every such sequence is greedy with
+        nothing that edits or reads its rows. Then only the tokens come to the host, not
+        k+1 rows of the vocabulary per sequence."""
+        if self.device_sampler is None or not any(s.draft_ids for s in step.sequences):
+            return False
+        owners = logits.owners
+        sampling = {i for i, s in enumerate(step.sequences) if s.sample}
+        return (bool(owners.size) and set(owners.tolist()) == sampling
+                and all(greedy_on_device(seq) for seq in samplers))
 
     def finish(self, flight: InFlightStep) -> ModelRunnerOutput:
         """Wait for a launched step and sample what the device did not: the results."""
@@ -152,6 +169,9 @@ class ModelRunner:
             if flight.to_sample:
                 if flight.on_device:
                     drawn = self.device_sampler.finish_batch(flight.samplers, flight.draw)
+                elif flight.argmax_rows is not None:
+                    self._finish_greedy_rows(flight, results)
+                    return ModelRunnerOutput(results)
                 else:
                     plain = [i for i in flight.to_sample if not sequences[i].draft_ids]
                     # The grammar rows' masks in one parallel call, before the logits come to
@@ -168,6 +188,23 @@ class ModelRunner:
             return ModelRunnerOutput(results)
         finally:
             self.seconds["sample"] += time.perf_counter() - t0
+
+    def _finish_greedy_rows(self, flight: InFlightStep, results: list[SequenceResult]) -> None:
+        """Each sampling sequence's tokens from the device's argmax of its rows: a plain
+        sequence takes its row's, a speculating one what verification keeps."""
+        tokens, logprobs = self.device_sampler.collect(flight.argmax_rows)
+        owners = flight.logits.owners
+        for i in flight.to_sample:
+            s = flight.step.sequences[i]
+            rows = np.flatnonzero(owners == i)
+            if s.draft_ids:
+                taken, results[i].num_accepted = verify_greedy_argmax(
+                    tokens[rows].tolist(), logprobs[rows].tolist(), s.draft_ids, s.sampler, len(s.draft_ids) + 1)
+                results[i].sampled, results[i].more = taken[0], taken[1:]
+            else:
+                row = int(rows[-1])
+                s.sampler.append_token(int(tokens[row]))
+                results[i].sampled = SampleResult(token_id=int(tokens[row]), logprob=float(logprobs[row]))
 
     @staticmethod
     def _verify(sequence: ScheduledSequence, rows: np.ndarray, result: SequenceResult) -> None:

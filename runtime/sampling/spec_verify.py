@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vtool import VtoolError
+from vtool.runtime.sampling.device import sequence_on_device
 from vtool.runtime.sampling.host import (SampleResult, SequenceSampler, draw_index, raw_logprobs, scratch_buffers,
                                          target_probs)
 
@@ -82,6 +83,39 @@ def verify_drafts(rows: np.ndarray, drafts: Sequence[int], seq: SequenceSampler,
                     token = draw_index(residual, seq.rng.random())
         seq.append_token(token)
         results.append(raw_logprobs(raw, raw_max, token, p.logprobs, scratch))
+        if kept:
+            accepted += 1
+        if not kept or _ended(seq, token) or len(results) >= room:
+            break
+    return results, accepted
+
+
+def greedy_on_device(seq: SequenceSampler) -> bool:
+    """Whether a greedy sequence's verification can use the device's argmax of each row: no
+    logits processors, penalties, bias, min_tokens or logprobs change or read its rows
+    (sampling/device.py can_sample_on_device), so the argmax is all verify_drafts would use."""
+    return seq.params.greedy and sequence_on_device(seq) and not seq.needs_processing()
+
+
+def verify_greedy_argmax(tokens: Sequence[int], logprobs: Sequence[float], drafts: Sequence[int],
+                         seq: SequenceSampler, room: int) -> tuple[list[SampleResult], int]:
+    """verify_drafts for a greedy_on_device sequence, from the argmax of each of its k+1 rows
+    (token and its raw logprob, drawn on the device) instead of the rows themselves: the same
+    tokens, with far less copied from the device."""
+    k = len(drafts)
+    if len(tokens) != k + 1 or len(logprobs) != k + 1:
+        raise VtoolError(f"verification needs {k + 1} argmax rows for {k} drafts, got {len(tokens)}")
+    if room < 1:
+        raise VtoolError(f"verification needs room for at least one token, got {room}")
+    results: list[SampleResult] = []
+    accepted = 0
+    for j in range(k + 1):
+        token, logprob = int(tokens[j]), float(logprobs[j])
+        if token < 0 or not np.isfinite(logprob):
+            raise VtoolError(f"logits row {j} has no finite maximum: the model produced NaN/inf")
+        kept = j < k and token == int(drafts[j])
+        seq.append_token(token)
+        results.append(SampleResult(token_id=token, logprob=logprob))
         if kept:
             accepted += 1
         if not kept or _ended(seq, token) or len(results) >= room:

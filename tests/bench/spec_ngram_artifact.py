@@ -6,6 +6,8 @@ write-new-code one (`write`), through the model's chat template unless --raw.
 
     python tests/bench/spec_ngram_artifact.py --artifact ART --model FILE.gguf [--k 2,4,8] [--tokens 256]
         [--prompt copy|write] [--raw] [--draft-artifact ART --draft-model FILE.gguf]
+
+The report counts the verification steps that took the argmax of every row on the device.
 """
 from __future__ import annotations
 
@@ -26,6 +28,20 @@ WRITE = ("Write a Python class LRUCache with get and put methods, a capacity giv
          "docstrings; then write five unit tests for it with unittest.")
 
 
+def count_device_verifies(engine: Engine) -> dict[str, int]:
+    """A counter of the target's verification steps that took each row's argmax on the device
+    (the runner's greedy rows: only token ids come to the host), filled as the engine runs."""
+    calls = {"device_verifies": 0}
+    rows = engine.runner._finish_greedy_rows
+
+    def counted_rows(*args):
+        calls["device_verifies"] += 1
+        return rows(*args)
+
+    engine.runner._finish_greedy_rows = counted_rows
+    return calls
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifact", type=Path, required=True)
@@ -37,9 +53,10 @@ def main() -> None:
     ap.add_argument("--draft-model", type=Path, help="the draft's checkpoint or GGUF")
     ap.add_argument("--prompt", choices=("copy", "write"), default="copy",
                     help="copy: repeat a piece of code; write: write new code (drafts must guess)")
+    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--raw", action="store_true", help="the prompt as plain text, not through the chat template")
     a = ap.parse_args()
-    session = open_session(a.artifact, open_checkpoint(a.model), max_model_len=4096)
+    session = open_session(a.artifact, open_checkpoint(a.model), max_model_len=a.max_model_len)
     text = PROMPT if a.prompt == "copy" else WRITE
     tok = session.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False) \
@@ -61,15 +78,17 @@ def main() -> None:
         else:
             config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k,
                                                "prompt_lookup_min": lo, "prompt_lookup_max": hi})
-        engine = Engine(session, EngineConfig(max_num_seqs=4, speculative=config))
-        decode_rate(engine, prompt, 16)
-        runs = [decode_rate(engine, prompt, a.tokens) for _ in range(3)]
-        s = engine.stats()
-        best = max(r for r, _ in runs)
-        report[f"k{k}"] = {"tok_s": best, "speedup": best / report["no_spec_tok_s"],
-                           "same_tokens": all(t == reference for _, t in runs),
-                           "kept": s["spec_num_accepted_tokens"], "drafted": s["spec_num_draft_tokens"],
-                           "steps": s["steps"]}
+        for variant in ("",):
+            engine = Engine(session, EngineConfig(max_num_seqs=4, speculative=config))
+            calls = count_device_verifies(engine)
+            decode_rate(engine, prompt, 16)
+            runs = [decode_rate(engine, prompt, a.tokens) for _ in range(3)]
+            s = engine.stats()
+            best = max(r for r, _ in runs)
+            report[f"k{k}{variant}"] = {"tok_s": best, "speedup": best / report["no_spec_tok_s"],
+                                        "same_tokens": all(t == reference for _, t in runs),
+                                        "kept": s["spec_num_accepted_tokens"], "drafted": s["spec_num_draft_tokens"],
+                                        "steps": s["steps"], **calls}
         del engine
     print(json.dumps(report))
 
