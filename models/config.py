@@ -26,11 +26,49 @@ CONFIG_KEYS = (
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
     "rope_scaling", "rope_parameters", "tie_word_embeddings", "max_position_embeddings",
     "attention_bias", "hidden_act", "sliding_window",
+    # encoders (models/bert.py)
+    "layer_norm_eps", "type_vocab_size", "position_embedding_type",
 )
 
 
+# The mixture-of-experts keys (models/moe_weights.py), recorded only when the config has them, so a dense
+# model's source config (and its build key) is what it was before MoE families existed.
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                   "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size")
+
+
+# GPT-2's own config.json keys (models/gpt2.py), recorded only when the config has them, like the MoE keys.
+GPT2_CONFIG_KEYS = ("n_embd", "n_layer", "n_head", "n_inner", "n_positions", "layer_norm_epsilon",
+                    "activation_function", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+                    "add_cross_attention")
+
+
+# Gemma's keys (models/gemma.py), recorded only for Gemma architectures, so that other families'
+# source configs (and build keys) stay what they were (transformers 5 gives Qwen2 layer_types too)
+GEMMA_CONFIG_KEYS = ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping", "layer_types",
+                     "sliding_window_pattern", "rope_local_base_freq", "hidden_activation",
+                     "use_bidirectional_attention")
+
+
 def source_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {key: cfg.get(key) for key in CONFIG_KEYS}
+    gemma = any(str(a).startswith("Gemma") for a in cfg.get("architectures") or [])
+    return {key: cfg.get(key) for key in CONFIG_KEYS} | {key: cfg[key] for key in MOE_CONFIG_KEYS if key in cfg} \
+        | {key: cfg[key] for key in GPT2_CONFIG_KEYS if key in cfg} \
+        | ({key: cfg.get(key) for key in GEMMA_CONFIG_KEYS} if gemma else {}) \
+        | ({key: cfg.get(key) for key in ("use_sliding_window", "max_window_layers", "layer_types")}
+           if cfg.get("use_sliding_window") else {}) \
+        | _family_keys(cfg)  # (Qwen2's real sliding window above: models/qwen2.py)
+
+
+def _family_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """OLMo-3's layer pattern and Phi-3's original context (longrope), recorded for those
+    architectures only, so that other families' source configs stay what they were."""
+    archs = set(cfg.get("architectures") or [])
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    longrope = isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("longrope", "su")
+    return ({"layer_types": cfg.get("layer_types")} if "Olmo3ForCausalLM" in archs else {}) \
+        | ({"original_max_position_embeddings": cfg.get("original_max_position_embeddings")}
+           if "Phi3ForCausalLM" in archs and longrope else {})
 
 
 class ConfigError(VtoolError):
@@ -59,6 +97,36 @@ class ModelConfig:
     # norms after attention and after the MLP, on their outputs before the residual add, and
     # none before them (OLMo-2); False: Llama's norms before each
     post_norms: bool = False
+    # mixture of experts (models/moe.py; 0 experts: every layer's MLP is dense). Experts of
+    # moe_intermediate_size, num_experts_per_tok chosen per token by a softmax router, their
+    # weights renormalized to sum 1 when norm_topk_prob; mlp_only_layers keep a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    mlp_only_layers: tuple[int, ...] = ()
+    # --- Gemma-2/3 hooks (models/gemma.py); left out of to_dict() at their defaults (_GEMMA_FIELDS),
+    # so the other families' digests do not change.
+    # norms before AND after attention and the MLP (input, post_attention, pre_feedforward,
+    # post_feedforward); the after-norms act on each block's output before the residual add
+    sandwich_norms: bool = False
+    mlp_act: str = "silu"  # the gate's activation: "silu" or "gelu_tanh"
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the embedding dtype
+    attn_scale: float = 0.0  # the softmax scale; 0: head_dim ** -0.5
+    final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+    sliding_window: int = 0  # the window of the layers in sliding_layers; 0: none
+    sliding_layers: tuple[int, ...] = ()  # the layers that attend over the last sliding_window tokens only
+    # RoPE applied by the model instead of the KV cache: the cache has one theta, Gemma-3 two
+    # (rope_local_theta on the sliding layers; 0: rope_theta), and rope_scaling may be linear
+    model_rope: bool = False
+    rope_local_theta: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # from_dict gives a list
+        object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.mlp_only_layers
 
     @property
     def family(self) -> str:
@@ -68,7 +136,14 @@ class ModelConfig:
         return model_family(self.architecture).name
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.num_experts:  # a dense model's dict (and digest) as before MoE families existed
+            for key in _MOE_FIELDS:
+                d.pop(key)
+        for key, default in _GEMMA_FIELDS.items():
+            if d[key] == default:
+                del d[key]
+        return d
 
     def digest(self) -> str:
         """A stable hash of everything that changes the compiled program."""
@@ -78,6 +153,13 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         return cls(**d)
+
+
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers")
+# the Gemma hooks -> their defaults, at which to_dict() leaves them out
+_GEMMA_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                 if f.name in ("sandwich_norms", "mlp_act", "embed_scale", "attn_scale", "final_logit_softcap",
+                               "sliding_window", "sliding_layers", "model_rope", "rope_local_theta")}
 
 
 def _require(cfg: dict[str, Any], key: str) -> Any:

@@ -3,7 +3,10 @@
 The module of every family today (models/llama.py: Llama, Mistral, SmolLM2; models/qwen2.py;
 models/qwen3.py); the differences are config flags the family's normalisation sets
 (ModelConfig.attention_bias for Qwen2's q/k/v bias, ModelConfig.qk_norm for Qwen3's per-head
-RMSNorm on q and k). q/k/v and gate/up are fused into one projection
+RMSNorm on q and k; Gemma's in models/gemma.py: sandwich_norms, mlp_act, embed_scale,
+attn_scale, final_logit_softcap, sliding_window/sliding_layers (per-layer "mha_sliding" KV-cache
+layers) and model_rope (q/k rotated here, models/rope.py, the cache built with RopeMode.NONE)).
+q/k/v and gate/up are fused into one projection
 each, so attention and the MLP cost one GEMV launch apiece instead of three and two.
 
 Entry points (the runtime calls these by name; the manifest lists them):
@@ -34,6 +37,7 @@ from tvm.target import Target
 from vtool.models.config import ModelConfig
 from vtool.models.quantized_linear import (Int8Kernels, QuantizedEmbedding, QuantizedLinear, decode_numerics,
                                           use_int8_gemv)
+from vtool.models.rope import apply_rope, inverse_frequencies, longrope_inverse_frequencies
 
 # compiled module path ("model.layers.0.mlp.down_proj") -> GGML block format kept in memory
 Formats = Mapping[str, str]
@@ -70,8 +74,21 @@ def make_linear(path: str, in_features: int, out_features: int, bias: bool, dtyp
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: str, formats: Formats, prefix: str):
+    def __init__(self, c: ModelConfig, dtype: str, formats: Formats, prefix: str, layer_id: int = 0):
         self.head_dim, self.hq, self.hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        self.sm_scale = c.attn_scale or self.head_dim**-0.5  # Gemma: query_pre_attn_scalar ** -0.5
+        self.inv_freq = None  # model_rope: this layer's rotary frequencies (models/rope.py)
+        self.rope_attn_factor = 1.0  # and the factor on its cos and sin (longrope)
+        if c.model_rope:
+            sliding = layer_id in c.sliding_layers
+            theta = (c.rope_local_theta or c.rope_theta) if sliding else c.rope_theta
+            scaling = c.rope_scaling or {}
+            if sliding and scaling.get("rope_type") != "longrope":  # Gemma-3 scales its global layers only
+                scaling = {}
+            if scaling.get("rope_type") == "longrope":  # Phi-3's per-frequency factors (models/phi3.py)
+                self.inv_freq, self.rope_attn_factor = longrope_inverse_frequencies(self.head_dim, theta, scaling)
+            else:
+                self.inv_freq = inverse_frequencies(self.head_dim, theta, float(scaling.get("factor", 1.0)))
         self.qkv_proj = make_linear(prefix + "qkv_proj", c.hidden_size, (self.hq + 2 * self.hkv) * self.head_dim,
                                     c.attention_bias, dtype, formats)
         self.o_proj = make_linear(prefix + "o_proj", self.hq * self.head_dim, c.hidden_size, False, dtype, formats)
@@ -94,8 +111,15 @@ class Attention(nn.Module):
         if self.qk_norm and not self.qk_norm_full:
             q, k, v = op.split(qkv, [self.hq, self.hq + self.hkv], axis=2)
             qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
-        # RoPE and paged attention both happen inside the KV-cache builtin.
-        o = kv.attention_with_fused_qkv(layer_id, qkv, self.hq, sm_scale=self.head_dim**-0.5)
+        if self.inv_freq is not None:  # rotated here; the cache is built with RopeMode.NONE
+            flat = op.reshape(qkv, (b * s, self.hq + 2 * self.hkv, self.head_dim))
+            q, k, v = op.split(flat, [self.hq, self.hq + self.hkv], axis=1)
+            positions = kv.get_query_positions(b * s)
+            q = apply_rope(q, positions, self.inv_freq, self.rope_attn_factor)
+            k = apply_rope(k, positions, self.inv_freq, self.rope_attn_factor)
+            qkv = op.reshape(op.concat([q, k, v], dim=1), (b, s, self.hq + 2 * self.hkv, self.head_dim))
+        # RoPE (unless model_rope) and paged attention both happen inside the KV-cache builtin.
+        o = kv.attention_with_fused_qkv(layer_id, qkv, self.hq, sm_scale=self.sm_scale)
         return self.o_proj(op.reshape(o, (b, s, self.hq * self.head_dim)))
 
 
@@ -104,24 +128,36 @@ class MLP(nn.Module):
         self.gate_up_proj = make_linear(prefix + "gate_up_proj", c.hidden_size, 2 * c.intermediate_size, False,
                                         dtype, formats)
         self.down_proj = make_linear(prefix + "down_proj", c.intermediate_size, c.hidden_size, False, dtype, formats)
+        self.act = c.mlp_act
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
+        gate = op.gelu(gate, approximate="tanh") if self.act == "gelu_tanh" else op.silu(gate)
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: str, formats: Formats, prefix: str):
-        self.self_attn = Attention(c, dtype, formats, prefix + "self_attn.")
-        self.mlp = MLP(c, dtype, formats, prefix + "mlp.")
-        self.post_norms = c.post_norms
+    def __init__(self, c: ModelConfig, dtype: str, formats: Formats, prefix: str, layer_id: int = 0):
+        self.self_attn = Attention(c, dtype, formats, prefix + "self_attn.", layer_id)
+        if c.is_moe_layer(layer_id):  # mixture of experts (Qwen3-MoE, Mixtral): models/moe.py
+            from vtool.models.moe import MoEMLP
+
+            self.mlp = MoEMLP(c, dtype)
+        else:
+            self.mlp = MLP(c, dtype, formats, prefix + "mlp.")
+        self.post_norms, self.sandwich_norms = c.post_norms, c.sandwich_norms
         if not c.post_norms:
             self.input_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
-        if c.post_norms:
+        if c.sandwich_norms:
+            self.pre_feedforward_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
+        if c.post_norms or c.sandwich_norms:
             self.post_feedforward_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
 
     def forward(self, h: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
+        if self.sandwich_norms:  # Gemma: a norm before and after each block
+            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), kv, layer_id))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         if self.post_norms:  # OLMo-2: each block's output normalized, then added
             h = h + self.post_attention_layernorm(self.self_attn(h, kv, layer_id))
             return h + self.post_feedforward_layernorm(self.mlp(h))
@@ -134,7 +170,7 @@ class Backbone(nn.Module):
         embed_fmt = formats.get("model.embed_tokens")
         self.embed_tokens = (nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype) if embed_fmt is None
                              else QuantizedEmbedding(c.vocab_size, c.hidden_size, dtype, embed_fmt))
-        self.layers = nn.ModuleList([DecoderLayer(c, dtype, formats, f"model.layers.{i}.")
+        self.layers = nn.ModuleList([DecoderLayer(c, dtype, formats, f"model.layers.{i}.", i)
                                      for i in range(c.num_hidden_layers)])
         self.norm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
 
@@ -161,11 +197,18 @@ class DecoderForCausalLM(nn.Module):
         h = self.model.norm(h)
         if self.config.tie_word_embeddings:
             if isinstance(self.model.embed_tokens, QuantizedEmbedding):
-                return self.model.embed_tokens.lm_head(h, prompt)
+                return self._softcap(self.model.embed_tokens.lm_head(h, prompt))
             w = self.model.embed_tokens.weight
-            return op.matmul(h, op.permute_dims(w), out_dtype="float32")
+            return self._softcap(op.matmul(h, op.permute_dims(w), out_dtype="float32"))
         logits = self.lm_head(h, prompt) if isinstance(self.lm_head, QuantizedLinear) else self.lm_head(h)
-        return logits if logits.dtype == "float32" else logits.astype("float32")
+        return self._softcap(logits if logits.dtype == "float32" else logits.astype("float32"))
+
+    def _softcap(self, logits: Tensor) -> Tensor:
+        """Gemma-2's final soft-capping, cap * tanh(logits / cap), in float32."""
+        cap = self.config.final_logit_softcap
+        if not cap:
+            return logits
+        return op.tanh(logits / Tensor.from_scalar(cap, "float32")) * Tensor.from_scalar(cap, "float32")
 
     def _layers(self, h: Tensor, kv: PagedKVCache) -> Tensor:
         for i, layer in enumerate(self.model.layers):
@@ -173,7 +216,10 @@ class DecoderForCausalLM(nn.Module):
         return h
 
     def embed(self, input_ids: Tensor) -> Tensor:
-        return self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale:  # Gemma: times sqrt(hidden), the factor rounded to the embedding dtype
+            x = x * Tensor.from_scalar(self.config.hidden_size**0.5, x.dtype)
+        return x
 
     def prefill(self, input_embed: Tensor, kv: PagedKVCache):
         h = self._layers(input_embed, kv)
@@ -204,18 +250,30 @@ class DecoderForCausalLM(nn.Module):
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                                   support_sliding_window: tirx.Var) -> PagedKVCache:
         c = self.config
+        # sliding-window layers: TVM's per-layer "mha_sliding" kind attends over the last
+        # layer_sliding_window_size tokens (the cache keeps every page: the global layers need them)
+        attn_kind = ([("mha_sliding" if i in c.sliding_layers else "mha") for i in range(c.num_hidden_layers)]
+                     if c.sliding_window else "mha")
+        if isinstance(attn_kind, list) and "mha" not in attn_kind:
+            # every layer windowed (Mistral, Phi-3): TVM 0.27's cache allocates its q/k/v staging
+            # buffers only when some layer is "mha" (else the first forward fails on a null
+            # tensor), so it gets one more, which no forward pass reaches (its pages are counted:
+            # runtime/engine/kv_cache.py cache_layers)
+            attn_kind.append("mha")
+        layers = len(attn_kind) if isinstance(attn_kind, list) else c.num_hidden_layers
+        window = {"layer_sliding_window_size": c.sliding_window} if c.sliding_window else {}
         # vtool.toolchain.flashinfer_attention.use_attention may set another cache class.
         return getattr(self, "kv_cache_class", TIRPagedKVCache)(
-            attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+            attn_kind=attn_kind, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size, page_size=page_size,
             support_sliding_window=support_sliding_window,
-            layer_partition=rx.ShapeExpr([0, c.num_hidden_layers]),
-            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            layer_partition=rx.ShapeExpr([0, layers]),
+            num_hidden_layers=layers, num_attention_heads=c.num_attention_heads,
             num_key_value_heads=c.num_key_value_heads, qk_head_dim=c.head_dim, v_head_dim=c.head_dim,
             mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL, rope_scale=1, rope_theta=c.rope_theta,
-            rope_scaling=dict(c.rope_scaling or {}), rope_ext_factors=rx.prim_value(0),
-            rotary_dim=c.head_dim, enable_disaggregation=False, dtype=self.dtype, target=self.target)
+            rope_mode=RopeMode.NONE if c.model_rope else RopeMode.NORMAL, rope_scale=1, rope_theta=c.rope_theta,
+            rope_scaling={} if c.model_rope else dict(c.rope_scaling or {}), rope_ext_factors=rx.prim_value(0),
+            rotary_dim=c.head_dim, enable_disaggregation=False, dtype=self.dtype, target=self.target, **window)
 
     def get_default_spec(self) -> dict:
         hidden, dt = self.config.hidden_size, self.dtype

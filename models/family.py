@@ -27,3 +27,10 @@ class ModelFamily:
     # file format's, shared by every family, so runtime/weights/gguf_reader.py holds them (the
     # runtime reads a GGUF file before it has an artifact); None: no GGUF form.
     gguf_architecture: str | None
+    # what the compiled model is for: "generate" (a decoder: text out) or "embed" (an encoder
+    # whose hidden states are pooled into one vector per input, runtime/engine/pooling.py); the
+    # manifest records it and the runtime's entry points follow it
+    task: str = "generate"
+    # an embedding model's pooling when its checkpoint has no sentence-transformers config
+    # (modules.json): "cls", "mean" or "last" (vLLM's default per architecture); None for "generate"
+    default_pooling: str | None = None

@@ -8,7 +8,9 @@ config   parse_decoder plus: four norms per layer (sandwich_norms), GELU-tanh ML
          sliding), RoPE in the model (rope_local_base_freq on the sliding layers, rope_theta and
          linear scaling on the global ones). Refused by name: attention logit soft-capping
          (Gemma-2's attn_logit_softcapping: TVM's paged attention kernels have no soft-cap),
-         bidirectional attention (EmbeddingGemma), other activations and rope types.
+         bidirectional attention on the causal architectures, other activations and rope types.
+         use_bidirectional_attention (EmbeddingGemma) builds for Gemma3TextModel only, as an
+         embedding model (models/gemma_encoder.py); its window is read as window // 2 + 1.
 module   models/decoder.py DecoderForCausalLM; the KV cache built with a per-layer attention
          kind ("mha_sliding" for the windowed layers) and RopeMode.NONE
 weights  DECODER_WEIGHTS's names; every RMSNorm weight w bound as 1 + w (the "plus_one"
@@ -25,6 +27,7 @@ from vtool.models import llama
 from vtool.models.config import ConfigError, ModelConfig, parse_decoder
 from vtool.models.weights import DECODER_WEIGHTS, WeightPlan, plan_parameters
 
+BIDIRECTIONAL = ("Gemma3TextModel",)  # use_bidirectional_attention (EmbeddingGemma): GEMMA3_EMBED
 ACTIVATIONS = ("gelu_pytorch_tanh",)  # transformers' name of the tanh approximation Gemma uses
 ROPE_TYPES = ("default", "linear")
 
@@ -70,18 +73,21 @@ def normalize(cfg: dict[str, Any], arch: str) -> ModelConfig:
         raise ConfigError(f"attn_logit_softcapping={cfg['attn_logit_softcapping']} is not supported: TVM's paged "
                           "attention kernels apply no soft-cap to attention logits (Gemma-2 sets 50.0); a config "
                           "with attn_logit_softcapping null builds")
-    if cfg.get("use_bidirectional_attention"):
-        raise ConfigError("use_bidirectional_attention (EmbeddingGemma) is not supported; vtool builds causal "
-                          "Gemma decoders")
+    bidirectional = bool(cfg.get("use_bidirectional_attention"))
+    if bidirectional and arch not in BIDIRECTIONAL:
+        raise ConfigError(f"use_bidirectional_attention with {arch} is not supported; vtool builds it as an "
+                          f"embedding model ({', '.join(BIDIRECTIONAL)}: models/gemma_encoder.py)")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ACTIVATIONS:
         raise ConfigError(f"hidden_activation {act!r} is not supported for Gemma; supported: {', '.join(ACTIVATIONS)}")
     theta, local_theta, factor = _rope_params(cfg, arch)
     base = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling", "hidden_act")}
-    c = parse_decoder(base | {"rope_theta": theta}, arch, qk_norm=arch == "Gemma3ForCausalLM")
+    c = parse_decoder(base | {"rope_theta": theta}, arch, qk_norm=arch in ("Gemma3ForCausalLM", "Gemma3TextModel"))
     if c.attention_bias:
         raise ConfigError("attention_bias is not supported for Gemma (its checkpoints have none)")
     window = int(cfg.get("sliding_window") or 0)
+    if bidirectional and window:  # as transformers' Gemma3TextConfig loads it: keys with |i - j| < window
+        window = window // 2 + 1
     scalar = cfg.get("query_pre_attn_scalar") or c.head_dim
     if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
         raise ConfigError(f"config field 'query_pre_attn_scalar' must be a positive number, got {scalar!r}")

@@ -1,7 +1,8 @@
 """Llama: LlamaForCausalLM (SmolLM2's too) and MistralForCausalLM checkpoints.
 
-config   models/config.py parse_decoder; Mistral's context is capped to its sliding window
-         (sliding-window attention only differs past the window)
+config   models/config.py parse_decoder; Mistral's sliding_window (when shorter than the context)
+         makes every layer a sliding-window layer (ModelConfig.sliding_window, sliding_layers: the
+         KV cache's per-layer "mha_sliding" layers, models/decoder.py), as Qwen2's and Gemma's
 module   models/decoder.py DecoderForCausalLM (fused q|k|v and gate|up, TVM's paged KV cache)
 weights  models/weights.py DECODER_WEIGHTS
 GGUF     llama.cpp's "llama" (its converter permutes Q/K rows; the reader puts them back)
@@ -16,11 +17,18 @@ from vtool.models.family import ModelFamily
 from vtool.models.weights import DECODER_WEIGHTS
 
 
+def every_layer_windowed(c: ModelConfig, window: Any) -> ModelConfig:
+    """`c` with all its layers attending over the last `window` tokens (Mistral, Phi-3); as it
+    was when there is no window or it covers the whole context (then it never masks a key)."""
+    window = int(window or 0)
+    if window <= 0 or window >= c.max_position_embeddings:
+        return c
+    return dataclasses.replace(c, sliding_window=window, sliding_layers=tuple(range(c.num_hidden_layers)))
+
+
 def normalize(cfg: dict[str, Any], arch: str) -> ModelConfig:
     c = parse_decoder(cfg, arch)
-    if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
-        c = dataclasses.replace(c, max_position_embeddings=min(c.max_position_embeddings, int(cfg["sliding_window"])))
-    return c
+    return every_layer_windowed(c, cfg.get("sliding_window")) if arch == "MistralForCausalLM" else c
 
 
 def module(c: ModelConfig, dtype: str, target: Any, formats: Mapping[str, str] | None = None,

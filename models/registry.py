@@ -7,7 +7,8 @@ Adding a family: one file, models/<family>.py with its FAMILY, and one row in FA
 """
 from __future__ import annotations
 
-from vtool.models import llama, olmo2, phi3, qwen2, qwen3
+from vtool.models import bert, gemma, gpt2, llama, olmo2, phi3, qwen2, qwen3
+from vtool.models import gemma_encoder, mixtral, qwen3_moe
 from vtool.models.config import ConfigError
 from vtool.models.family import ModelFamily
 
@@ -17,6 +18,14 @@ FAMILIES: tuple[ModelFamily, ...] = (
     qwen3.FAMILY,
     phi3.FAMILY,
     olmo2.FAMILY,
+    olmo2.OLMO3,  # OLMo-2's layout with sliding-window layers
+    qwen3_moe.FAMILY,  # mixture of experts (models/moe.py)
+    mixtral.FAMILY,
+    gemma.GEMMA2,  # the decoder with Gemma's hooks: sandwich norms, sliding-window layers, soft-capping
+    gemma.GEMMA3,
+    gpt2.FAMILY,  # learned positions, LayerNorm, GELU: its own module (models/gpt2_model.py)
+    bert.FAMILY,  # an encoder: task "embed"
+    gemma_encoder.FAMILY,  # Gemma-3's layers, bidirectional (EmbeddingGemma): task "embed"
 )
 
 # architecture -> its family, in FAMILIES order (refusals list them so)

@@ -20,8 +20,23 @@ def inverse_frequencies(head_dim: int, theta: float, linear_factor: float = 1.0)
     return (inv / np.float32(linear_factor)).astype(np.float32)
 
 
-def apply_rope(x: Tensor, positions: Tensor, inv_freq: np.ndarray) -> Tensor:
-    """x [n, heads, d] rotated as transformers' rotate_half pairs (i, i + d/2), in float32."""
+def longrope_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> tuple[np.ndarray, float]:
+    """Phi-3's longrope (transformers' _compute_longrope_parameters): inv_freq = 1 / (ext *
+    theta^(2i/d)) in float32, ext the long factors when scaling["long"] (models/phi3.py decides
+    which set, once per build), the short ones otherwise; and the attention factor that scales
+    cos and sin (sqrt(1 + ln(factor) / ln(original_max_position_embeddings)), or the config's)."""
+    ext = np.asarray(scaling["long_factor" if scaling["long"] else "short_factor"], dtype=np.float32)
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    # theta ** exponent rounded from float64: torch's float32 pow agrees with that on all but a
+    # few head dims' single values (numpy's float32 pow is off by an ulp on a third of them)
+    power = (np.float64(theta) ** exponent.astype(np.float64)).astype(np.float32)
+    inv = np.float32(1.0) / (ext * power)
+    return inv.astype(np.float32), float(scaling["attention_factor"])
+
+
+def apply_rope(x: Tensor, positions: Tensor, inv_freq: np.ndarray, scale: float = 1.0) -> Tensor:
+    """x [n, heads, d] rotated as transformers' rotate_half pairs (i, i + d/2), in float32; cos
+    and sin times `scale` (longrope's attention factor; 1: none)."""
     inv = Tensor.from_const(inv_freq)
 
     def rotate(xt: te.Tensor, pos: te.Tensor, freq: te.Tensor) -> te.Tensor:
@@ -32,7 +47,11 @@ def apply_rope(x: Tensor, positions: Tensor, inv_freq: np.ndarray) -> Tensor:
             j = tirx.if_then_else(k < half, k, k - half)
             angle = pos[i].astype("float32") * freq[j]
             other = tirx.if_then_else(k < half, -xt[i, h, k + half], xt[i, h, k - half]).astype("float32")
-            return (xt[i, h, k].astype("float32") * tirx.cos(angle) + other * tirx.sin(angle)).astype(xt.dtype)
+            if scale == 1.0:
+                return (xt[i, h, k].astype("float32") * tirx.cos(angle) + other * tirx.sin(angle)).astype(xt.dtype)
+            factor = tirx.const(scale, "float32")
+            return (xt[i, h, k].astype("float32") * (tirx.cos(angle) * factor)
+                    + other * (tirx.sin(angle) * factor)).astype(xt.dtype)
 
         return te.compute((n, heads, d), at, name="model_rope")
 

@@ -143,9 +143,11 @@ def decoder_source_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.gate_proj.weight"] = (i, h)
         shapes[p + "mlp.up_proj.weight"] = (i, h)
         shapes[p + "mlp.down_proj.weight"] = (h, i)
-        if c.post_norms:
+        if c.post_norms or c.sandwich_norms:
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
-        else:
+        if c.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+        if not c.post_norms:
             shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
     return shapes

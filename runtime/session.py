@@ -27,6 +27,11 @@ class Session:
     max_model_len: int
     generator: Generator
 
+    @property
+    def task(self) -> str:
+        """"generate" (a decoder) or "embed" (an embedding model: runtime/engine/embed.py)."""
+        return self.model.manifest.get("task", "generate")
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
@@ -61,10 +66,17 @@ def open_session(artifact: Path, checkpoint: Checkpoint, tokenizer_config: str |
     tokenizer = load_tokenizer(checkpoint, tokenizer_config)
     model = CompiledModel(artifact, checkpoint, progress)
     limit = model.manifest["config"]["max_position_embeddings"]
+    why = "the model's max_position_embeddings"
+    if model.manifest.get("task") == "embed":  # as vLLM: sentence_bert_config.json's max_seq_length caps it
+        from vtool.runtime.engine.pooling import sentence_max_seq_length
+
+        seq = sentence_max_seq_length(checkpoint.path)
+        if seq is not None and seq < limit:
+            limit, why = seq, "max_seq_length in the model's sentence_bert_config.json"
     if max_model_len is None:
         max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
     elif not 0 < max_model_len <= limit:
-        raise VtoolError(f"--max-model-len {max_model_len} is outside 1..{limit} (the model's max_position_embeddings)")
+        raise VtoolError(f"--max-model-len {max_model_len} is outside 1..{limit} ({why})")
     stops = stop_token_ids(checkpoint.config(), checkpoint.generation_config())
     session = Session(checkpoint, model, tokenizer, stops, max_model_len, Generator(model, max_model_len))
     # What is loaded now lives as long as the process: keep the cyclic collector from walking it

@@ -2,8 +2,9 @@
 in test_parity_tiny.py (logits within 1e-4 of transformers, 32 greedy steps). Here: the same
 checkpoint written as llama.cpp's "phi3" GGUF (names from gguf-py's tensor map, metadata as
 llama.cpp's converter writes it) gives transformers' logits and tokens too, float and with its
-matrices in Q8_0 blocks kept by the integer-dot kernels; the sliding window caps the context;
-longrope factor tensors and a partial rotary factor are refused by name."""
+matrices in Q8_0 blocks kept by the integer-dot kernels; the sliding window is a real window on
+every layer (parity: test_sliding_families.py, as longrope's from safetensors); a GGUF's longrope
+factor tensors and a partial rotary factor are refused by name."""
 from __future__ import annotations
 
 import json
@@ -71,27 +72,34 @@ def test_q8_0_blocks_of_the_fused_tensors_stay_in_blocks(phi3, tmp_path):
     assert tokens[:2] == ref_tokens[:2]
 
 
-def test_the_sliding_window_caps_the_context(phi3, tmp_path):
+def test_the_sliding_window_is_a_real_window(phi3, tmp_path):
+    """The window no longer caps the context: every layer attends over the last `sliding_window`
+    tokens (its parity with transformers: tests/test_sliding_families.py)."""
     folder, _, _ = phi3
     ckpt = open_checkpoint(write_phi3_gguf(folder, tmp_path / "w.gguf", sliding_window=100))
     assert ckpt.config()["sliding_window"] == 100
-    assert parse_hf_config(ckpt.config()).max_position_embeddings == 100
+    c = parse_hf_config(ckpt.config())
+    assert c.max_position_embeddings == 512 and c.sliding_window == 100 and c.sliding_layers == (0, 1)
     raw = {**json.loads((folder / "config.json").read_text()), "sliding_window": 64}
-    assert parse_hf_config(raw).max_position_embeddings == 64
+    assert parse_hf_config(raw).sliding_window == 64
+    # a window the context never exceeds (Phi-3-mini-128k's 262144) changes nothing
+    assert parse_hf_config({**raw, "sliding_window": 4096}).sliding_window == 0
 
 
-def test_longrope_and_partial_rotary_are_refused_by_name(phi3, tmp_path):
+def test_gguf_longrope_and_partial_rotary_are_refused_by_name(phi3, tmp_path):
+    """A GGUF's longrope factors without the original context length, and a partial rotary
+    factor (longrope itself, from safetensors and GGUF: tests/test_sliding_families.py)."""
     folder, _, _ = phi3
     half = json.loads((folder / "config.json").read_text())["hidden_size"] // 8
     path = write_phi3_gguf(folder, tmp_path / "l.gguf",
                            extra={"rope_factors_long.weight": np.ones(half, np.float32),
                                   "rope_factors_short.weight": np.ones(half, np.float32)})
-    with pytest.raises(CheckpointError, match="longrope"):
+    with pytest.raises(CheckpointError, match="longrope needs"):  # no rope.scaling.original_context_length
         open_checkpoint(path).config()
     raw = {**json.loads((folder / "config.json").read_text()), "partial_rotary_factor": 0.75}
     with pytest.raises(ConfigError, match="partial_rotary_factor"):
         parse_hf_config(raw)
     longrope = {**json.loads((folder / "config.json").read_text()),
                 "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}
-    with pytest.raises(ConfigError, match="longrope"):
-        parse_hf_config(longrope)
+    with pytest.raises(ConfigError, match="longrope short_factor has 1 values"):  # head_dim 32: 16 needed
+        parse_hf_config(longrope | {"original_max_position_embeddings": 64})

@@ -218,7 +218,8 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
 
     activations: ACTIVATIONS; "auto" ("decode" where the target has integer dot products)
     quantizes the activation rows of the decode matmuls over kept Q8_0/Q4_0/Q4_1 weights to
-    Q8_0 blocks; "q8_0" those of every matmul (prompts too), "none" none.
+    Q8_0 blocks (over kept Q4_K/Q6_K weights to Q8_K blocks); "q8_0" those of every matmul
+    (prompts too), "none" none.
 
     quantization: QUANTIZATIONS; "auto" keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks on a
     CPU target and dequantizes everything elsewhere.
@@ -301,6 +302,11 @@ def build_from_plan(plan: BuildPlan, checkpoint: Checkpoint, output: str | Path 
             "attention": plan.attention,
             "versions": installed_versions(),
             "entry_points": compiled["entry_points"],
+            # "generate" or "embed" (models/family.py; an embedding model's pooling when its
+            # checkpoint has no sentence-transformers config: runtime/engine/pooling.py)
+            "task": model_family(cfg.architecture).task,
+            **({"default_pooling": model_family(cfg.architecture).default_pooling}
+               if model_family(cfg.architecture).task == "embed" else {}),
             "params": compiled["params"],
             "library": LIBRARY_NAME,
             "build": build_info,

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 
 from vtool import VtoolError
 from vtool.models.config import ModelConfig, parse_hf_config, source_config
-from vtool.models.weights import check_checkpoint_shapes, kept_formats
+from vtool.models.weights import check_checkpoint_shapes, kept_formats, weight_modules
 from vtool.runtime.artifact.library import installed_versions
 from vtool.runtime.weights.checkpoint import Checkpoint
 from vtool.targets import TargetSpec, buildable
@@ -302,6 +302,10 @@ def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
         raise VtoolError(f"unknown quantization {requested!r}; supported: {', '.join(QUANTIZATIONS)}")
     if requested == "none":
         return "none", {}, {}
+    if requested != "auto" and cfg.family == "gpt2" and not weight_modules(cfg):  # models/gpt2.py: none kept
+        raise VtoolError(f"--quantization {requested}: the {cfg.family} family ({cfg.architecture}) has no quantized "
+                         "layers yet; its weights are dequantized to the dtype at load: use --quantization none "
+                         "(or auto)")
     if requested in SCHEMES:
         return requested, _scheme_formats(requested, ckpt, cfg, target_spec), {}
     quantized_kernels = family_of(target_spec).quantized_kernels

@@ -91,12 +91,14 @@ class Embedder:
         return pooled
 
     def _groups(self, lengths: list[int]) -> list[list[int]]:
-        """Indices by length, longest first, in batches of at most max_batch_tokens padded tokens."""
+        """Indices by length, longest first, in batches of at most max_batch_tokens padded tokens;
+        an input shorter than half its batch's width starts a new batch (attention costs the
+        width squared per row, so a short text padded to a long one costs as much as the long one)."""
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         groups: list[list[int]] = []
         for i in order:
             # longest first: a group's width is its first member's length
-            if groups and len(groups[-1]) < MAX_BATCH_ROWS and \
+            if groups and len(groups[-1]) < MAX_BATCH_ROWS and 2 * lengths[i] >= lengths[groups[-1][0]] and \
                     lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= self.max_batch_tokens:
                 groups[-1].append(i)
             else:

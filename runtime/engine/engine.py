@@ -18,7 +18,7 @@ import numpy as np
 
 from vtool import VtoolError
 from vtool.runtime.engine.grammar_stage import GrammarStage
-from vtool.runtime.engine.kv_cache import PagedKVCache
+from vtool.runtime.engine.kv_cache import PagedKVCache, cache_layers, sliding_window
 from vtool.runtime.engine.output_processor import OutputProcessor
 from vtool.runtime.engine.prefix_cache import PrefixCache
 from vtool.runtime.engine.request import CoreOutput, FinishedRequestStats, Request, Status, StepOutput
@@ -86,7 +86,7 @@ class EngineConfig:
 def kv_bytes_per_block(manifest: dict[str, Any], block_size: int) -> int:
     c = manifest["config"]
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[manifest["dtype"]]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * block_size * itemsize
+    return 2 * cache_layers(c) * c["num_key_value_heads"] * c["head_dim"] * block_size * itemsize
 
 
 def kv_memory_budget(model: Any, config: EngineConfig) -> int:
@@ -149,6 +149,10 @@ class Engine:
     step_core there and runs TextStage beside the HTTP handlers."""
 
     def __init__(self, session: Session, config: EngineConfig = EngineConfig()):
+        if session.model.manifest.get("task", "generate") != "generate":  # `vtool run`, bench, ...
+            raise VtoolError(f"{session.checkpoint.path} is an embedding model ({session.model.manifest.get('arch')}, "
+                             "task 'embed'): it does not generate text; use LLM.embed() or `vtool serve` and "
+                             "POST /v1/embeddings")
         self.session = session
         self.model = session.model
         self.tokenizer = session.tokenizer
@@ -178,9 +182,13 @@ class Engine:
             self.max_model_len = capacity
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, kv_capacity_tokens=capacity,
                                     max_new_tokens_ceiling=config.max_new_tokens_ceiling)
-        self.prefix_cache = PrefixCache(self.kv.blocks) if config.enable_prefix_caching else None
+        window = sliding_window(self.model)  # chunks of at most the window, no prefix cache (kv_cache.py)
+        if window and config.enable_prefix_caching:
+            log.info("prefix caching is off: the model has sliding-window layers")
+        self.prefix_cache = PrefixCache(self.kv.blocks) if config.enable_prefix_caching and not window else None
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.scheduling_policy), self.kv, self.prefix_cache)
+                                                   config.scheduling_policy, max_chunk=window),
+                                   self.kv, self.prefix_cache)
         self.runner = ModelRunner(self.model, self.kv, device_sampling=config.device_sampling)
         self.output_processor.max_model_len = self.max_model_len
         self.requests: dict[str, Request] = {}

@@ -15,6 +15,7 @@ from vtool import VtoolError
 from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.sampling.host import SequenceSampler, sample_batch
 from vtool.runtime.artifact.tvm_runtime import global_func
+from vtool.runtime.engine.kv_cache import sliding_window
 from vtool.runtime.engine.validation import RequestLimits
 from vtool.runtime.sampling.params import SamplingParams, check_token_ids
 
@@ -50,6 +51,12 @@ class Generator:
         self._end = global_func("vm.builtin.kv_state_end_forward")
         self._add = global_func("vm.builtin.kv_state_add_sequence")
         self._remove = global_func("vm.builtin.kv_state_remove_sequence")
+        self.window = sliding_window(model)  # a sliding-window model takes at most this per step (kv_cache.py)
+
+    @property
+    def chunk(self) -> int:
+        """Tokens fed per prefill call: PREFILL_CHUNK, or the sliding window when smaller."""
+        return min(PREFILL_CHUNK, self.window or PREFILL_CHUNK)
 
     def _fresh_sequence(self, tokens_needed: int) -> None:
         """A KV cache with room for `tokens_needed`, holding one empty sequence."""
@@ -82,23 +89,28 @@ class Generator:
 
     def prompt_logits(self, prompt_ids: list[int]) -> np.ndarray:
         """Logits at every prompt position ([n, vocab]), for prompt logprobs and parity checks.
-        Starts a fresh sequence; the prompt must fit in one prefill chunk."""
+        Starts a fresh sequence; the prompt must fit in one prefill chunk (a sliding-window
+        model's prompt is fed in chunks of its window)."""
         if not 0 < len(prompt_ids) <= PREFILL_CHUNK:
             raise VtoolError(f"prompt_logits takes 1..{PREFILL_CHUNK} tokens, got {len(prompt_ids)}")
         m = self.model
         self._fresh_sequence(len(prompt_ids))
-        embeds = self._embed(prompt_ids)
-        positions = m.upload(np.arange(len(prompt_ids), dtype=np.int32), slot="positions")
-        self._begin(self._kv, m.ffi.Shape([self.SEQ_ID]), m.ffi.Shape([len(prompt_ids)]))
-        logits, _ = m.function("batch_prefill")(embeds, positions, self._kv, m.params)
-        self._end(self._kv)
-        return m.to_numpy(logits).reshape(len(prompt_ids), m.vocab_size).copy()
+        out = []
+        for start in range(0, len(prompt_ids), self.chunk):
+            chunk = prompt_ids[start:start + self.chunk]
+            embeds = self._embed(chunk)
+            positions = m.upload(np.arange(len(chunk), dtype=np.int32), slot="positions")
+            self._begin(self._kv, m.ffi.Shape([self.SEQ_ID]), m.ffi.Shape([len(chunk)]))
+            logits, _ = m.function("batch_prefill")(embeds, positions, self._kv, m.params)
+            self._end(self._kv)
+            out.append(m.to_numpy(logits).reshape(len(chunk), m.vocab_size).copy())
+        return np.concatenate(out)
 
     def prefill_logits(self, prompt_ids: list[int]) -> np.ndarray:
         """Logits after the last prompt token, the prompt fed in chunks the KV cache accepts."""
         logits = None
-        for start in range(0, len(prompt_ids), PREFILL_CHUNK):
-            logits = self._forward("prefill", prompt_ids[start:start + PREFILL_CHUNK])
+        for start in range(0, len(prompt_ids), self.chunk):
+            logits = self._forward("prefill", prompt_ids[start:start + self.chunk])
         assert logits is not None
         return logits
 

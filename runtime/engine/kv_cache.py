@@ -9,6 +9,25 @@ from vtool.runtime.engine.kv_blocks import KVBlockManager
 from vtool.runtime.artifact.tvm_runtime import global_func
 
 
+def sliding_window(model: CompiledModel) -> int:
+    """The window of the model's sliding-window layers (0: none). TVM's paged KV cache masks
+    the window over the cached keys only: within one step a sequence's new tokens attend to
+    each other causally, so no sequence may feed more than this many tokens in one step
+    (Generator and Scheduler chunk prompts by it), and the prefix cache stays off (attention
+    over a forked prefix applies the window to each shared block apart)."""
+    return int(model.manifest.get("config", {}).get("sliding_window") or 0)
+
+
+def cache_layers(config: dict[str, Any]) -> int:
+    """The KV cache's layers for a manifest's config: the model's, and one more that no forward
+    pass reaches when every layer is a sliding-window one (Mistral, Phi-3: TVM 0.27's cache
+    allocates its q/k/v staging buffers only when some layer has full attention;
+    models/decoder.py create_paged_kv_cache adds it)."""
+    layers = int(config["num_hidden_layers"])
+    windowed = config.get("sliding_window") and len(config.get("sliding_layers") or ()) == layers
+    return layers + 1 if windowed else layers
+
+
 # TVM's TIR attention/append kernels are generated for 16-token pages (other sizes fail
 # their buffer-shape checks at the first forward), so the block size is fixed to it.
 SUPPORTED_BLOCK_SIZES = (16,)

@@ -1,4 +1,6 @@
-"""Offline batch inference shaped like vLLM's `LLM`: generate() and chat() over the engine.
+"""Offline batch inference shaped like vLLM's `LLM`: generate() and chat() over the engine, and
+embed() over an embedding model (manifest task "embed": runtime/engine/embed.py), which has no
+engine and refuses generate()/chat() by name, as a generation model refuses embed().
 
 `vtool.LLM` (in vtool.toolchain.api) builds the model on first use and hands the loaded
 session to OfflineLLM; a runtime-only install can construct OfflineLLM from an artifact.
@@ -45,8 +47,15 @@ Prompt = str | list[int] | dict[str, Any]
 class OfflineLLM:
     def __init__(self, session: Session, engine_config: EngineConfig = EngineConfig()):
         self.session = session
-        self.engine = Engine(session, engine_config)
         self._ids = itertools.count()
+        self.embedder: Any = None
+        if session.task == "embed":  # an encoder: no KV cache, no engine
+            from vtool.runtime.engine.embed import Embedder
+
+            self.engine: Any = None
+            self.embedder = Embedder(session)
+            return
+        self.engine = Engine(session, engine_config)
 
     def get_tokenizer(self) -> Any:
         return self.session.tokenizer
@@ -55,6 +64,7 @@ class OfflineLLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is text, a list of token ids,
         or {"prompt": text} / {"prompt_token_ids": [...]} as in vLLM."""
+        self._require_generation("generate")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -69,6 +79,7 @@ class OfflineLLM:
         """vLLM's LLM.chat: `tools` go to the chat template (as transformers'
         apply_chat_template(tools=...)); the answer is text, as in vLLM (a grammar in the
         SamplingParams' structured_outputs can make it a call)."""
+        self._require_generation("chat")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = self._params_for(sampling_params, len(conversations))
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
@@ -78,7 +89,30 @@ class OfflineLLM:
             jobs.append((text, self.session.tokenizer.encode(text, add_special_tokens=False), p))
         return self._run(jobs)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int | None = None) -> list[list[float]]:
+        """One vector per prompt, in order (the checkpoint's pooling, Dense layers and normalization:
+        runtime/engine/pooling.py). A prompt is text, a list of token ids, or {"prompt": text} /
+        {"prompt_token_ids": [...]}; `dimensions` truncates a Matryoshka model's vectors (and
+        renormalizes them), and is refused for other models. Every input goes through the model
+        in batches. A generation model refuses, by name."""
+        if self.embedder is None:
+            raise VtoolError(f"LLM.embed() needs an embedding model; {self.session.checkpoint.path} is a generation "
+                             f"model ({self.session.model.manifest.get('arch')}, task 'generate'): use generate() "
+                             "or chat()")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = [self._encode(p)[1] for p in prompts]  # type: ignore[union-attr]
+        if dimensions is not None:
+            self.embedder.pooler.check_dimensions(dimensions, str(self.session.checkpoint.path))
+        return [v.tolist() for v in self.embedder.embed(ids, dimensions)]
+
     # -- internals ---------------------------------------------------------------------------
+    def _require_generation(self, what: str) -> None:
+        if self.engine is None:
+            raise VtoolError(f"LLM.{what}() is only supported for generative models; {self.session.checkpoint.path} "
+                             f"is an embedding model ({self.session.model.manifest.get('arch')}, task 'embed'): "
+                             "use LLM.embed()")
+
     def _params_for(self, given: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
         if given is None:
             return [SamplingParams() for _ in range(count)]

@@ -25,6 +25,8 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     policy: str = "fcfs"
+    # the most tokens of one sequence in a step (a sliding window: kv_cache.sliding_window); 0: no limit
+    max_chunk: int = 0
 
 
 class Scheduler:
@@ -101,11 +103,11 @@ class Scheduler:
                 break
             if request not in self.running:  # preempted below as someone's victim
                 continue
-            n = min(request.num_tokens - request.num_computed, budget)
+            n = self._chunk(request, budget)
             if n == 1 and request.draft_ids:
                 # Verify the drafts too when the budget and the free blocks allow (never
                 # preempting anyone for them); else the request decodes one token.
-                n = 1 + min(len(request.draft_ids), budget - 1)
+                n = 1 + min(len(request.draft_ids), budget - 1, (self.config.max_chunk or budget) - 1)
                 if n > 1 and not self._ensure_free(self.kv.blocks.blocks_needed(request.seq_id, n)):
                     n = 1
             while not self._ensure_free(self.kv.blocks.blocks_needed(request.seq_id, n)):
@@ -156,7 +158,7 @@ class Scheduler:
             request = self.waiting[0]
             if request.seq_id is None and not self._start_sequence(request):
                 break
-            n = min(request.num_tokens - request.num_computed, budget)
+            n = self._chunk(request, budget)
             if not self._ensure_free(self.kv.blocks.blocks_needed(request.seq_id, n)):
                 if self.running:
                     break  # wait for running requests to finish and free their blocks
@@ -171,6 +173,11 @@ class Scheduler:
             items.append((request, n))
             self._reserved += self.kv.blocks.blocks_needed(request.seq_id, n)
             budget -= n
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        """The request's tokens still to compute, within the budget and max_chunk."""
+        n = min(request.num_tokens - request.num_computed, budget)
+        return min(n, self.config.max_chunk) if self.config.max_chunk else n
 
     def _largest_fitting_chunk(self, request: Request, n: int) -> int:
         while n > 0 and self.kv.blocks.blocks_needed(request.seq_id, n) > self.kv.blocks.num_free_blocks - self._reserved:

@@ -21,6 +21,7 @@ from vtool.runtime.serving.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     TokenizeRequest, TokenizeResponse)
 from vtool.runtime.serving.completions import ServingState, create_chat_completion, create_completion
+from vtool.runtime.serving.embeddings import EmbeddingRequest, create_embedding, not_supported
 
 
 @dataclasses.dataclass
@@ -62,11 +63,21 @@ def create_app(state: ServingState, info: ServerInfo, api_key: str | None = None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
+        if state.task != "generate":
+            raise not_supported("Completions", state)
         return await create_completion(body, raw, state)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        if state.task != "generate":
+            raise not_supported("Chat Completions", state)
         return await create_chat_completion(body, raw, state)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> dict:
+        if state.task != "embed":  # serving/embeddings.py
+            raise not_supported("Embeddings", state)
+        return await create_embedding(body, state)
 
     @app.get("/v1/models")
     async def models() -> dict:

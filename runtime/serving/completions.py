@@ -54,6 +54,9 @@ class ServingState:
     default_chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     max_log_len: int | None = None
     force_include_usage: bool = False
+    # "generate", or "embed": `engine` is then a serving/embeddings.py EmbeddingService, and only
+    # /v1/embeddings (not completions or chat) answers
+    task: str = "generate"
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.served_names:

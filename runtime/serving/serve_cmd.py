@@ -276,6 +276,13 @@ def serve(artifact: Path, checkpoint: Checkpoint, engine_config: EngineConfig, o
     sock = bind_socket(opts.host, opts.port)
     config = dataclasses.replace(engine_config, max_new_tokens_ceiling=server_ceiling())
     names = list(opts.served_model_name) or [str(checkpoint.path)]
+    from vtool.runtime.artifact.manifest import read_manifest
+
+    if read_manifest(artifact).get("task") == "embed":  # no engine core: serving/embeddings.py
+        from vtool.runtime.serving.embeddings import serve_embedding_model
+
+        serve_embedding_model(artifact, checkpoint, opts, console, sock, names)
+        return
     defaults = sampling_defaults(checkpoint.generation_config())
     if os.environ.get(IN_PROCESS_ENV, "") not in ("", "0"):
         if opts.api_server_count != 1:

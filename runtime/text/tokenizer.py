@@ -219,6 +219,10 @@ class Tokenizer:
             backend = _Backend.from_file(str(tj))
         except Exception as e:  # the Rust side raises plain Exception on bad JSON
             raise TokenizerError(f"{tj}: not a loadable tokenizer.json ({e})") from e
+        # tokenizer.json may carry padding and truncation (all-MiniLM-L6-v2's: both to 128); transformers
+        # applies them only when a call asks, so encode() here never pads or cuts.
+        backend.no_padding()
+        backend.no_truncation()
         cfg_path = Path(tokenizer_config) if tokenizer_config else tj.parent / "tokenizer_config.json"
         cfg: dict[str, Any] = {}
         if cfg_path.is_file():

@@ -24,6 +24,7 @@ import numpy as np
 
 from vtool.runtime.weights.checkpoint import Checkpoint, CheckpointError, TensorInfo
 from vtool.runtime.weights.ggml_blocks import GGML_TYPES
+from vtool.runtime.weights.gguf_gemma import GEMMA_ARCHITECTURES, gemma_config, is_gemma_norm, norm_from_gguf
 
 log = logging.getLogger("vtool.weights")
 
@@ -37,7 +38,12 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    **GEMMA_ARCHITECTURES,  # gemma2, gemma3 (runtime/weights/gguf_gemma.py)
+    "gpt2": "GPT2LMHeadModel",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# A "llama" file with experts (llama.expert_count > 0) is Mixtral's: llama.cpp's converter writes it so.
+LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
 # GGML tensor types load() can expand to floats (gguf-py's dequantizers): every type llama.cpp's
 # standard presets write. Those vtool has kernels for stay in blocks on the CPU (ggml_blocks.py);
 # the others are expanded at load.
@@ -71,8 +77,19 @@ _PER_LAYER = {
 }
 # Where an architecture's converter stores a tensor under another meaning: phi3's ffn_up holds
 # gate|up stacked (2 x feed_forward_length rows), as its HF checkpoint does.
-_PER_LAYER_BY_ARCH = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
-# Per-frequency rope factors of longrope scaling (Phi-3 128k, Phi-3.5): no supported HF rope type
+_PER_LAYER_BY_ARCH = {"phi3": {"ffn_up": "mlp.gate_up_proj"},
+                      # Gemma's ffn_norm is the norm before the MLP; its norm after attention is post_attention_norm
+                      "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+                      "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+                      "qwen3moe": {"ffn_gate_inp": "mlp.gate"},  # the router (qwen3moe)
+                      "llama": {"ffn_gate_inp": "block_sparse_moe.gate"}}  # Mixtral's router
+# Mixture-of-experts weights, stored stacked [E, rows, cols] (blk.N.ffn_{gate,up,down}_exps): read as the
+# per-expert HF tensors model.layers.N.<block>.experts.E.<part>.weight (one slice each), as the HF
+# checkpoint stores them. arch -> (block, gate, up, down part names)
+_EXPERT_NAMES = {"qwen3moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "llama": ("block_sparse_moe", "w1", "w3", "w2")}
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+# Per-frequency rope factors of longrope scaling (Phi-3 128k, Phi-3.5): config()'s rope_scaling carries them
 LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _NORMS = {"attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"}  # RMSNorm: weight only
 _BLOCK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
@@ -85,9 +102,31 @@ def _per_layer(arch: str) -> dict[str, str]:
     return {**_PER_LAYER, **_PER_LAYER_BY_ARCH.get(arch, {})}
 
 
+# GPT-2 ("gpt2"): HF's GPT2LMHeadModel names, norms with biases. Its converter stores the Conv1D matrices
+# (HF [in, out]) transposed; the reader transposes them back, so the checkpoint reads as HF's.
+_GPT2_TOP_LEVEL = {"token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
+                   "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
+                   "output.weight": "lm_head.weight"}
+_GPT2_PER_LAYER = {"attn_norm": "ln_1", "ffn_norm": "ln_2", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+                   "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+_GPT2_TRANSPOSED = re.compile(r"blk\.\d+\.(attn_qkv|attn_output|ffn_up|ffn_down)\.weight")
+
+
+def _gpt2_name(gguf_name: str, file: Path) -> str:
+    m = _BLOCK.fullmatch(gguf_name)
+    if gguf_name in _GPT2_TOP_LEVEL:
+        return _GPT2_TOP_LEVEL[gguf_name]
+    if m and m[2] in _GPT2_PER_LAYER:
+        return f"transformer.h.{int(m[1])}.{_GPT2_PER_LAYER[m[2]]}.{m[3]}"
+    raise CheckpointError(f"{file}: gpt2 tensor {gguf_name!r} has no Hugging Face counterpart vtool knows (known: "
+                          f"{', '.join(_GPT2_TOP_LEVEL)}, blk.N.{{{','.join(_GPT2_PER_LAYER)}}}.weight/.bias)")
+
+
 def hf_name(gguf_name: str, file: Path, arch: str = "llama") -> str:
     """The Hugging Face name of a GGUF tensor of general.architecture `arch`; unknown names
     are refused."""
+    if arch == "gpt2":
+        return _gpt2_name(gguf_name, file)
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
@@ -383,6 +422,9 @@ class GGUFCheckpoint(Checkpoint):
         self._config: dict[str, Any] | None = None
         self._infos: dict[str, TensorInfo] | None = None
         self._raw: dict[str, Any] = {}  # HF name -> gguf ReaderTensor
+        # an expert's HF name -> (its stacked tensor, its index); the last few stacked tensors expanded
+        self._experts: dict[str, tuple[GGUFTensor, int]] = {}
+        self._stacked: dict[str, np.ndarray] = {}
         self._metadata: dict[str, Any] | None = None
 
     # -- file access ----------------------------------------------------------------
@@ -444,6 +486,8 @@ class GGUFCheckpoint(Checkpoint):
 
     def _build_config(self) -> dict[str, Any]:
         arch = self._arch()
+        if arch == "gpt2":
+            return self._gpt2_config()
         k = lambda suffix: f"{arch}.{suffix}"  # noqa: E731
         names = {t.name: t for t in self._reader.tensors}
         hidden = int(self._scalar(k("embedding_length")))
@@ -486,6 +530,17 @@ class GGUFCheckpoint(Checkpoint):
         }
         if arch == "llama":
             cfg["mlp_bias"] = "blk.0.ffn_gate.bias" in names
+        experts = self._scalar(k("expert_count"), None)
+        if arch in _EXPERT_NAMES and experts:  # a mixture of experts (models/moe_weights.py reads these)
+            if arch == "llama":
+                cfg["architectures"] = [LLAMA_WITH_EXPERTS]
+                cfg["num_local_experts"] = int(experts)
+            else:
+                cfg["num_experts"] = int(experts)
+                cfg["moe_intermediate_size"] = int(self._scalar(k("expert_feed_forward_length")))
+                # llama.cpp's qwen3moe graph always renormalizes the chosen experts' weights
+                cfg["norm_topk_prob"] = bool(self._scalar(k("expert_weights_norm"), True))
+            cfg["num_experts_per_tok"] = int(self._scalar(k("expert_used_count")))
         if arch == "phi3":
             window = int(self._scalar(k("attention.sliding_window"), 0) or 0)
             if window:
@@ -493,9 +548,10 @@ class GGUFCheckpoint(Checkpoint):
             if rope_dims is not None and int(rope_dims) != head_dim:
                 cfg["partial_rotary_factor"] = int(rope_dims) / head_dim  # normalize refuses it, by name
             found = [n for n in LONGROPE_FACTORS if n in names]
-            if found:
-                raise CheckpointError(f"{self.path}: tensors {', '.join(found)} hold longrope scaling factors "
-                                      "(Phi-3 128k, Phi-3.5); longrope is not supported yet")
+            if found:  # longrope (Phi-3 128k, Phi-3.5): HF's rope_scaling from the factor tensors
+                cfg["rope_scaling"] = self._longrope(k, found, names)
+        if arch in GEMMA_ARCHITECTURES:
+            cfg.update(gemma_config(arch, self._scalar, self._get, cfg))
         for hf_key, gguf_key in (
             ("bos_token_id", "bos_token_id"),
             ("eos_token_id", "eos_token_id"),
@@ -505,6 +561,49 @@ class GGUFCheckpoint(Checkpoint):
             if v is not None:
                 cfg[hf_key] = int(v)
         return cfg
+
+    def _gpt2_config(self) -> dict[str, Any]:
+        """A gpt2 file's config in GPT2Config's own keys. The converter writes feed_forward_length
+        as 4 x n_embd whatever n_inner is, so n_inner comes from ffn_up's shape; vocab_size from
+        token_embd's."""
+        names = {t.name: t for t in self._reader.tensors}
+        for needed in ("token_embd.weight", "blk.0.ffn_up.weight"):
+            if needed not in names:
+                raise CheckpointError(f"{self.path}: gpt2 file without tensor {needed!r}")
+        cfg: dict[str, Any] = {
+            "architectures": [ARCHITECTURES["gpt2"]],
+            "model_type": "gpt2",
+            "vocab_size": int(names["token_embd.weight"].shape[1]),
+            "n_embd": int(self._scalar("gpt2.embedding_length")),
+            "n_inner": int(names["blk.0.ffn_up.weight"].shape[1]),
+            "n_layer": int(self._scalar("gpt2.block_count")),
+            "n_head": int(self._scalar("gpt2.attention.head_count")),
+            "n_positions": int(self._scalar("gpt2.context_length")),
+            "layer_norm_epsilon": _f32(self._scalar("gpt2.attention.layer_norm_epsilon")),
+            "activation_function": "gelu_new",
+            "tie_word_embeddings": "output.weight" not in names,
+        }
+        for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                                 ("pad_token_id", "padding_token_id")):
+            v = self._scalar(f"tokenizer.ggml.{gguf_key}", None)
+            if v is not None:
+                cfg[hf_key] = int(v)
+        return cfg
+
+    def _longrope(self, k: Callable[[str], str], found: list[str], names: dict[str, Any]) -> dict[str, Any]:
+        """llama.cpp's phi3 longrope (rope_factors_long/short, rope.scaling.original_context_length,
+        rope.scaling.attn_factor) as HF's rope_scaling; models/phi3.py picks one factor set."""
+        original = self._scalar(k("rope.scaling.original_context_length"), None)
+        if len(found) != 2 or original is None:
+            raise CheckpointError(f"{self.path}: longrope needs both {' and '.join(LONGROPE_FACTORS)} and "
+                                  f"{k('rope.scaling.original_context_length')}; found {', '.join(found)}")
+        scaling: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": int(original)}
+        for name, key in zip(LONGROPE_FACTORS, ("long_factor", "short_factor")):
+            scaling[key] = [float(v) for v in self._expand(names[name]).reshape(-1)]
+        attn = self._scalar(k("rope.scaling.attn_factor"), None)
+        if attn is not None:
+            scaling["attention_factor"] = _f32(attn)
+        return scaling
 
     def _rope_scaling(self, arch: str, theta: float, head_dim: int, names: dict[str, Any]) -> dict[str, Any] | None:
         kind_key = f"{arch}.rope.scaling.type"
@@ -547,10 +646,27 @@ class GGUFCheckpoint(Checkpoint):
             noticed: dict[str, list[str]] = {}
             arch = self._arch()
             for t in self._reader.tensors:
-                if t.name == ROPE_FREQS:
+                if t.name == ROPE_FREQS or t.name in LONGROPE_FACTORS:
                     continue  # not a weight in HF: config()'s rope_scaling carries it
-                name = hf_name(t.name, self.path, arch)
                 kind = t.tensor_type.name
+                m = _EXPERT_TENSOR.fullmatch(t.name)
+                if m and arch in _EXPERT_NAMES:
+                    if kind not in SUPPORTED_TYPES + NOTICE_TYPES:
+                        raise CheckpointError(f"{self.path}: tensor {t.name!r} has GGML type {kind}; supported: "
+                                              f"{', '.join(SUPPORTED_TYPES + NOTICE_TYPES)}")
+                    if len(t.shape) != 3:
+                        raise CheckpointError(f"{self.path}: expert tensor {t.name!r} has shape "
+                                              f"{tuple(int(d) for d in reversed(t.shape.tolist()))}; expected "
+                                              "[experts, rows, columns]")
+                    block, *parts = _EXPERT_NAMES[arch]
+                    part = parts[("gate", "up", "down").index(m[2])]
+                    *_, rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+                    for e in range(int(t.shape[-1])):  # ne[2]: the experts
+                        name = f"model.layers.{int(m[1])}.{block}.experts.{e}.{part}.weight"
+                        self._experts[name] = (t, e)
+                        infos[name] = TensorInfo(name, (rows, cols), kind)
+                    continue
+                name = hf_name(t.name, self.path, arch)
                 if kind in NOTICE_TYPES:
                     noticed.setdefault(kind, []).append(t.name)
                 elif kind not in SUPPORTED_TYPES:
@@ -559,7 +675,10 @@ class GGUFCheckpoint(Checkpoint):
                         f"{', '.join(SUPPORTED_TYPES + NOTICE_TYPES)}"
                     )
                 self._raw[name] = t
-                infos[name] = TensorInfo(name, tuple(int(d) for d in reversed(t.shape.tolist())), kind)
+                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+                if arch == "gpt2" and _GPT2_TRANSPOSED.fullmatch(t.name):
+                    shape = shape[::-1]  # HF's Conv1D [in, out]: _hf_rows transposes it back
+                infos[name] = TensorInfo(name, shape, kind)
             for kind, names in noticed.items():
                 log.warning("%s: %d tensor(s) of GGML type %s (%s%s) are dequantized at load: no kernel reads "
                             "that type", self.path.name, len(names), kind, ", ".join(names[:3]),
@@ -583,8 +702,16 @@ class GGUFCheckpoint(Checkpoint):
         return arr.reshape(shape)
 
     def _load_raw(self, name: str) -> np.ndarray:
+        if name in self._experts:  # one expert's slice of a stacked tensor, expanded once for all experts
+            t, e = self._experts[name]
+            if t.name not in self._stacked:
+                if len(self._stacked) >= 3:  # a layer's gate, up and down stacks: the plan reads them in turn
+                    self._stacked.pop(next(iter(self._stacked)))
+                self._stacked[t.name] = self._expand(t)
+            return self._stacked[t.name][e]
         t = self._raw[name]
-        return self._hf_rows(t, self._expand(t))
+        arr = self._hf_rows(t, self._expand(t))
+        return norm_from_gguf(arr) if is_gemma_norm(self._arch(), name) else arr  # stored as 1 + w
 
     def load_blocks(self, name: str) -> tuple[str, np.ndarray]:
         if name not in self.tensors():
@@ -604,7 +731,13 @@ class GGUFCheckpoint(Checkpoint):
         return kind, self._hf_rows(t, data)
 
     def _hf_rows(self, t: Any, arr: np.ndarray) -> np.ndarray:
-        """Q/K rows of the `llama` converter back in HF order (floats or block rows alike)."""
+        """Q/K rows of the `llama` converter back in HF order (floats or block rows alike);
+        the `gpt2` converter's transposed Conv1D matrices back in HF's [in, out] (floats only)."""
+        if self._arch() == "gpt2" and _GPT2_TRANSPOSED.fullmatch(t.name):
+            if arr.dtype == np.uint8:
+                raise CheckpointError(f"{self.path}: gpt2 tensor {t.name!r} is stored transposed from HF's layout; "
+                                      "its blocks cannot be kept (it is dequantized at load)")
+            return arr.T
         if self._arch() == "llama" and re.search(r"\.attn_[qk]\.", t.name):
             cfg = self.config()
             n_head = cfg["num_attention_heads"] if ".attn_q." in t.name else cfg["num_key_value_heads"]

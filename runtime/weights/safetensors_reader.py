@@ -28,6 +28,10 @@ DTYPES: dict[str, np.dtype] = {
     "F16": np.dtype("<f2"),
     "BF16": np.dtype(ml_dtypes.bfloat16),
 }
+# Integer buffers that older transformers saved with BERT-style encoders (a 0..n-1 range and zeros,
+# not weights): skipped when stored as integers; any other integer tensor is refused.
+INTEGER_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
+INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U8")
 MAX_HEADER = 100 * 1024 * 1024  # a header larger than this is corruption, not a model
 
 
@@ -68,6 +72,8 @@ def read_header(file: Path) -> dict[str, _Entry]:
             start, end = (int(o) for o in meta["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{file}: tensor {name!r} has a malformed header entry {meta!r}") from None
+        if dtype in INTEGER_DTYPES and name.endswith(INTEGER_BUFFERS):
+            continue
         if dtype not in DTYPES:
             raise CheckpointError(
                 f"{file}: tensor {name!r} has dtype {dtype}; supported weight dtypes: {', '.join(DTYPES)}"

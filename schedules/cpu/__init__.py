@@ -3,19 +3,21 @@
 Each rule returns a scheduled PrimFunc or None; a kernel no rule takes stays as
 legalized (slow, never wrong). Kernels already scheduled elsewhere (the KV cache's
 attention kernels ship their own) are left alone, except the KV cache's serial CPU prefill
-and decode attention, which schedules/cpu/attention.py replaces by parallel, vectorized
-kernels.
+and decode attention, full and sliding-window, which schedules/cpu/attention.py replaces by
+parallel, vectorized kernels.
 """
 from __future__ import annotations
 
 import tvm
 from tvm import tirx
 
-from vtool.schedules.cpu.attention import (rewrite_decode_paged, rewrite_prefill_paged, rewrite_prefill_ragged,
-                                          schedule_fused_rope)
+from vtool.schedules.cpu.attention import (rewrite_decode_paged, rewrite_decode_paged_sliding, rewrite_prefill_paged,
+                                          rewrite_prefill_paged_sliding, rewrite_prefill_ragged, schedule_fused_rope)
 from vtool.schedules.cpu.matmul import schedule_nt_matmul
+from vtool.schedules.cpu.moe import schedule_moe_gemv
 from vtool.schedules.cpu.quantized import schedule_quantized_matmul
 from vtool.schedules.cpu.rowwise import schedule_rowwise
+from vtool.schedules.cpu.sliding_attention import fix_sliding_prefill
 from vtool.schedules.views import becomes_view
 
 _OUT_ELEMWISE_FUSABLE = 4  # relax OpPatternKind: elementwise 0, broadcast 1, injective 2, reduce 3
@@ -42,11 +44,17 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
                 continue
             # TVM's serial CPU prefill (ragged and paged) and decode attention
             rewritten = (rewrite_prefill_ragged(gv.name_hint, func) or rewrite_prefill_paged(gv.name_hint, func)
-                         or rewrite_decode_paged(gv.name_hint, func) or schedule_fused_rope(func))
+                         or rewrite_decode_paged(gv.name_hint, func) or schedule_fused_rope(func)
+                         # the sliding-window layers' kernels (head dims of 16s; others keep TVM's,
+                         # its prefill's mask fixed: it reads an unset maximum)
+                         or rewrite_prefill_paged_sliding(gv.name_hint, func)
+                         or rewrite_decode_paged_sliding(gv.name_hint, func)
+                         or fix_sliding_prefill(gv.name_hint, func))
             if rewritten is not None:
                 updates[gv] = rewritten
                 continue
-            scheduled = schedule_quantized_matmul(func, lanes)  # found by its block names
+            scheduled = (schedule_moe_gemv(func, lanes)  # the MoE gather-GEMV (models/moe.py)
+                         or schedule_quantized_matmul(func, lanes))  # both found by their block names
             if scheduled is not None:
                 updates[gv] = scheduled
                 continue

@@ -23,6 +23,7 @@ its exact parameter layout; anything else is left alone.
 from __future__ import annotations
 
 import math
+import re
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -153,7 +154,7 @@ def rewrite_decode_paged(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | None
     """The replacement for TVM's CPU paged decode attention (`_attention_decode_cpu`, one
     serial scalar loop over every sequence, head and key: about a fifth of a Qwen3-0.6B
     decode step at 300 tokens of context), or None when `func` is not it. The sliding-window
-    variant has another name and is left alone."""
+    variant has another name and its own rule (`rewrite_decode_paged_sliding`, below)."""
     if name != DECODE_NAME or len(func.params) != 13:
         return None
     shapes = [_shape(func, i) for i in range(13)]
@@ -372,7 +373,8 @@ def rewrite_prefill_paged(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | Non
     SmolLM2-135M with a 2048-token cache a 5-token verify step spent 22 ms of its 50 ms there
     (30 layers). This one visits only the visible keys of each query, page by page, in
     parallel over (query, head), with the decode kernel's vectorized dot products and
-    online softmax. The sliding-window variant has another name and is left alone."""
+    online softmax. The sliding-window variant has another name and its own rule
+    (`rewrite_prefill_paged_sliding`, below)."""
     if name != PAGED_PREFILL_NAME or len(func.params) != 15:
         return None
     shapes = [_shape(func, i) for i in range(15)]
@@ -475,3 +477,256 @@ def schedule_fused_rope(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     sch.unroll(head)
     sch.parallel(sch.fuse(position, dim))
     return sch.mod["main"]
+
+
+# --- sliding-window layers (per-layer "mha_sliding" KV-cache layers: models/decoder.py) ---
+#
+# TVM's `_attention_prefill_cpu` / `_attention_decode_cpu` with sliding_window=True
+# (relax/frontend/nn/llm/_prefill_kernels.py, _decode_kernels.py, _kernel_common.py) differ
+# from the full-attention ones in three places, reproduced here exactly:
+#   * length_info is [3, B]: (last_page_len, sliding_window_offset, sink_size) per sequence;
+#   * a sequence's keys are kv_len = (n_pages - 1) * page_size + last_page_len - offset + sink
+#     logical positions, position `pos` stored at slot pos (pos < sink) or pos - sink + offset
+#     (the attention sink first, then the window, which starts `offset` slots into the pages);
+#   * the paged prefill's mask (`_causal_or_sliding_cross_mask`): when causal, query i of the
+#     chunk sees the last max(W - i - 1, 0) of those kv_len cached keys (W: the layer's window,
+#     a constant of the kernel); its own chunk's keys come from the ragged kernel, which is
+#     causal only (runtime/engine/kv_cache.py: prompts are fed at most W tokens a step). Not
+#     causal: all kv_len keys. The decode kernel attends over all kv_len keys (the cache's
+#     offset is the window).
+# A query with no visible key gets output 0 and lse -5e4, as the full-attention kernels here;
+# TVM's serial kernel leaves another finite output with an lse of about -5e4 there, which the
+# merge with the chunk's own attention weighs by exp2(-5e4 - lse) = 0 all the same.
+
+SLIDING_PREFILL_NAME = "batch_prefill_paged_kv_cpu_sliding_window"
+SLIDING_DECODE_NAME = "batch_decode_paged_kv_cpu_sliding_window"
+_WINDOW = re.compile(r"T\.max\((\d+) - q_idx - 1, 0\)")
+
+
+def _window_page_attention(d: int, page_size: int):  # noqa: ANN202 - a TVMScript macro
+    """`_page_attention` over two segments of a sliding-window sequence's slots, [lo0, hi0) (the
+    sink's) and [lo1, hi1) (the window's), one online softmax over both, page by page, the slots
+    outside a segment masked. The callers compute the bounds outside the macro's block (TIR's
+    block regions take no variable bound inside the block)."""
+    n_c = d // LANES
+    neg = -5e4
+
+    @T.macro
+    def segment(q, pages, page_values, row, h, hk, first, s_lo, s_hi, scale, acc, part, s, st):
+        for p in T.serial(s_lo // page_size, T.max((s_hi + page_size - 1) // page_size, s_lo // page_size)):
+            page: T.let[T.int32] = page_values[first + p]
+            st[2] = T.float32(neg)
+            if page_size == LANES:
+                s[T.Ramp(0, 1, LANES)] = T.Select(
+                    T.Ramp(0, 1, LANES) < T.Broadcast(s_hi - p * page_size, LANES),
+                    T.Select(T.Ramp(0, 1, LANES) >= T.Broadcast(s_lo - p * page_size, LANES),
+                             _page_scores(q, pages, row, h, page, hk, d) * T.Broadcast(scale, LANES),
+                             T.Broadcast(T.float32(neg), LANES)),
+                    T.Broadcast(T.float32(neg), LANES))
+                for t in T.serial(page_size):
+                    st[2] = T.max(st[2], s[t])
+            else:
+                for t in T.serial(page_size):
+                    if p * page_size + t >= s_lo and p * page_size + t < s_hi:
+                        for j in T.vectorized(LANES):
+                            part[j] = q[row, h, j] * pages[page, 0, hk, t, j]
+                        for c in T.unroll(1, n_c):
+                            for j in T.vectorized(LANES):
+                                part[j] = part[j] + q[row, h, c * LANES + j] * pages[page, 0, hk, t, c * LANES + j]
+                        for j in T.vectorized(8):
+                            part[j] = part[j] + part[j + 8]
+                        for j in T.vectorized(4):
+                            part[j] = part[j] + part[j + 4]
+                        s[t] = ((part[0] + part[2]) + (part[1] + part[3])) * scale
+                        st[2] = T.max(st[2], s[t])
+            if st[2] > st[0]:
+                st[3] = T.exp2(st[0] - st[2])
+                st[1] = st[1] * st[3]
+                for i in T.vectorized(d):
+                    acc[i] = acc[i] * st[3]
+                st[0] = st[2]
+            if page_size == LANES:
+                s[T.Ramp(0, 1, LANES)] = _exp2(s[T.Ramp(0, 1, LANES)] - T.Broadcast(st[0], LANES))
+            else:
+                for t in T.serial(page_size):
+                    if p * page_size + t >= s_lo and p * page_size + t < s_hi:
+                        s[t] = T.exp2(s[t] - st[0])
+            for t in T.serial(page_size):
+                if p * page_size + t >= s_lo and p * page_size + t < s_hi:  # masked slots never summed
+                    st[1] = st[1] + s[t]
+                    for c in T.unroll(n_c):
+                        for j in T.vectorized(LANES):
+                            acc[c * LANES + j] = acc[c * LANES + j] + s[t] * pages[page, 1, hk, t, c * LANES + j]
+
+    @T.macro
+    def attend(q, pages, page_values, output, lse, row, h, hk, first, lo0, hi0, lo1, hi1, scale):
+        with T.sblock("attn"):
+            acc = T.sblock_alloc_buffer((d,), "float32")
+            part = T.sblock_alloc_buffer((LANES,), "float32")
+            s = T.sblock_alloc_buffer((page_size,), "float32")
+            st = T.sblock_alloc_buffer((4,), "float32")  # m, d, page max, scratch
+            for i in T.vectorized(d):
+                acc[i] = T.float32(0)
+            st[0] = T.float32(neg)
+            st[1] = T.float32(0)
+            segment(q, pages, page_values, row, h, hk, first, lo0, hi0, scale, acc, part, s, st)
+            segment(q, pages, page_values, row, h, hk, first, lo1, hi1, scale, acc, part, s, st)
+            for i in T.vectorized(d):
+                output[row, h, i] = T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0))
+            lse[row, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(neg))
+
+    return attend
+
+
+def _sliding_shapes(func: tirx.PrimFunc, n_params: int, n_buffers: int, q_at: int, pages_at: int,
+                    length_at: int) -> tuple[int, int, int, int] | None:
+    """(h_q, d, h_kv, page_size) of a TVM sliding-window kernel of the expected layout, or None."""
+    if len(func.params) != n_params:
+        return None
+    shapes = [_shape(func, i) for i in range(n_params)]
+    if any(s is None for s in shapes[:n_buffers]) or any(s is not None for s in shapes[n_buffers:]):
+        return None
+    q, pages, length = shapes[q_at], shapes[pages_at], shapes[length_at]
+    if len(q) != 3 or len(pages) != 5 or len(length) != 2:  # [3, B] length info: sliding window
+        return None
+    try:
+        h_q, d, h_kv, page_size, three = int(q[1]), int(q[2]), int(pages[2]), int(pages[3]), int(length[0])
+    except TypeError:
+        return None
+    if three != 3 or str(func.params[0].dtype) != "float32" or h_q % h_kv or d % LANES or int(pages[4]) != d:
+        return None
+    return h_q, d, h_kv, page_size
+
+
+def rewrite_prefill_paged_sliding(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """The replacement for TVM's CPU sliding-window paged prefill attention (serial and scalar,
+    and reading an uninitialized running maximum: schedules/cpu/sliding_attention.py), or None
+    when `func` is not it. The window is read from the kernel's mask, where TVM writes it as a
+    constant; a kernel without exactly one is left alone."""
+    if name != SLIDING_PREFILL_NAME:
+        return None
+    dims = _sliding_shapes(func, 15, 10, 0, 2, 5)
+    if dims is None:
+        return None
+    windows = set(_WINDOW.findall(func.script()))
+    if len(windows) != 1:
+        return None
+    new = _sliding_prefill_kernel(dims[2], dims[0], dims[1], dims[3], int(windows.pop()))
+    return new.with_attrs(func.attrs) if func.attrs is not None else new
+
+
+def _sliding_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int, window: int) -> tirx.PrimFunc:
+    group = h_q // h_kv
+    attend = _window_page_attention(d, page_size)
+
+    @T.prim_func(s_tir=True)
+    def batch_prefill_paged_kv_cpu_sliding_window(
+        var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
+        var_page_values: T.handle, var_length_info: T.handle, var_k_rope_pos_offset: T.handle,
+        var_q_rope_position: T.handle, var_output: T.handle, var_lse: T.handle,
+        causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+    ):
+        batch_size = T.int32()
+        total_len = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        q_indptr_elem_offset = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (total_len, h_q, d), "float32")
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), "float32")
+        page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
+        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
+        length_info = T.match_buffer(var_length_info, (3, batch_size), "int32", elem_offset=length_info_elem_offset)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",  # noqa: F841
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",  # noqa: F841
+                                         elem_offset=q_rope_position_elem_offset)
+        output = T.match_buffer(var_output, (total_len, h_q, d), "float32")
+        lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
+
+        T.Assert(rotary_mode == 0, "vtool's CPU paged prefill attention takes rotary_mode 0 (rope applied before the cache)")
+        for b in T.serial(batch_size):
+            for qh in T.parallel((q_indptr[b + 1] - q_indptr[b]) * h_q):
+                q_idx: T.let[T.int32] = qh // h_q
+                h: T.let[T.int32] = qh % h_q
+                hk: T.let[T.int32] = h // group
+                q_row: T.let[T.int32] = q_indptr[b] + q_idx
+                first: T.let[T.int32] = page_indptr[b]
+                n_pages: T.let[T.int32] = page_indptr[b + 1] - page_indptr[b]
+                sink: T.let[T.int32] = length_info[2, b]
+                offset: T.let[T.int32] = length_info[1, b]
+                n_kv: T.let[T.int32] = T.if_then_else(
+                    n_pages > 0, (n_pages - 1) * page_size + length_info[0, b] - offset + sink, 0)
+                lo: T.let[T.int32] = T.if_then_else(causal > 0, T.max(n_kv - T.max(window - q_idx - 1, 0), 0), 0)
+                scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
+                # logical [lo, n_kv): the sink's slots, then the window's from `offset`
+                attend(q, pages, page_values, output, lse, q_row, h, hk, first, T.min(lo, sink), T.min(n_kv, sink),
+                       T.max(lo, sink) - sink + offset, T.max(n_kv, sink) - sink + offset, scale)
+
+    return batch_prefill_paged_kv_cpu_sliding_window
+
+
+def rewrite_decode_paged_sliding(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """The replacement for TVM's CPU sliding-window paged decode attention, or None when `func`
+    is not it."""
+    if name != SLIDING_DECODE_NAME:
+        return None
+    dims = _sliding_shapes(func, 13, 9, 0, 1, 4)
+    if dims is None:
+        return None
+    new = _sliding_decode_kernel(dims[2], dims[0], dims[1], dims[3])
+    return new.with_attrs(func.attrs) if func.attrs is not None else new
+
+
+def _sliding_decode_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.PrimFunc:
+    group = h_q // h_kv
+    attend = _window_page_attention(d, page_size)
+
+    @T.prim_func(s_tir=True)
+    def batch_decode_paged_kv_cpu_sliding_window(
+        q_handle: T.handle, pages_handle: T.handle, page_indptr_handle: T.handle, page_values_handle: T.handle,
+        length_info_handle: T.handle, k_rope_pos_offset_handle: T.handle, q_rope_position_handle: T.handle,
+        output_handle: T.handle, lse_handle: T.handle,
+        rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+    ):
+        batch = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        q = T.match_buffer(q_handle, (batch, h_q, d), "float32")
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), "float32")
+        page_indptr = T.match_buffer(page_indptr_handle, (batch + 1,), "int32", elem_offset=page_indptr_elem_offset)
+        page_values = T.match_buffer(page_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
+        length_info = T.match_buffer(length_info_handle, (3, batch), "int32", elem_offset=length_info_elem_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (batch,), "int32",  # noqa: F841
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (batch,), "int32",  # noqa: F841
+                                         elem_offset=q_rope_position_elem_offset)
+        output = T.match_buffer(output_handle, (batch, h_q, d), "float32")
+        lse = T.match_buffer(lse_handle, (batch, h_q), "float32")
+
+        T.Assert(rotary_mode == 0, "vtool's CPU decode attention takes rotary_mode 0 (rope applied before the cache)")
+        for bh in T.parallel(batch * h_q):
+            b: T.let[T.int32] = bh // h_q
+            h: T.let[T.int32] = bh % h_q
+            hk: T.let[T.int32] = h // group
+            first: T.let[T.int32] = page_indptr[b]
+            n_pages: T.let[T.int32] = page_indptr[b + 1] - page_indptr[b]
+            sink: T.let[T.int32] = length_info[2, b]
+            offset: T.let[T.int32] = length_info[1, b]
+            n_kv: T.let[T.int32] = T.if_then_else(
+                n_pages > 0, (n_pages - 1) * page_size + length_info[0, b] - offset + sink, 0)
+            scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
+            attend(q, pages, page_values, output, lse, b, h, hk, first, 0, T.min(n_kv, sink), offset,
+                   T.max(n_kv, sink) - sink + offset, scale)
+
+    return batch_decode_paged_kv_cpu_sliding_window

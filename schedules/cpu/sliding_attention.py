@@ -10,6 +10,10 @@ output is garbage or NaN. Setting `new_m` to the row's starting maximum (-5e4, t
 `m_val` starts from) where `m_val` is initialized makes every masked key a no-op again (its
 weight exp2(-5e4 - m) vanishes once a visible key raises the maximum).
 
+Where the head dim is a multiple of 16, schedules/cpu/attention.py replaces this kernel (and the
+sliding-window decode one) outright by a parallel one, tried first; this fix keeps the others'
+(the tiny test models' head dims of 12) correct.
+
 The kernel is patched in its TVMScript text and parsed back (TVM's Python API has no TIR
 statement mutator), and only if the text round-trips to the same function and holds exactly
 one such initialization; anything else is left as it is.

