@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from vtool.models.config import ConfigError, ModelConfig, _positive_float, _positive_int
+from vtool.models.encoder_spec import encode_spec
 from vtool.models.family import ModelFamily
 from vtool.models.weights import WeightPlan, plan_parameters
 
@@ -221,10 +222,7 @@ def _encoder_class() -> type:
             return h if h.dtype == "float32" else h.astype("float32")
 
         def get_default_spec(self) -> dict:
-            packed = {"param_mode": "packed", "effect_mode": "none"}
-            ids = nn.spec.Tensor(["batch_size", "seq_len"], "int32")
-            return {"encode": {"input_ids": ids, "attention_mask": nn.spec.Tensor(["batch_size", "seq_len"], "int32"),
-                               "$": packed}}
+            return encode_spec()
 
     return BertEncoder
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from vtool.models import gemma
 from vtool.models.config import ConfigError, ModelConfig
+from vtool.models.encoder_spec import encode_spec
 from vtool.models.family import ModelFamily
 from vtool.models.weights import WeightPlan, decoder_source_shapes
 
@@ -143,10 +144,7 @@ def _encoder_class() -> type:
             return h if h.dtype == "float32" else h.astype("float32")
 
         def get_default_spec(self) -> dict:
-            packed = {"param_mode": "packed", "effect_mode": "none"}
-            ids = nn.spec.Tensor(["batch_size", "seq_len"], "int32")
-            return {"encode": {"input_ids": ids, "attention_mask": nn.spec.Tensor(["batch_size", "seq_len"], "int32"),
-                               "$": packed}}
+            return encode_spec()
 
     return GemmaEncoder
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -289,27 +287,11 @@ def test_embeddinggemma_matches_transformers(gemma_llm, gemma_ref):
 def test_embeddinggemma_server(gemma_dir, gemma_llm, gemma_ref, tmp_path):
     import httpx
     import openai
-    from vtool.runtime.bench.local_server import free_port
+    from live_server import vtool_serve
 
     want, _ = gemma_ref
-    port = free_port()
-    log = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "vtool.toolchain.cli", "serve", "--model", str(gemma_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", MODEL]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
+    with vtool_serve(["--model", str(gemma_dir), "--served-model-name", MODEL], tmp_path / "server.log",
+                     timeout=600, poll=0.5) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
         out = client.embeddings.create(model=MODEL, input=TEXTS)
         got = np.array([d.embedding for d in out.data])
@@ -318,6 +300,3 @@ def test_embeddinggemma_server(gemma_dir, gemma_llm, gemma_ref, tmp_path):
         assert out.model == MODEL and len(out.data) == len(TEXTS) and cos.min() >= 0.999, cos
         r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=60)
         assert r.status_code >= 400, r.text  # an embedding server refuses generation
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)

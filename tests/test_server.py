@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from vtool.runtime.bench.local_server import free_port
+from live_server import vtool_serve
 
 KEY = "test-key"
 MODEL = "tiny-chat"
@@ -22,28 +19,11 @@ MODEL = "tiny-chat"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
     folder = tiny_model_dir
-    port = free_port()
     log = tmp_path_factory.mktemp("log") / "server.log"
-    cmd = [sys.executable, "-m", "vtool.toolchain.cli", "serve", "--model", str(folder), "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "256", "--served-model-name", MODEL, "--api-key", KEY,
-           "--max-num-seqs", "16", "--max-num-batched-tokens", "128", "--enable-log-outputs",
-           "--trust-remote-code"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.3)
-    yield url, log
-    proc.terminate()
-    proc.wait(timeout=30)
+    args = ["--model", str(folder), "--max-model-len", "256", "--served-model-name", MODEL, "--api-key", KEY,
+            "--max-num-seqs", "16", "--max-num-batched-tokens", "128", "--enable-log-outputs", "--trust-remote-code"]
+    with vtool_serve(args, log) as url:
+        yield url, log
 
 
 @pytest.fixture

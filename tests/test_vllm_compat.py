@@ -6,9 +6,6 @@ the unchanged `openai` client and with httpx where the raw JSON matters."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
@@ -17,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vtool.runtime.bench.local_server import free_port
+from live_server import vtool_serve
 from vtool.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 KEY = "test-key"
@@ -28,27 +25,11 @@ MAX_MODEL_LEN = 256
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
     folder = tiny_model_dir
-    port = free_port()
     log = tmp_path_factory.mktemp("log") / "server.log"
-    cmd = [sys.executable, "-m", "vtool.toolchain.cli", "serve", "--model", str(folder), "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL,
-           "--api-key", KEY, "--max-num-seqs", "16", "--max-num-batched-tokens", "128"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.3)
-    yield url, log
-    proc.terminate()
-    proc.wait(timeout=30)
+    args = ["--model", str(folder), "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL,
+            "--api-key", KEY, "--max-num-seqs", "16", "--max-num-batched-tokens", "128"]
+    with vtool_serve(args, log) as url:
+        yield url, log
 
 
 @pytest.fixture
