@@ -1,4 +1,6 @@
-"""Q8_0 activation rows (llama.cpp's integer-dot scheme): which kept formats and targets take them.
+"""Quantized activation rows (llama.cpp's integer-dot scheme): which kept formats and targets take them.
+
+Q8_0/Q4_0/Q4_1/Q5_0 weights meet Q8_0 activation blocks, Q4_K/Q6_K weights Q8_K ones, as in llama.cpp.
 
 The build decides `--activations` with these before it compiles anything, so this module is
 pure Python (no TVM). The kernels themselves are schedules/cpu/int8_gemv.py; the toolchain
@@ -9,8 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-# The kept formats with integer-dot kernels.
-INT8_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+# The kept formats with integer-dot kernels over Q8_0 activation blocks (schedules/cpu/int8_gemv.py) ...
+INT8_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")
+# ... and over Q8_K ones (256 values, float32 d: llama.cpp's K-quant dots, schedules/cpu/kquant_gemv.py)
+Q8_K_FORMATS = ("Q4_K", "Q6_K")
+# Every kept format that takes quantized activations under --activations decode / q8_0 / auto
+DOT_FORMATS = INT8_FORMATS + Q8_K_FORMATS
 
 _VNNI_CPUS = {"cascadelake", "cooperlake", "icelake-server", "icelake-client", "tigerlake", "sapphirerapids",
               "emeraldrapids", "graniterapids", "znver4", "znver5"}

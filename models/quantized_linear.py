@@ -1,5 +1,5 @@
 """Linear layers and embeddings whose weights stay in GGUF block form (Q8_0, Q4_0, Q4_1,
-Q4_K, Q6_K).
+Q5_0, Q4_K, Q6_K).
 
 The weight is never materialized as floats: each kernel reads the quants and the block
 scales and dequantizes in registers, inside the GEMV/GEMM, accumulating in float32
@@ -59,6 +59,12 @@ def _weight(fmt: str, w: list[te.Tensor], n, c, j) -> tirx.PrimExpr:
         return (_f32(q) - tirx.const(8.0, "float32")) * _f32(w[1][t, b, r])
     if fmt == "Q4_1":
         return _f32(q) * _f32(w[1][t, b, r]) + _f32(w[2][t, b, r])
+    if fmt == "Q5_0":  # parts: qweight, qhigh (element e's 5th bit at bit e % 8 of byte e // 8), scale
+        e = (c % 2) * CHUNK + j
+        high = tirx.bitwise_and(tirx.shift_right(w[1][t, b, r, e // 8], (e % 8).astype("uint8")),
+                                tirx.const(1, "uint8"))
+        q5 = tirx.bitwise_or(q, tirx.shift_left(high, tirx.const(4, "uint8")))
+        return (_f32(q5) - tirx.const(16.0, "float32")) * _f32(w[2][t, b, r])
     s = c // (SUPER_BLOCK // CHUNK)  # the 256-weight super-block
     if fmt == "Q4_K":  # parts: qweight, scale (d), min (dmin), sub_scale, sub_min
         d = _f32(w[1][t, s, r]) * _f32(w[3][t, b, r])

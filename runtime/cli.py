@@ -105,7 +105,7 @@ QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q4_0", "q4_1", "q8_0")
 def quantization_option(fn: Callable) -> Callable:
     return click.option(
         "--quantization", default="auto", show_default=True, type=click.Choice(QUANTIZATION_CHOICES),
-        help="gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights quantized in memory (CPU kernels dequantize "
+        help="gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K weights quantized in memory (CPU kernels dequantize "
              "inside the matmul; other types are dequantized at load); q4_1 (recommended), q4_0, q8_0: "
              "quantize a safetensors checkpoint's weights at build time into the artifact (GGML's 32-weight "
              "groups; q4_1 is int4 with a per-group scale and min); none: dequantize every weight to "

@@ -107,7 +107,7 @@ def _flashinfer(installed: bool) -> None:
 # flashinfer_attention.py as they were), family names and all --------------------------------
 
 def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attention):  # noqa: ANN001, C901
-    from vtool.models.int8_activations import INT8_FORMATS, int8_isa
+    from vtool.models.int8_activations import DOT_FORMATS, int8_isa
     from vtool.models.weights import check_checkpoint_shapes, kept_formats
     from vtool.toolchain.cuda import check_attention_shape
     from vtool.toolchain.quantize import SCHEMES, plan_formats
@@ -164,7 +164,7 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
     if activations not in ("auto", "decode", "q8_0", "none"):
         raise VtoolError(f"unknown --activations {activations!r}; supported: auto, decode, q8_0, none")
     isa = int8_isa(str(spec.tvm.get("mcpu", "")), list(spec.tvm.get("mattr", []))) if spec.family == "x86" else None
-    usable = isa is not None and bool(set(kept.values()) & set(INT8_FORMATS))
+    usable = isa is not None and bool(set(kept.values()) & set(DOT_FORMATS))  # + Q4_K/Q6_K (issue 16)
     if activations == "none" or (activations == "auto" and not usable):
         activations = "none"
     elif activations == "auto":
@@ -173,7 +173,7 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
         raise VtoolError(f"--activations {activations} needs an x86 target with integer dot products (AVX2 or "
                          f"AVX-512 VNNI); {spec.name} has none: use --activations none")
     elif not usable:
-        raise VtoolError(f"--activations {activations} applies to weights kept as Q8_0, Q4_0 or Q4_1 blocks and "
+        raise VtoolError(f"--activations {activations} applies to weights kept as Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K blocks and "
                          "this build keeps none: use --activations none (or --quantization gguf / q4_1 / q8_0)")
     return scheme, kept, dense, activations, gemm, attention
 

@@ -154,7 +154,7 @@ def test_shapes_a_tile_cannot_cover_are_refused():
     with pytest.raises(ValueError, match="n % 4"):
         gemv_func("Q4_1", "avx2", 6, 64, 2)
     with pytest.raises(ValueError, match="no int8 GEMV"):
-        gemv_func("Q4_K", "avx2", 8, 256, 2)
+        gemv_func("Q4_K", "avx2", 8, 256, 2)  # the K-quants' kernels are kquant_gemv.py's (Q8_K activations)
 
 
 def test_activations_option_resolves_and_refuses_by_name():
@@ -168,7 +168,8 @@ def test_activations_option_resolves_and_refuses_by_name():
     assert resolve_activations("q8_0", buildable("x86-avx2"), q41) == "q8_0"
     assert resolve_activations("decode", buildable("x86-avx512"), q41) == "decode"
     assert resolve_activations("auto", buildable("x86-portable"), q41) == "none"  # no integer-dot tier
-    assert resolve_activations("auto", buildable("x86-avx2"), {"lm_head": "Q6_K"}) == "none"  # no int8 kernel
+    assert resolve_activations("auto", buildable("x86-avx2"), {"lm_head": "Q6_K"}) == "decode"  # Q8_K activations
+    assert resolve_activations("auto", buildable("x86-portable"), {"lm_head": "Q6_K"}) == "none"
     assert resolve_activations("auto", buildable("x86-avx2"), {}) == "none"
     assert resolve_activations("none", buildable("x86-avx2"), q41) == "none"
     with pytest.raises(VtoolError, match="x86-portable has none"):

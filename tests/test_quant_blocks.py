@@ -21,8 +21,8 @@ from vtool.runtime.weights import ggml_blocks
 from vtool.runtime.weights.quant_blocks import QuantFormatError, dequantize, repack
 
 Q = gguf.GGMLQuantizationType
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
-F16_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}  # d (and m/dmin)
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
+F16_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # d (and m/dmin)
 
 
 @settings(max_examples=60, deadline=None)
@@ -66,7 +66,7 @@ def test_block_table_agrees_with_gguf():
         assert ggml_blocks.part_dtype(name, "qweight") == fmt.qweight_dtype
 
 
-@pytest.mark.parametrize("fmt, most", [("Q8_0", 1.0), ("Q4_0", 1.0), ("Q4_1", 1.0), ("Q4_K", 148 / 144),
+@pytest.mark.parametrize("fmt, most", [("Q8_0", 1.0), ("Q4_0", 1.0), ("Q4_1", 1.0), ("Q5_0", 1.0), ("Q4_K", 148 / 144),
                                        ("Q6_K", 1.0)])
 def test_repacked_bytes_are_about_the_files(fmt, most):
     """Kept weights cost the file's bytes (Q4_K: its 6-bit scales and mins take a byte each)."""

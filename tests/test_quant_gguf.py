@@ -21,10 +21,10 @@ import pytest
 import torch
 import tvm
 
-from hf_oracle import greedy, q8_0_activations
+from hf_oracle import greedy, q8_0_activations, q8_k_activations
 from quant_gguf import K_SHAPE, SHAPE, Q, gguf_name, write_tiny_gguf
 from vtool import VtoolError
-from vtool.models.int8_activations import INT8_FORMATS
+from vtool.models.int8_activations import INT8_FORMATS, Q8_K_FORMATS
 from vtool.models.int8_activations import isa_for_target as int8_isa_for
 from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.weights.checkpoint import open_checkpoint
@@ -47,10 +47,11 @@ VARIANTS = {
     # v in another format than q/k: the fused qkv cannot be one block matrix and is dequantized
     "mixed": (lambda name: Q.Q8_0 if ".attn_v." in name else Q.Q4_1 if name != "output.weight" else Q.Q4_0,
               False, {"Q4_1": 7, "Q4_0": 1}, SHAPE),
-    # types without kernels (dequantized at load) beside kept ones, as real Q4_K_M files mix them:
-    # a Q5_0 tied embedding (Qwen2.5-Coder's), Q5_1 feed-forward, Q4_1 attention
+    # a type without kernels (dequantized at load) beside kept ones, as real Q4_K_M files mix them:
+    # a Q5_0 tied embedding (Qwen2.5-Coder's; kept: its gather and the lm_head's integer GEMV),
+    # Q5_1 feed-forward, Q4_1 attention
     "q5_mix": (lambda name: Q.Q5_0 if name == "token_embd.weight" else Q.Q5_1 if ".ffn_" in name else Q.Q4_1,
-               True, {"Q4_1": 4}, SHAPE),
+               True, {"Q4_1": 4, "Q5_0": 1}, SHAPE),
     # Q4_K layers, Q6_K tied embedding (its gather and the lm_head GEMV)
     "q4_k": (lambda name: Q.Q6_K if name == "token_embd.weight" else Q.Q4_K, True, {"Q4_K": 8, "Q6_K": 1}, K_SHAPE),
     # llama.cpp's Q4_K_M mix: v, down and the output in Q6_K, the rest Q4_K (qkv dequantized)
@@ -94,24 +95,24 @@ def test_manifest_records_the_kept_formats(variant):
     if name in DEQUANTIZED:
         assert manifest["quantized_weights"]["dequantized"] == {
             f"model.layers.{i}.self_attn.qkv_proj": DEQUANTIZED[name] for i in range(2)}
-    elif name == "q5_mix":  # no kernel reads Q5_0/Q5_1: expanded at load, and recorded
+    elif name == "q5_mix":  # no kernel reads Q5_1: expanded at load, and recorded
         assert manifest["quantized_weights"]["dequantized"] == {
-            "model.embed_tokens": "Q5_0", **{f"model.layers.{i}.mlp.{m}": "Q5_1"
-                                            for i in range(2) for m in ("gate_up_proj", "down_proj")}}
+            f"model.layers.{i}.mlp.{m}": "Q5_1" for i in range(2) for m in ("gate_up_proj", "down_proj")}
     else:  # every 2-D weight stays in blocks: about the file's size, never a float copy
         assert manifest["quantized_weights"]["dequantized"] == {}
         assert quant_bytes < 1.3 * path.stat().st_size
 
 
-def _int8_gemv_modules(name: str) -> Callable[[str], bool]:
+def _int8_gemv_modules(name: str, formats: tuple[str, ...] = INT8_FORMATS) -> Callable[[str], bool]:
     """Which of transformers' Linear modules vtool runs through its Q8_0-activation matmuls
     on this host (schedules/cpu/int8_gemv.py), for the oracle to quantize their inputs as those
     kernels do: a weight kept in Q8_0/Q4_0/Q4_1 (the fused q|k|v and gate|up only when
-    their parts share the format), on a CPU with an integer-dot tier."""
+    their parts share the format), on a CPU with an integer-dot tier. formats=Q8_K_FORMATS:
+    those through the Q8_K-activation matmuls over Q4_K/Q6_K (schedules/cpu/kquant_gemv.py)."""
     if int8_isa_for(tvm.target.Target(buildable("host").tvm)) is None:
         return lambda module: False
     qtype_of, tie = VARIANTS[name][0], VARIANTS[name][1]
-    int8 = {getattr(Q, f) for f in INT8_FORMATS}
+    int8 = {getattr(Q, f) for f in formats}
 
     def kept_int8(module: str) -> bool:
         if module == "lm_head":
@@ -143,12 +144,18 @@ def test_greedy_and_logits_match_transformers(variant):
     """Decode against transformers computing what vtool computes: where vtool's decode
     matmuls quantize activation rows to Q8_0 (`--activations auto`), the oracle's Linear
     inputs in its decode steps go through gguf-py's Q8_0 quantizer
-    (hf_oracle.q8_0_activations)."""
+    (hf_oracle.q8_0_activations); where they quantize to Q8_K (kept Q4_K/Q6_K), through
+    llama.cpp's Q8_K quantizer (hf_oracle.q8_k_activations)."""
     name, path, _, gen, _ = variant
     model = _hf_model(path)
-    only = _int8_gemv_modules(name)
+    only_q8_0, only_q8_k = _int8_gemv_modules(name), _int8_gemv_modules(name, Q8_K_FORMATS)
+
+    def only(module: str) -> bool:
+        return only_q8_0(module) or only_q8_k(module)
+
     _, _, plain_logits = greedy(model, PROMPT, STEPS)
-    with q8_0_activations(model, only=only, rows="decode"):
+    with q8_0_activations(model, only=only_q8_0, rows="decode"), q8_k_activations(model, only=only_q8_k,
+                                                                                   rows="decode"):
         _, ref_tokens, ref_logits = greedy(model, PROMPT, STEPS)
     assert len(set(ref_tokens)) > 4, f"{name}: the reference is degenerate, the check would be weak"
     seen: list[np.ndarray] = []

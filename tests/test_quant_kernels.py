@@ -27,7 +27,7 @@ from vtool.schedules.cpu import vector_lanes  # noqa: E402
 from vtool.schedules.cpu.quantized import schedule_quantized_matmul  # noqa: E402
 from vtool.targets import buildable  # noqa: E402
 
-FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")
 K_FORMATS = ("Q4_K", "Q6_K")  # columns a multiple of 256
 TARGET = tvm.target.Target(buildable("host").tvm)
 

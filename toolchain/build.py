@@ -217,11 +217,11 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
     refused there by name when they cannot work, and the plan is built.
 
     activations: ACTIVATIONS; "auto" ("decode" where the target has integer dot products)
-    quantizes the activation rows of the decode matmuls over kept Q8_0/Q4_0/Q4_1 weights to
+    quantizes the activation rows of the decode matmuls over kept Q8_0/Q4_0/Q4_1/Q5_0 weights to
     Q8_0 blocks (over kept Q4_K/Q6_K weights to Q8_K blocks); "q8_0" those of every matmul
     (prompts too), "none" none.
 
-    quantization: QUANTIZATIONS; "auto" keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks on a
+    quantization: QUANTIZATIONS; "auto" keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K blocks on a
     CPU target and dequantizes everything elsewhere.
 
     gemm: "auto" | "tir" | "cublas" (toolchain/gemm_offload.py): which kernels run the

@@ -33,11 +33,12 @@ from vtool.toolchain.quantize import SCHEMES, plan_formats, quantized_sources, s
 
 DTYPES = ("float32", "float16", "bfloat16")
 # --quantization: auto = gguf for a GGUF file on a target with quantized kernels, else none;
-# none = every weight dequantized to the dtype at load; gguf = keep the file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks.
+# none = every weight dequantized to the dtype at load; gguf = keep the file's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K blocks.
 # q4_0/q4_1/q8_0 = quantize a float checkpoint's weights at build time (toolchain/quantize.py).
 QUANTIZATIONS = ("auto", "none", "gguf", *SCHEMES)
-# --activations: how the matmuls over kept Q8_0/Q4_0/Q4_1 weights take their input
-# (schedules/cpu/int8_gemv.py): rows quantized to Q8_0 and integer dot products in decode ("decode",
+# --activations: how the matmuls over kept Q8_0/Q4_0/Q4_1/Q5_0 (and Q4_K/Q6_K) weights take their input
+# (schedules/cpu/int8_gemv.py, kquant_gemv.py): rows quantized to Q8_0 (Q8_K for the K-quants, as
+# llama.cpp) and integer dot products in decode ("decode",
 # what auto picks on integer-dot CPUs) or everywhere ("q8_0", llama.cpp's numerics), or float32.
 ACTIVATIONS = ("auto", "decode", "q8_0", "none")
 # --cuda-graph-sizes: "auto" = the family's list (toolchain/families.py; none off CUDA), "none" =
@@ -302,7 +303,7 @@ def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
         raise VtoolError(f"unknown quantization {requested!r}; supported: {', '.join(QUANTIZATIONS)}")
     if requested == "none":
         return "none", {}, {}
-    if requested != "auto" and cfg.family == "gpt2" and not weight_modules(cfg):  # models/gpt2.py: none kept
+    if requested != "auto" and not weight_modules(cfg):  # a family with no quantizable layers (GPT-2)
         raise VtoolError(f"--quantization {requested}: the {cfg.family} family ({cfg.architecture}) has no quantized "
                          "layers yet; its weights are dequantized to the dtype at load: use --quantization none "
                          "(or auto)")
@@ -348,10 +349,10 @@ def resolve_activations(requested: str, target_spec: TargetSpec, kept: Mapping[s
     build that cannot run it is refused by name."""
     if requested not in ACTIVATIONS:
         raise VtoolError(f"unknown --activations {requested!r}; supported: {', '.join(ACTIVATIONS)}")
-    from vtool.models.int8_activations import INT8_FORMATS
+    from vtool.models.int8_activations import DOT_FORMATS
 
     isa = family_of(target_spec).int8_isa(target_spec)
-    usable = isa is not None and bool(set(kept.values()) & set(INT8_FORMATS))
+    usable = isa is not None and bool(set(kept.values()) & set(DOT_FORMATS))
     if requested == "none" or (requested == "auto" and not usable):
         return "none"
     if requested == "auto":
@@ -360,6 +361,6 @@ def resolve_activations(requested: str, target_spec: TargetSpec, kept: Mapping[s
         raise VtoolError(f"--activations {requested} needs an x86 target with integer dot products (AVX2 or "
                          f"AVX-512 VNNI); {target_spec.name} has none: use --activations none")
     if not usable:
-        raise VtoolError(f"--activations {requested} applies to weights kept as Q8_0, Q4_0 or Q4_1 blocks and this "
+        raise VtoolError(f"--activations {requested} applies to weights kept as Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K blocks and this "
                          "build keeps none: use --activations none (or --quantization gguf / q4_1 / q8_0)")
     return requested

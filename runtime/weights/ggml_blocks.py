@@ -8,7 +8,7 @@ that vtool.models imports: the runtime never imports models/, so the layout live
 
 In the file, a GGUF block of `weights per block` weights takes `bytes per block` bytes
 (GGML_TYPES; tests hold it to gguf.GGML_QUANT_SIZES). The 32-weight formats start with
-float16 fields (Q8_0/Q4_0: d; Q4_1: d, m) before the quants; Q4_K starts with float16 d,
+float16 fields (Q8_0/Q4_0: d; Q4_1: d, m; Q5_0: d, then 4 bytes of 5th bits) before the quants; Q4_K starts with float16 d,
 dmin, then 12 bytes of packed 6-bit scales and mins, then 128 bytes of nibbles; Q6_K holds
 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, then float16 d.
 
@@ -25,6 +25,10 @@ tile, ...]), so a kernel computing one tile of output rows reads each part seque
   Q4_1    qweight   uint8    [rows/4, cols/32, 4, 16]   as Q4_0
           scale     float16  [rows/4, cols/32, 4]       d;  w = d * q + m
           min       float16  [rows/4, cols/32, 4]       m
+  Q5_0    qweight   uint8    [rows/4, cols/32, 4, 16]   the low 4 bits, GGUF's 16 bytes as Q4_0's
+          qhigh     uint8    [rows/4, cols/32, 4, 4]    GGUF's 4 bytes qh as they are: bit e of
+                                                        the little-endian 32 = element e's 5th bit
+          scale     float16  [rows/4, cols/32, 4]       d;  w = d * ((q | h << 4) - 16)
   Q4_K    qweight   uint8    [rows/4, cols/32, 4, 16]   the 4-bit quants of each 32 weights, in
                                                         Q4_0's order (GGUF pairs sub-blocks 2i and
                                                         2i+1 in one byte's nibbles; regrouped)
@@ -41,7 +45,7 @@ tile, ...]), so a kernel computing one tile of output rows reads each part seque
 
 So one 16-byte load of qweight feeds two 16-lane vectors (low nibbles, then high nibbles),
 one 16-byte load of qhigh four, and every quant of a chunk of 16 weights shares one scale.
-Scales stay GGUF's float16, so Q8_0/Q4_*/Q6_K bind exactly the file's bytes and Q4_K 148 per
+Scales stay GGUF's float16, so Q8_0/Q4_*/Q5_0/Q6_K bind exactly the file's bytes and Q4_K 148 per
 144 (its 6-bit scales and mins take a byte each). runtime/weights/quant_blocks.py makes these
 arrays from GGUF blocks; the binder checks every part's shape and dtype against the manifest.
 """
@@ -68,7 +72,7 @@ TILE_ROWS = 4  # rows per tile; a weight kept in blocks needs rows % TILE_ROWS =
 class BlockFormat:
     """A GGML format vtool keeps in blocks (has kernels for)."""
 
-    name: str  # GGML type name: "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"
+    name: str  # GGML type name: "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"
     parts: tuple[str, ...]  # compiled parameters, in this order
     qweight_dtype: str  # "int8" | "uint8"
     qweight_per_block: int  # qweight bytes per 32 weights (32 for int8, 16 for packed nibbles)
@@ -89,6 +93,7 @@ FORMATS: dict[str, BlockFormat] = {
     "Q8_0": BlockFormat("Q8_0", ("qweight", "scale"), "int8", 32, 2),
     "Q4_0": BlockFormat("Q4_0", ("qweight", "scale"), "uint8", 16, 2),
     "Q4_1": BlockFormat("Q4_1", ("qweight", "scale", "min"), "uint8", 16, 4),
+    "Q5_0": BlockFormat("Q5_0", ("qweight", "qhigh", "scale"), "uint8", 16, 6),
     "Q4_K": BlockFormat("Q4_K", ("qweight", "scale", "min", "sub_scale", "sub_min"), "uint8", 16, 0),
     "Q6_K": BlockFormat("Q6_K", ("qweight", "qhigh", "scale", "sub_scale"), "uint8", 16, 0),
 }
@@ -97,6 +102,7 @@ QUANT_PARTS = ("qweight", "scale", "min", "qhigh", "sub_scale", "sub_min")
 # Parts other than qweight whose layout is not "float16, one per 32 weights":
 # (format, part) -> (dtype, weights per entry along a row, trailing bytes or 0 for none)
 _OTHER_PARTS: dict[tuple[str, str], tuple[str, int, int]] = {
+    ("Q5_0", "qhigh"): ("uint8", BLOCK, 4),
     ("Q4_K", "scale"): ("float16", SUPER_BLOCK, 0),
     ("Q4_K", "min"): ("float16", SUPER_BLOCK, 0),
     ("Q4_K", "sub_scale"): ("uint8", BLOCK, 0),

@@ -109,6 +109,8 @@ def repack(format_name: str, raw: np.ndarray, cols: int) -> dict[str, np.ndarray
         parts["qweight"] = parts["qweight"].view(np.int8)
     if fmt.name == "Q4_1":
         parts["min"] = _tile(_f16(blocks, 2))
+    if fmt.name == "Q5_0":
+        parts["qhigh"] = _tile(blocks[..., 2:6])
     return {p: parts[p] for p in fmt.parts}
 
 
@@ -142,6 +144,10 @@ def _dequant_chunks(name: str, nib: np.ndarray, parts: dict[str, np.ndarray]) ->
         ds = _per(parts["scale"], 256) * _per(parts["sub_scale"], 16)  # exact: 11 x 8 bits
         return ds * q
     nib = nib.astype(np.float32)
+    if name == "Q5_0":  # chunk c's 5th bits: bits 16(c % 2) + j of qhigh's little-endian 32
+        bits = np.unpackbits(parts["qhigh"], axis=-1, bitorder="little")  # [tiles, cols/32, 4, 32]
+        high = bits.reshape(*bits.shape[:-1], 2, 16).transpose(0, 1, 3, 2, 4).reshape(nib.shape)
+        return (nib + 16 * high.astype(np.float32) - 16) * _per(parts["scale"], 32)
     if name in ("Q4_0", "Q4_1"):
         d = _per(parts["scale"], 32)
         return (nib - 8) * d if name == "Q4_0" else nib * d + _per(parts["min"], 32)

@@ -1,4 +1,6 @@
-"""Decode GEMVs over GGUF blocks with 8-bit activations and integer dot products (x86).
+"""Decode GEMVs over GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0) with 8-bit activations and integer dots (x86).
+
+The K-quants (Q4_K, Q6_K) have their own kernels with Q8_K activations: kquant_gemv.py.
 
 The float path (vtool_qmatmul, scheduled by vtool.schedules.cpu.quantized) widens every
 quant to float32 before its multiply-add, so a batch-1 GEMV is bound by that conversion,
@@ -10,8 +12,9 @@ quants by quants in integer lanes, 4 byte products per 32-bit lane per instructi
   avx512vnni  vpdpbusd zmm (u8 x s8, 64 bytes)   Ice Lake / Cascade Lake / Zen 4 and later
   avx2        vpmaddubsw + vpmaddwd (32 bytes)     any AVX2 CPU
 
-One block's integer sum is scaled once by d_w * d_x into float32 accumulators. The
-offset terms of Q4_0 (q - 8) and Q4_1 (+ m), and the +128 bias that makes Q8_0's
+One block's integer sum is scaled once by d_w * d_x into float32 accumulators. Q5_0's
+fifth bits are or-ed onto its nibbles first (_fifth_bits). The offset terms of Q4_0 (q - 8),
+Q5_0 (q - 16) and Q4_1 (+ m), and the +128 bias that makes Q8_0's
 signed activations usable as vpdpbusd's unsigned operand, are folded through per-block
 sums of the quantized activation, computed with the quantization, so the inner loop
 only touches the weights. Output rows go in tiles of TILE_ROWS (the weight layout of
@@ -31,8 +34,10 @@ from tvm.script import tirx as T
 
 # The weight layout the kernels are compiled for: the contract module, shared with the runtime's repacker.
 from vtool.runtime.weights.ggml_blocks import BLOCK, TILE_ROWS
+from vtool.schedules.cpu import kquant_gemv
+from vtool.schedules.cpu.kquant_gemv import FORMATS as KQUANT_FORMATS
 
-FORMATS = ("Q8_0", "Q4_0", "Q4_1")  # = vtool.models.int8_activations.INT8_FORMATS (a test holds them equal)
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")  # = vtool.models.int8_activations.INT8_FORMATS (a test holds them equal)
 ISAS = ("avx512vnni", "avx2")
 
 _VNNI = "llvm.x86.avx512.vpdpbusd.512"
@@ -48,12 +53,22 @@ class Int8GemvKernels:
     package."""
 
     isa: str
-    formats: tuple[str, ...] = FORMATS
+    formats: tuple[str, ...] = FORMATS + KQUANT_FORMATS  # the K-quants: Q8_K activations (kquant_gemv.py)
 
     def matmul(self, fmt: str, rows: int, cols: int, lead: tuple[int | None, ...]) -> tirx.PrimFunc:
         """The kernel for x of shape `lead` + [cols] (None: a symbolic dim) times a kept
         [rows, cols] weight of `fmt`: a GEMV when every lead dim is 1, else a GEMM."""
+        if fmt in KQUANT_FORMATS:
+            return _kquant_kernel(fmt, self.isa, rows, cols, lead)
         return _kernel(fmt, self.isa, rows, cols, lead)
+
+
+@functools.lru_cache(maxsize=None)
+def _kquant_kernel(fmt: str, isa: str, rows: int, cols: int, lead: tuple[int | None, ...]) -> tirx.PrimFunc:
+    if all(d == 1 for d in lead):
+        return kquant_gemv.gemv_func(fmt, isa, rows, cols, len(lead))
+    dims = tuple(d if d is not None else tirx.Var(f"m{i}", "int64") for i, d in enumerate(lead))
+    return kquant_gemv.gemm_func(fmt, isa, rows, cols, dims)
 
 
 @functools.lru_cache(maxsize=None)
@@ -170,16 +185,37 @@ def _high(v: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
     return v >> T.Broadcast(T.uint8(4), lanes)
 
 
-def _q4_dot_vnni(v: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr) -> tirx.PrimExpr:
+def _fifth_bits(qh: tirx.PrimExpr, rows: int, second: bool) -> tirx.PrimExpr:
+    """Q5_0's 5th bits, 16 per row of `rows` (qh: the rows' 4 bytes each), as 16 or 0 in the
+    byte lanes of the nibbles they complete (row r's element j at lane 16r + j; `second`:
+    elements 16..31): a byte shuffle, a constant bit mask, a min and a shift."""
+    lanes = rows * 16
+    pick = [4 * (i // 16) + 2 * second + (i % 16) // 8 for i in range(lanes)]
+    bits = T.Shuffle([qh] * 4, pick)
+    mask = T.Shuffle([T.Broadcast(T.uint8(1 << b), lanes // 8) for b in range(8)],
+                     [(i % 8) * (lanes // 8) for i in range(lanes)])
+    return T.min(bits & mask, T.Broadcast(T.uint8(1), lanes)) << T.Broadcast(T.uint8(4), lanes)
+
+
+def _q4_dot_vnni(v: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr, qh: tirx.PrimExpr | None = None
+                 ) -> tirx.PrimExpr:
     """A tile's block of nibbles (4 rows x 16 bytes) against the block's activations:
-    int32x16, lanes 4r..4r+3 summing to row r."""
-    return _vnni(_vnni(T.Broadcast(T.int32(0), 16), _low(v, 64), xlo), _high(v, 64), xhi)
+    int32x16, lanes 4r..4r+3 summing to row r. `qh` (Q5_0): the rows' 5th bits, or-ed in."""
+    lo, hi = _low(v, 64), _high(v, 64)
+    if qh is not None:
+        lo, hi = lo | _fifth_bits(qh, 4, False), hi | _fifth_bits(qh, 4, True)
+    return _vnni(_vnni(T.Broadcast(T.int32(0), 16), lo, xlo), hi, xhi)
 
 
-def _q4_dot_avx2(v: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr) -> tirx.PrimExpr:
+def _q4_dot_avx2(v: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr, qh: tirx.PrimExpr | None = None
+                 ) -> tirx.PrimExpr:
     """Two rows' nibbles (2 x 16 bytes): int32x8, lanes 4r..4r+3 summing to row r.
-    Nibbles <= 15 times |x| <= 127: the int16 sums stay below 2^13."""
-    return _pairs_to_i32(_maddubs(_low(v, 32), xlo) + _maddubs(_high(v, 32), xhi))
+    Nibbles <= 15 times |x| <= 127: the int16 sums stay below 2^13 (Q5_0's 5-bit quants
+    <= 31: below 2^14)."""
+    lo, hi = _low(v, 32), _high(v, 32)
+    if qh is not None:
+        lo, hi = lo | _fifth_bits(qh, 2, False), hi | _fifth_bits(qh, 2, True)
+    return _pairs_to_i32(_maddubs(lo, xlo) + _maddubs(hi, xhi))
 
 
 def _q8_dot_vnni(w01: tirx.PrimExpr, w23: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -213,7 +249,8 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
     vnni = isa == "avx512vnni"
     qbytes, qdtype = (16, "uint8") if q4 else (32, "int8")
     has_min = fmt == "Q4_1"
-    offset = -8.0 if fmt == "Q4_0" else 0.0
+    q5 = fmt == "Q5_0"
+    offset = {"Q4_0": -8.0, "Q5_0": -16.0}.get(fmt, 0.0)
     dims = (1,) * lead if isinstance(lead, int) else tuple(lead)
     xshape, yshape = dims + (k,), dims + (n,)
     m = 1
@@ -254,19 +291,21 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
                     xr[row, b, j] = xq[row * k + b * BLOCK + j]
 
     @T.macro
-    def accumulate(acc, corr, qw, sc, mn, xr, xd, xs, t, b, row, i):  # noqa: ANN001 - TVMScript macro
+    def accumulate(acc, corr, qw, sc, mn, xr, xd, xs, t, b, row, i, qh):  # noqa: ANN001 - TVMScript macro
         # One row of x against block b of tile t, into that row's accumulators (slot i).
         # Expressions, not named temporaries: TVMScript makes a named vector value a
         # workspace allocation; LLVM shares the weight loads between the rows of a chunk.
         if q4 and vnni:
             acc[i, T.Ramp(0, 1, 16)] = acc[i, T.Ramp(0, 1, 16)] + _scaled(_q4_dot_vnni(
                 qw.vload([t, b, 0, 0], "uint8x64"), xr.vload([row, b, 0], "int8x64"),
-                xr.vload([row, b, 64], "int8x64")), xd[row, b], _scales(sc, t, b, 0, 4, 4))
+                xr.vload([row, b, 64], "int8x64"), qh.vload([t, b, 0, 0], "uint8x16") if q5 else None),
+                xd[row, b], _scales(sc, t, b, 0, 4, 4))
         elif q4:
             for h in range(2):
                 acc[i, T.Ramp(h * 8, 1, 8)] = acc[i, T.Ramp(h * 8, 1, 8)] + _scaled(_q4_dot_avx2(
                     qw.vload([t, b, 2 * h, 0], "uint8x32"), xr.vload([row, b, 0], "int8x32"),
-                    xr.vload([row, b, 32], "int8x32")), xd[row, b], _scales(sc, t, b, 2 * h, 2, 4))
+                    xr.vload([row, b, 32], "int8x32"), qh.vload([t, b, 2 * h, 0], "uint8x8") if q5 else None),
+                    xd[row, b], _scales(sc, t, b, 2 * h, 2, 4))
         elif vnni:
             acc[i, T.Ramp(0, 1, 16)] = acc[i, T.Ramp(0, 1, 16)] + _scaled(_q8_dot_vnni(
                 qw.vload([t, b, 0, 0], "int8x64"), qw.vload([t, b, 2, 0], "int8x64"),
@@ -280,7 +319,7 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
         if has_min:  # + m * sum(x) per row
             corr[i, T.Ramp(0, 1, 4)] = corr[i, T.Ramp(0, 1, 4)] + T.Cast(
                 "float32x4", mn.vload([t, b, 0], "float16x4")) * T.Broadcast(xs[row, b], 4)
-        elif q4:  # (q - 8) * d: - 8 * d * sum(x) per row
+        elif q4:  # (q - 8) * d: - 8 * d * sum(x) per row (Q5_0: - 16)
             corr[i, T.Ramp(0, 1, 4)] = corr[i, T.Ramp(0, 1, 4)] + T.Cast(
                 "float32x4", sc.vload([t, b, 0], "float16x4")) * T.Broadcast(xs[row, b] * T.float32(offset), 4)
 
@@ -296,7 +335,7 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
                                            + acc[i, r * 8 + 7])
 
     @T.macro
-    def rows_pass(qw, sc, mn, y1, xr, xd, xs, t, first, count):  # noqa: ANN001 - TVMScript macro
+    def rows_pass(qw, sc, mn, y1, xr, xd, xs, t, first, count, qh):  # noqa: ANN001 - TVMScript macro
         # `count` (static) rows of x from `first` against tile t: every block's weights are
         # loaded once and used by each row. Global scope on purpose: small global allocations
         # become stack slots (LLVM keeps them in registers); "local" ones became a workspace
@@ -317,13 +356,15 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
             _prefetch(T.address_of(sc[t + PREFETCH_TILES, b, 0]))
             if has_min:
                 _prefetch(T.address_of(mn[t + PREFETCH_TILES, b, 0]))
+            if q5:
+                _prefetch(T.address_of(qh[t + PREFETCH_TILES, b, 0, 0]))
             for i in T.unroll(count):
-                accumulate(acc, corr, qw, sc, mn, xr, xd, xs, t, b, first + i, i)
+                accumulate(acc, corr, qw, sc, mn, xr, xd, xs, t, b, first + i, i, qh)
         for i in T.unroll(count):
             store(acc, corr, y1, t, first + i, i)
 
     @T.macro
-    def kernel(x, qw, sc, mn, y):  # noqa: ANN001 - TVMScript macro
+    def kernel(x, qw, sc, mn, y, qh):  # noqa: ANN001 - TVMScript macro
         x1 = T.decl_buffer((m * k,), "float32", data=x.data)
         y1 = T.decl_buffer((m * n,), "float32", data=y.data)
         xq = T.alloc_buffer((m * k,), "int8")
@@ -338,30 +379,30 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
                 quantize_row(x1, xq, xr, xd, xs, row)
         for t in T.parallel(nt):
             for c in range(m // chunk):
-                rows_pass(qw, sc, mn, y1, xr, xd, xs, t, c * chunk, chunk)
+                rows_pass(qw, sc, mn, y1, xr, xd, xs, t, c * chunk, chunk, qh)
             # The last m % chunk rows in one pass of exactly that many (a verify step's 1 + k
             # rows are all one pass): each count is its own unrolled code.
             if chunk > 1:
                 if m % chunk == 1:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 1, 1)
+                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 1, 1, qh)
             if chunk > 2:
                 if m % chunk == 2:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 2, 2)
+                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 2, 2, qh)
             if chunk > 3:
                 if m % chunk == 3:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 3, 3)
+                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 3, 3, qh)
             if chunk > 4:
                 if m % chunk == 4:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 4, 4)
+                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 4, 4, qh)
             if chunk > 5:
                 if m % chunk == 5:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 5, 5)
+                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 5, 5, qh)
             if chunk > 6:
                 if m % chunk == 6:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 6, 6)
+                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 6, 6, qh)
             if chunk > 7:
                 if m % chunk == 7:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 7, 7)
+                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 7, 7, qh)
 
     if has_min:
         @T.prim_func(private=True)
@@ -369,14 +410,24 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
                      sc: T.Buffer((nt, nb, TILE_ROWS), "float16"), mn: T.Buffer((nt, nb, TILE_ROWS), "float16"),
                      y: T.Buffer(yshape, "float32")):
             T.func_attr(attrs)
-            kernel(x, qw, sc, mn, y)
+            kernel(x, qw, sc, mn, y, None)
 
         return gemv_min
+
+    if q5:
+        @T.prim_func(private=True)
+        def gemv_q5(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, qbytes), qdtype),
+                    qh: T.Buffer((nt, nb, TILE_ROWS, 4), "uint8"), sc: T.Buffer((nt, nb, TILE_ROWS), "float16"),
+                    y: T.Buffer(yshape, "float32")):
+            T.func_attr(attrs)
+            kernel(x, qw, sc, None, y, qh)
+
+        return gemv_q5
 
     @T.prim_func(private=True)
     def gemv(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, qbytes), qdtype),
              sc: T.Buffer((nt, nb, TILE_ROWS), "float16"), y: T.Buffer(yshape, "float32")):
         T.func_attr(attrs)
-        kernel(x, qw, sc, None, y)
+        kernel(x, qw, sc, None, y, None)
 
     return gemv

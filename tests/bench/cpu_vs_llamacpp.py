@@ -2,6 +2,13 @@
 
     python tests/bench/cpu_vs_llamacpp.py [--threads 2] [--rounds 3] [--nice -19] [--only NAME ...]
                                           [--bandwidth-gbs 59.8] [--out results.json]
+                                          [--files F.gguf ...] [--baseline-tree DIR]
+
+--files: measure these GGUF files (named by their stem) instead of the prepared ones (with them
+unless --only is given). --baseline-tree DIR: a second vtool source tree (DIR holds the package
+folder `vtool`, e.g. a copy of this tree with one change undone): each round also builds and
+measures the file with it (PYTHONPATH=DIR), reported as "baseline" beside the tree under test,
+in the same rounds as llama-bench.
 
 For each GGUF file that tests/bench/llamacpp.py prepares (SmolLM2-135M Q4_1 = the default
 model, SmolLM2 Q8_0, Qwen3-0.6B-shape Q4_1 and Q8_0):
@@ -113,14 +120,18 @@ def worker(artifact: str, model: str, reps: int, engine_too: bool) -> dict[str, 
 
 
 def run_worker(artifact: Path, model: str, threads: int, reps: int, nice: int, quiet: tuple[float, float],
-               engine_too: bool) -> dict[str, Any]:
+               engine_too: bool, tree: Path | None = None) -> dict[str, Any]:
     """The worker in a subprocess, in the conditions llama-bench gets (quiet wait, own
-    scheduling group at `nice`, same thread count)."""
+    scheduling group at `nice`, same thread count). `tree`: run another vtool source tree's
+    worker (--baseline-tree)."""
     from membw import OtherLoad, own_sched_group, wait_quiet
 
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--artifact", str(artifact),
+    script = tree / "vtool" / "tests" / "bench" / Path(__file__).name if tree else Path(__file__).resolve()
+    cmd = [sys.executable, str(script), "--worker", "--artifact", str(artifact),
            "--model", model, "--reps", str(reps)] + (["--engine"] if engine_too else [])
     env = {**os.environ, "VTOOL_CPU_THREADS": str(threads)}
+    if tree:
+        env["PYTHONPATH"] = str(tree)
     before = wait_quiet(*quiet)
     t0 = time.perf_counter()
     with OtherLoad() as load:
@@ -139,10 +150,19 @@ def run_worker(artifact: Path, model: str, threads: int, reps: int, nice: int, q
 
 # ----------------------------------------------------------------------------- the comparison
 
-def build_vtool(model: str, target: str, activations: str = "auto") -> Path:
+def build_vtool(model: str, target: str, activations: str = "auto", tree: Path | None = None) -> Path:
+    t = time.perf_counter()
+    if tree:  # the other tree's build_artifact, in a process that imports vtool from it
+        code = ("import sys; from vtool.toolchain.build import build_artifact; "
+                f"print(build_artifact({model!r}, {target!r}, 'float32', quantization='gguf', "
+                f"activations={activations!r}))")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONPATH": str(tree)})
+        folder = Path(done.stdout.strip().splitlines()[-1])
+        log(f"baseline artifact {folder} ({time.perf_counter() - t:.0f} s)")
+        return folder
     from vtool.toolchain.build import build_artifact
 
-    t = time.perf_counter()
     folder = build_artifact(model, target, "float32", quantization="gguf", activations=activations,
                             progress=lambda m: log(f"  {m}"))
     log(f"vtool artifact {folder} ({time.perf_counter() - t:.0f} s)")
@@ -185,6 +205,9 @@ def main() -> None:
     ap.add_argument("--bandwidth-gbs", type=float, help="read bandwidth for the roofline (default: membw JSON "
                                                         "in the llama.cpp folder, --threads column)")
     ap.add_argument("--out", type=Path, help="JSON (default: <llama.cpp folder>/cpu_vs_llamacpp.json)")
+    ap.add_argument("--files", nargs="*", type=Path, help="GGUF files to measure (named by their stem)")
+    ap.add_argument("--baseline-tree", type=Path, help="another vtool source tree (the folder holding `vtool`) "
+                                                       "measured in the same rounds")
     # the worker
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
@@ -200,7 +223,11 @@ def main() -> None:
     root = llamacpp.llamacpp_root()
     info = llamacpp.build(root, os.cpu_count() or 2)
     binary = root / "build" / "bin" / "llama-bench"
-    models = llamacpp.prepare_models(root, a.only)
+    models = llamacpp.prepare_models(root, a.only) if a.only or not a.files else {}
+    for f in a.files or []:
+        models[f.stem] = {"path": str(f.resolve()), "how": "given with --files",
+                          **llamacpp.decode_bytes_per_token(f.resolve())}
+    baseline_tree = a.baseline_tree.resolve() if a.baseline_tree else None
     bandwidth, bw_source = bandwidth_from(a, root)
     quiet = (a.quiet_cores, a.max_wait)
     report: dict[str, Any] = {
@@ -213,6 +240,8 @@ def main() -> None:
     for name, m in models.items():
         artifact = build_vtool(m["path"], a.target, a.activations[0])
         others = {mode: build_vtool(m["path"], a.target, mode) for mode in a.activations[1:]}
+        if baseline_tree:
+            others["baseline"] = build_vtool(m["path"], a.target, a.activations[0], baseline_tree)
         entry: dict[str, Any] = {**m, "vtool_artifact": str(artifact), "vtool_runs": [],
                                  "activations": a.activations[0], "llama_runs": {"pp512": [], "tg128": []},
                                  "other_activations": {mode: [] for mode in others}}
@@ -220,10 +249,12 @@ def main() -> None:
             run = run_worker(artifact, m["path"], a.threads, a.reps, a.nice, quiet, not a.no_engine)
             entry["vtool_runs"].append(run)
             for mode, other in others.items():  # the same file with other --activations, same round
-                extra = run_worker(other, m["path"], a.threads, a.reps, a.nice, quiet, False)
+                extra = run_worker(other, m["path"], a.threads, a.reps, a.nice, quiet, False,
+                                   baseline_tree if mode == "baseline" else None)
                 entry["other_activations"][mode].append(extra)
                 res = extra["result"] or {}
-                log(f"{name} round {r + 1}: vtool --activations {mode}: "
+                log(f"{name} round {r + 1}: vtool " + ("baseline tree" if mode == "baseline" else
+                                                       f"--activations {mode}") + ": "
                     + ", ".join(f"{k} {mean(res[k]):.1f}" for k in ("pp512", "tg128") if k in res))
             res = run["result"] or {}
             log(f"{name} round {r + 1}: vtool " + (", ".join(f"{k} {mean(res[k]):.1f}" for k in
@@ -287,7 +318,8 @@ def main() -> None:
     for name, e in report["models"].items():
         for mode in e.get("other_activations", {}):
             b = e["best"]
-            print(f"{name:<18} --activations {mode}: pp512 {b.get(f'vtool@{mode}_pp512', {}).get('t_s', float('nan')):.1f}"
+            label = "baseline tree" if mode == "baseline" else f"--activations {mode}"
+            print(f"{name:<18} {label}: pp512 {b.get(f'vtool@{mode}_pp512', {}).get('t_s', float('nan')):.1f}"
                   f" ({b.get(f'ratio@{mode}_pp512', float('nan')):.2f}x), tg128 "
                   f"{b.get(f'vtool@{mode}_tg128', {}).get('t_s', float('nan')):.1f}"
                   f" ({b.get(f'ratio@{mode}_tg128', float('nan')):.2f}x)")

@@ -67,3 +67,40 @@ def q8_0_activations(model: Any, only: Callable[[str], bool] = lambda name: True
     finally:
         for h in hooks:
             h.remove()
+
+
+def q8_k_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's quantize_row_q8_K_ref in numpy (gguf-py has no Q8_K quantizer), over rows
+    x [..., k] (k % 256 == 0): (d float32 [..., k/256], q int8 [..., k]). Per 256 values the
+    first of largest magnitude, `max`, gives iscale = -127 / max; q = nearest_int(iscale * x)
+    (ties to even) capped at 127; d = 1 / iscale; an all-zero block has d = 0."""
+    blocks = np.asarray(x, np.float32).reshape(*x.shape[:-1], -1, 256)
+    first = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    nonzero = first != 0
+    iscale = np.where(nonzero, np.float32(-127) / np.where(nonzero, first, 1), 0).astype(np.float32)
+    q = np.minimum(np.rint(iscale[..., None] * blocks), 127).astype(np.int8)
+    d = np.where(nonzero, np.float32(1) / np.where(nonzero, iscale, 1), 0).astype(np.float32)
+    return d, q.reshape(x.shape)
+
+
+@contextlib.contextmanager
+def q8_k_activations(model: Any, only: Callable[[str], bool] = lambda name: True, rows: str = "all"):
+    """As q8_0_activations, with the Q8_K blocks of llama.cpp's K-quant dot products (q8_k_blocks):
+    what vtool's Q4_K/Q6_K integer-dot matmuls (schedules/cpu/kquant_gemv.py) take."""
+
+    def quantize(module: torch.nn.Module, args: tuple) -> tuple | None:
+        (x,) = args
+        if rows == "decode" and x.shape[-2] != 1:
+            return None
+        flat = x.detach().float().numpy().reshape(-1, x.shape[-1])
+        d, q = q8_k_blocks(flat)
+        deq = (d[..., None] * q.reshape(*d.shape, 256).astype(np.float32)).reshape(x.shape)
+        return (torch.from_numpy(np.ascontiguousarray(deq)).to(x.dtype),)
+
+    hooks = [m.register_forward_pre_hook(quantize) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and only(name)]
+    try:
+        yield model
+    finally:
+        for h in hooks:
+            h.remove()

@@ -1,0 +1,238 @@
+"""Decode GEMVs over kept K-quant blocks (Q4_K, Q6_K) with Q8_K activations and integer dots (x86).
+
+The companion of schedules/cpu/int8_gemv.py (Q8_0/Q4_0/Q4_1 with Q8_0 activations), for the
+K-quants a Q4_K_M file is made of. As llama.cpp's ggml_vec_dot_q4_K_q8_K / q6_K_q8_K do, the
+activation row is quantized once per call to GGML Q8_K blocks: per 256 values, the value of
+largest magnitude `max` gives iscale = -127 / max, q = nearest_int(iscale * x) (ties to even,
+as llama.cpp's nearest_int), clamped to 127, and d_x = 1 / iscale kept as float32. Then
+quants multiply quants in integer lanes, and the K-quant's 6- or 8-bit sub-block scales are
+applied in integers too, so float arithmetic happens once per 256-weight super-block:
+
+  per 32-weight block b of a tile (4 rows), per vector of rows (4 on avx512vnni, 2 on avx2):
+    p  = vpmaddubsw(q_w, q_x)      u8 weight quants x s8 activation quants, pairs -> int16
+    Q4_K: p = p(low nibbles, x0..15) + p(high nibbles, x16..31)       |p| <= 2 * 2 * 15 * 127
+    Q6_K: q_w = low 4 bits | high 2 bits << 4 (0..63); its -32 comes out as
+          p(q_w, x) - p(32, x) (x alone, shared by every row)         |p| <= 2 * 32 * 127
+    acc_int32 += vpmaddwd(p, sub-scale of the row's 32 (Q4_K) / 16 (Q6_K) weights)
+  per super-block: acc_f32 += float(acc_int32) * d_w * d_x
+  Q4_K's min: - dmin * d_x * sum over sub-blocks of m * sum(q_x of the sub-block), the
+  per-32 activation sums (llama.cpp's bsums, paired) made with the quantization.
+
+The avx512vnni kernels use AVX-512 BW's 512-bit vpmaddubsw / vpmaddwd (the sub-block scales
+are 16-bit multipliers, which vpdpbusd has no slot for); avx2 the same at 256 bits. Weight
+layout: vtool.runtime.weights.ggml_blocks's, no repacking beyond it (qweight in Q4_0's nibble
+order, [tile, block, row in tile, bytes]); tiles run in parallel. Rows of x beyond one
+(batched decode, speculative verification) each make one pass over the tile, with the GEMV's
+arithmetic, so each row equals the GEMV of that row bit for bit.
+
+The result is the dot product of gguf-py's dequantized weights with the Q8_K-dequantized
+activations, up to float32 summation order (tests/test_kquant_gemv.py).
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+from vtool.runtime.weights.ggml_blocks import BLOCK, SUPER_BLOCK, TILE_ROWS
+
+FORMATS = ("Q4_K", "Q6_K")  # = vtool.models.int8_activations.Q8_K_FORMATS (a test holds them equal)
+ISAS = ("avx512vnni", "avx2")
+
+_MADDUBS = {"avx512vnni": "llvm.x86.avx512.pmaddubs.w.512", "avx2": "llvm.x86.avx2.pmadd.ub.sw"}
+_MADDWD = {"avx512vnni": "llvm.x86.avx512.pmaddw.d.512", "avx2": "llvm.x86.avx2.pmadd.wd"}
+PER_SUPER = SUPER_BLOCK // BLOCK  # 8 blocks of 32 per super-block
+PREFETCH_TILES = 2  # as int8_gemv.py's: the next tiles a thread reads, into L1 ahead of use
+
+
+def _check(fmt: str, isa: str, n: int, k: int) -> None:
+    if fmt not in FORMATS or isa not in ISAS:
+        raise ValueError(f"no Q8_K-activation GEMV for {fmt} on {isa}")
+    if n % TILE_ROWS or k % SUPER_BLOCK:
+        raise ValueError(f"K-quant GEMV needs n % {TILE_ROWS} == 0 and k % {SUPER_BLOCK} == 0, got [{n}, {k}]")
+
+
+def gemv_func(fmt: str, isa: str, n: int, k: int, lead: int) -> tirx.PrimFunc:
+    """x float32 [1]*lead + [k] times a kept [n, k] weight of `fmt` -> float32 [1]*lead + [n].
+    Parameters: x, the weight's parts in ggml_blocks.parts order, y."""
+    _check(fmt, isa, n, k)
+    return _build(fmt, isa, n, k, (1,) * lead)
+
+
+def gemm_func(fmt: str, isa: str, n: int, k: int, lead: tuple) -> tirx.PrimFunc:
+    """As gemv_func for x of shape `lead` + [k], symbolic dims (TIR vars) allowed: every row
+    of x quantized once, then one pass per row over each weight tile (the GEMV's arithmetic)."""
+    _check(fmt, isa, n, k)
+    return _build(fmt, isa, n, k, tuple(lead))
+
+
+def _prefetch(address: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A read prefetch of the cache line at `address` into all cache levels."""
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", address, T.int32(0), T.int32(3), T.int32(1))
+
+
+def _maddubs(isa: str, a: tirx.PrimExpr, b: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
+    """Pairs of u8 a times s8 b, summed into int16 (saturating; the operands here stay below)."""
+    return T.call_llvm_pure_intrin(f"int16x{lanes // 2}", _MADDUBS[isa], a, b)
+
+
+def _maddwd(isa: str, a: tirx.PrimExpr, b: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
+    """Pairs of int16 a times int16 b, summed into int32."""
+    return T.call_llvm_pure_intrin(f"int32x{lanes // 4}", _MADDWD[isa], a, b)
+
+
+def _per_row(v: tirx.PrimExpr, rows: int, repeat: int) -> tirx.PrimExpr:
+    """A vector of `rows` values, each repeated `repeat` times (row r at lanes r*repeat...)."""
+    return T.Shuffle([v] * repeat, [i // repeat for i in range(rows * repeat)])
+
+
+def _build(fmt: str, isa: str, n: int, k: int, dims: tuple) -> tirx.PrimFunc:
+    nb, nsb, nt = k // BLOCK, k // SUPER_BLOCK, n // TILE_ROWS
+    vnni = isa == "avx512vnni"
+    lanes = 64 if vnni else 32  # bytes per weight vector
+    rows_v = lanes // 16  # tile rows per weight vector: 4 (one vector a tile) or 2 (two halves)
+    halves = TILE_ROWS // rows_v
+    q4k = fmt == "Q4_K"
+    xshape, yshape = dims + (k,), dims + (n,)
+    m = 1
+    for d in dims:
+        m = m * d
+    static = isinstance(m, int)
+    attrs = {"tirx.noalias": True, "vtool.int8_gemv": f"{fmt}/{isa}"}
+    u8, i8 = f"uint8x{lanes}", f"int8x{lanes}"
+    acc_lanes = lanes // 4  # int32 lanes per vector: 4 per row
+
+    @T.macro
+    def quantize_row(x1, xq, xr, xd, xs, row):  # noqa: ANN001 - TVMScript macro
+        # Q8_K, as llama.cpp's quantize_row_q8_K_ref: per 256 values, the first of largest
+        # magnitude gives iscale = -127 / max; q = nearest_int(iscale * x) capped at 127
+        for s in range(nsb):
+            amax = T.alloc_buffer((1,), "float32")
+            vmax = T.alloc_buffer((1,), "float32")
+            amax[0] = T.float32(0)
+            vmax[0] = T.float32(0)
+            for j in range(SUPER_BLOCK):
+                if T.fabs(x1[row * k + s * SUPER_BLOCK + j]) > amax[0]:
+                    amax[0] = T.fabs(x1[row * k + s * SUPER_BLOCK + j])
+                    vmax[0] = x1[row * k + s * SUPER_BLOCK + j]
+            iscale = T.if_then_else(amax[0] > T.float32(0), T.float32(-127) / vmax[0], T.float32(0))
+            for j in range(SUPER_BLOCK):
+                xq[row * k + s * SUPER_BLOCK + j] = T.Cast("int8", T.min(
+                    T.round(iscale * x1[row * k + s * SUPER_BLOCK + j]), T.float32(127)))
+            xd[row, s] = T.if_then_else(amax[0] > T.float32(0), T.float32(1) / iscale, T.float32(0))
+        for b in range(nb):
+            qsum = T.alloc_buffer((1,), "int32")
+            qsum[0] = 0
+            for j in range(BLOCK):
+                qsum[0] = qsum[0] + T.Cast("int32", xq[row * k + b * BLOCK + j])
+            xs[row, b] = qsum[0]
+            # the Q4 layout of int8_gemv.py: [x0..15 x rows_v | x16..31 x rows_v]
+            for r in range(rows_v):
+                for j in range(16):
+                    xr[row, b, r * 16 + j] = xq[row * k + b * BLOCK + j]
+                    xr[row, b, lanes + r * 16 + j] = xq[row * k + b * BLOCK + 16 + j]
+
+    @T.macro
+    def block_q4k(iacc, macc, qw, ssc, smn, xr, xs, t, b, row):  # noqa: ANN001 - TVMScript macro
+        for h in T.unroll(halves):
+            iacc[T.Ramp(h * acc_lanes, 1, acc_lanes)] = iacc[T.Ramp(h * acc_lanes, 1, acc_lanes)] + _maddwd(
+                isa, _maddubs(isa, qw.vload([t, b, h * rows_v, 0], u8) & T.Broadcast(T.uint8(15), lanes),
+                              xr.vload([row, b, 0], i8), lanes)
+                + _maddubs(isa, qw.vload([t, b, h * rows_v, 0], u8) >> T.Broadcast(T.uint8(4), lanes),
+                           xr.vload([row, b, lanes], i8), lanes),
+                _per_row(T.Cast(f"int16x{rows_v}", ssc.vload([t, b, h * rows_v], f"uint8x{rows_v}")), rows_v, 8),
+                lanes)
+        macc[T.Ramp(0, 1, 4)] = macc[T.Ramp(0, 1, 4)] + T.Cast("int32x4", smn.vload([t, b, 0], "uint8x4")) * T.Broadcast(xs[row, b], 4)
+
+    @T.macro
+    def block_q6k(iacc, qw, qh, ssc, xr, t, b, g, shift, row):  # noqa: ANN001 - TVMScript macro
+        for h in T.unroll(halves):
+            iacc[T.Ramp(h * acc_lanes, 1, acc_lanes)] = iacc[T.Ramp(h * acc_lanes, 1, acc_lanes)] + _maddwd(
+                isa, _maddubs(isa, (qw.vload([t, b, h * rows_v, 0], u8) & T.Broadcast(T.uint8(15), lanes))
+                              | (((qh.vload([t, g, h * rows_v, 0], u8) >> T.Broadcast(T.uint8(shift), lanes))
+                                  & T.Broadcast(T.uint8(3), lanes)) << T.Broadcast(T.uint8(4), lanes)),
+                              xr.vload([row, b, 0], i8), lanes)
+                - _maddubs(isa, T.Broadcast(T.uint8(32), lanes), xr.vload([row, b, 0], i8), lanes),
+                _per_row(T.Cast(f"int16x{rows_v}", ssc.vload([t, 2 * b, h * rows_v], f"int8x{rows_v}")), rows_v, 8),
+                lanes) + _maddwd(
+                isa, _maddubs(isa, (qw.vload([t, b, h * rows_v, 0], u8) >> T.Broadcast(T.uint8(4), lanes))
+                              | (((qh.vload([t, g, h * rows_v, 0], u8) >> T.Broadcast(T.uint8(shift + 2), lanes))
+                                  & T.Broadcast(T.uint8(3), lanes)) << T.Broadcast(T.uint8(4), lanes)),
+                              xr.vload([row, b, lanes], i8), lanes)
+                - _maddubs(isa, T.Broadcast(T.uint8(32), lanes), xr.vload([row, b, lanes], i8), lanes),
+                _per_row(T.Cast(f"int16x{rows_v}", ssc.vload([t, 2 * b + 1, h * rows_v], f"int8x{rows_v}")),
+                         rows_v, 8),
+                lanes)
+
+    @T.macro
+    def row_pass(p0, p1, p2, p3, p4, y1, xr, xd, xs, t, row):  # noqa: ANN001 - TVMScript macro
+        # One row of x against tile t. Small global allocations become stack slots that LLVM
+        # keeps in registers (see int8_gemv.py's rows_pass).
+        facc = T.alloc_buffer((16,), "float32")
+        iacc = T.alloc_buffer((16,), "int32")
+        macc = T.alloc_buffer((4,), "int32")
+        corr = T.alloc_buffer((4,), "float32")
+        facc[T.Ramp(0, 1, 16)] = T.Broadcast(T.float32(0), 16)
+        corr[T.Ramp(0, 1, 4)] = T.Broadcast(T.float32(0), 4)
+        for s in range(nsb):
+            iacc[T.Ramp(0, 1, 16)] = T.Broadcast(T.int32(0), 16)
+            macc[T.Ramp(0, 1, 4)] = T.Broadcast(T.int32(0), 4)
+            if q4k:
+                for j in T.unroll(PER_SUPER):
+                    _prefetch(T.address_of(p0[t + PREFETCH_TILES, s * PER_SUPER + j, 0, 0]))
+                    block_q4k(iacc, macc, p0, p3, p4, xr, xs, t, s * PER_SUPER + j, row)
+            else:
+                # pairs of blocks: one 64-weight group of qhigh, the 2-bit fields at bits 0..3, then 4..7
+                for j in T.unroll(PER_SUPER // 2):
+                    _prefetch(T.address_of(p0[t + PREFETCH_TILES, s * PER_SUPER + 2 * j, 0, 0]))
+                    _prefetch(T.address_of(p0[t + PREFETCH_TILES, s * PER_SUPER + 2 * j + 1, 0, 0]))
+                    _prefetch(T.address_of(p1[t + PREFETCH_TILES, s * 4 + j, 0, 0]))
+                    block_q6k(iacc, p0, p1, p3, xr, t, s * PER_SUPER + 2 * j, s * 4 + j, 0, row)
+                    block_q6k(iacc, p0, p1, p3, xr, t, s * PER_SUPER + 2 * j + 1, s * 4 + j, 4, row)
+            # d_w (float16, one per row of the super-block) x d_x, once per 256 weights
+            if q4k:
+                facc[T.Ramp(0, 1, 16)] = facc[T.Ramp(0, 1, 16)] + T.Cast("float32x16", iacc[T.Ramp(0, 1, 16)]) * _per_row(
+                    T.Cast("float32x4", p1.vload([t, s, 0], "float16x4")), 4, 4) * T.Broadcast(xd[row, s], 16)
+                corr[T.Ramp(0, 1, 4)] = corr[T.Ramp(0, 1, 4)] + T.Cast("float32x4", macc[T.Ramp(0, 1, 4)]) * T.Cast(
+                    "float32x4", p2.vload([t, s, 0], "float16x4")) * T.Broadcast(xd[row, s], 4)
+            else:
+                facc[T.Ramp(0, 1, 16)] = facc[T.Ramp(0, 1, 16)] + T.Cast("float32x16", iacc[T.Ramp(0, 1, 16)]) * _per_row(
+                    T.Cast("float32x4", p2.vload([t, s, 0], "float16x4")), 4, 4) * T.Broadcast(xd[row, s], 16)
+        for r in range(4):
+            y1[row * n + t * 4 + r] = facc[r * 4] + facc[r * 4 + 1] + facc[r * 4 + 2] + facc[r * 4 + 3] - corr[r]
+
+    @T.macro
+    def kernel(x, p0, p1, p2, p3, p4, y):  # noqa: ANN001 - TVMScript macro
+        x1 = T.decl_buffer((m * k,), "float32", data=x.data)
+        y1 = T.decl_buffer((m * n,), "float32", data=y.data)
+        xq = T.alloc_buffer((m * k,), "int8")
+        xr = T.alloc_buffer((m, nb, 2 * lanes), "int8")
+        xd = T.alloc_buffer((m, nsb), "float32")
+        xs = T.alloc_buffer((m, nb), "int32")
+        if static:
+            for row in range(m):
+                quantize_row(x1, xq, xr, xd, xs, row)
+        else:
+            for row in T.parallel(m):
+                quantize_row(x1, xq, xr, xd, xs, row)
+        for t in T.parallel(nt):
+            for row in range(m):
+                row_pass(p0, p1, p2, p3, p4, y1, xr, xd, xs, t, row)
+
+    if q4k:
+        @T.prim_func(private=True)
+        def gemv_q4k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
+                     sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"), mn: T.Buffer((nt, nsb, TILE_ROWS), "float16"),
+                     ssc: T.Buffer((nt, nb, TILE_ROWS), "uint8"), smn: T.Buffer((nt, nb, TILE_ROWS), "uint8"),
+                     y: T.Buffer(yshape, "float32")):
+            T.func_attr(attrs)
+            kernel(x, qw, sc, mn, ssc, smn, y)
+
+        return gemv_q4k
+
+    @T.prim_func(private=True)
+    def gemv_q6k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
+                 qh: T.Buffer((nt, nb // 2, TILE_ROWS, 16), "uint8"), sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"),
+                 ssc: T.Buffer((nt, 2 * nb, TILE_ROWS), "int8"), y: T.Buffer(yshape, "float32")):
+        T.func_attr(attrs)
+        kernel(x, qw, qh, sc, ssc, None, y)
+
+    return gemv_q6k
