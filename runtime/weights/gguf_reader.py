@@ -646,7 +646,7 @@ class GGUFCheckpoint(Checkpoint):
             noticed: dict[str, list[str]] = {}
             arch = self._arch()
             for t in self._reader.tensors:
-                if t.name == ROPE_FREQS or t.name in LONGROPE_FACTORS:
+                if t.name == ROPE_FREQS or (t.name in LONGROPE_FACTORS and arch == "phi3"):
                     continue  # not a weight in HF: config()'s rope_scaling carries it
                 kind = t.tensor_type.name
                 m = _EXPERT_TENSOR.fullmatch(t.name)
