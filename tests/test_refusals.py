@@ -39,10 +39,10 @@ def _copy_with(tiny_dir: Path, dest: Path, config_edit=None, tensors_edit=None) 
 
 
 def test_unknown_architecture_is_named(tiny_dir, tmp_path):
-    bad = _copy_with(tiny_dir, tmp_path / "m", lambda c: c.update(architectures=["GPT2LMHeadModel"]))
+    bad = _copy_with(tiny_dir, tmp_path / "m", lambda c: c.update(architectures=["GPTNeoXForCausalLM"]))
     with pytest.raises(ConfigError) as err:
         build_artifact(bad, "host")
-    assert "GPT2LMHeadModel" in str(err.value)
+    assert "GPTNeoXForCausalLM" in str(err.value)
     for arch in SUPPORTED_ARCHITECTURES:
         assert arch in str(err.value)
 
