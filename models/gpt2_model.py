@@ -12,7 +12,6 @@ is made with RopeMode.NONE: attention only, no rotary embedding.
 from __future__ import annotations
 
 from tvm import relax as rx
-from tvm import te
 from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
@@ -72,7 +71,8 @@ class GPT2LMHeadModel(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.hidden_size, c.vocab_size, False, dtype)
 
-    def _logits(self, h: Tensor) -> Tensor:
+    def _logits(self, h: Tensor, prompt: bool = False) -> Tensor:
+        """Float32 logits; `prompt` (the decoder's: a quantized head's prompt path) changes nothing here."""
         h = self.transformer.ln_f(h)
         if self.config.tie_word_embeddings:
             return op.matmul(h, op.permute_dims(self.transformer.wte.weight), out_dtype="float32")
@@ -90,28 +90,13 @@ class GPT2LMHeadModel(nn.Module):
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.transformer.wte(input_ids)
 
-    def prefill(self, input_embed: Tensor, kv: PagedKVCache):
-        h = self._layers(input_embed, kv)
-
-        def last_position(x: te.Tensor) -> te.Tensor:
-            b, n, d = x.shape
-            return te.compute((b, 1, d), lambda i, _, k: x[i, n - 1, k], name="last_position")
-
-        return self._logits(op.tensor_expr_op(last_position, name_hint="last_position", args=[h])), kv
-
-    def decode(self, input_embed: Tensor, kv: PagedKVCache):
-        return self._logits(self._layers(input_embed, kv)), kv
-
-    def batch_prefill(self, input_embeds: Tensor, logit_positions: Tensor, kv: PagedKVCache):
-        h = self._layers(input_embeds, kv)
-        return self._logits(op.take(h, logit_positions, axis=1)), kv
-
-    def batch_decode(self, input_embeds: Tensor, kv: PagedKVCache):
-        return self._logits(self._layers(input_embeds, kv)), kv
-
-    def batch_verify(self, input_embeds: Tensor, logit_positions: Tensor, kv: PagedKVCache):
-        # No quantized layers: decode's numerics are batch_prefill's.
-        return self.batch_prefill(input_embeds, logit_positions, kv)
+    # The decoder's entry points over this module's _layers and _logits (no quantized layers, so
+    # batch_verify's decode numerics are batch_prefill's).
+    prefill = DecoderForCausalLM.prefill
+    decode = DecoderForCausalLM.decode
+    batch_prefill = DecoderForCausalLM.batch_prefill
+    batch_decode = DecoderForCausalLM.batch_decode
+    batch_verify = DecoderForCausalLM.batch_verify
 
     def create_tir_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
