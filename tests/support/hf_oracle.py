@@ -43,21 +43,17 @@ def greedy(model: Any, prompt: list[int], steps: int) -> tuple[np.ndarray, list[
 
 
 @contextlib.contextmanager
-def q8_0_activations(model: Any, only: Callable[[str], bool] = lambda name: True, rows: str = "all"):
-    """Within the block, the nn.Linear modules of `model` whose names pass `only` see their
-    input rows as GGML Q8_0 blocks (gguf-py's reference quantizer, then its dequantizer), as
-    vtool's Q8_0-activation matmuls (schedules/cpu/int8_gemv.py) and llama.cpp take them: in every
-    call (rows="all", `--activations q8_0`) or only in single-position calls, the decode
-    steps (rows="decode", `--activations decode`; the prompt must be longer than one token)."""
-    import gguf
+def _rounded_linear_inputs(model: Any, only: Callable[[str], bool], rows: str,
+                           roundtrip: Callable[[np.ndarray], np.ndarray]):
+    """Within the block, the nn.Linear modules of `model` whose names pass `only` take their input
+    rows through `roundtrip` (float32 [rows, k] -> the same, quantized and back): in every call
+    (rows="all") or only in single-position calls, the decode steps (rows="decode")."""
 
     def quantize(module: torch.nn.Module, args: tuple) -> tuple | None:
         (x,) = args
         if rows == "decode" and x.shape[-2] != 1:
             return None
-        flat = x.detach().float().numpy().reshape(-1, x.shape[-1])
-        blocks = gguf.quants.quantize(flat, gguf.GGMLQuantizationType.Q8_0)
-        deq = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).reshape(x.shape)
+        deq = roundtrip(x.detach().float().numpy().reshape(-1, x.shape[-1])).reshape(x.shape)
         return (torch.from_numpy(np.ascontiguousarray(deq)).to(x.dtype),)
 
     hooks = [m.register_forward_pre_hook(quantize) for name, m in model.named_modules()
@@ -67,6 +63,19 @@ def q8_0_activations(model: Any, only: Callable[[str], bool] = lambda name: True
     finally:
         for h in hooks:
             h.remove()
+
+
+def q8_0_activations(model: Any, only: Callable[[str], bool] = lambda name: True, rows: str = "all"):
+    """Within the block, the nn.Linear modules of `model` whose names pass `only` see their
+    input rows as GGML Q8_0 blocks (gguf-py's reference quantizer, then its dequantizer), as
+    vtool's Q8_0-activation matmuls (schedules/cpu/int8_gemv.py) and llama.cpp take them: in every
+    call (rows="all", `--activations q8_0`) or only in single-position calls, the decode
+    steps (rows="decode", `--activations decode`; the prompt must be longer than one token)."""
+    import gguf
+
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    return _rounded_linear_inputs(model, only, rows,
+                                  lambda flat: gguf.quants.dequantize(gguf.quants.quantize(flat, q8_0), q8_0))
 
 
 def q8_k_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -83,24 +92,12 @@ def q8_k_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d, q.reshape(x.shape)
 
 
-@contextlib.contextmanager
 def q8_k_activations(model: Any, only: Callable[[str], bool] = lambda name: True, rows: str = "all"):
     """As q8_0_activations, with the Q8_K blocks of llama.cpp's K-quant dot products (q8_k_blocks):
     what vtool's Q4_K/Q6_K integer-dot matmuls (schedules/cpu/kquant_gemv.py) take."""
 
-    def quantize(module: torch.nn.Module, args: tuple) -> tuple | None:
-        (x,) = args
-        if rows == "decode" and x.shape[-2] != 1:
-            return None
-        flat = x.detach().float().numpy().reshape(-1, x.shape[-1])
+    def roundtrip(flat: np.ndarray) -> np.ndarray:
         d, q = q8_k_blocks(flat)
-        deq = (d[..., None] * q.reshape(*d.shape, 256).astype(np.float32)).reshape(x.shape)
-        return (torch.from_numpy(np.ascontiguousarray(deq)).to(x.dtype),)
+        return d[..., None] * q.reshape(*d.shape, 256).astype(np.float32)
 
-    hooks = [m.register_forward_pre_hook(quantize) for name, m in model.named_modules()
-             if isinstance(m, torch.nn.Linear) and only(name)]
-    try:
-        yield model
-    finally:
-        for h in hooks:
-            h.remove()
+    return _rounded_linear_inputs(model, only, rows, roundtrip)
