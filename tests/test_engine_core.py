@@ -188,6 +188,10 @@ def test_killing_the_api_server_ends_the_engine_core(tiny_model_dir, tmp_path):
 def test_two_api_servers_share_one_core_and_stop_together(tiny_model_dir, tmp_path):
     s = Server(tiny_model_dir, tmp_path / "server.log", "--api-server-count", "2")
     try:
+        # /health answers once one API server is up; under load the second may start later
+        _wait(lambda: len(re.findall(r"Started server process", s.log.read_text())) >= 2, 60,
+              "both API servers to start")
+
         def complete(i: int) -> str:
             # A fresh connection each: the kernel spreads connections over both processes.
             return httpx.post(f"{s.url}/v1/completions", timeout=60, headers={"Connection": "close"}, json={
