@@ -5,7 +5,8 @@ Per proposal round the draft first computes the tokens of each sequence it has n
 whole prompt the first time; afterwards the target's last token and the drafts it accepted),
 then decodes one token at a time up to the request's draft limit. Its cache is kept in step
 by common prefix: tokens it holds that the request no longer has (rejected drafts) are popped
-first. Greedy requests take the draft's argmax; random ones draw from the draft's own
+first. Greedy requests take the draft's argmax (on a GPU, when every request of the round is
+greedy, taken on the device: only token ids come back); random ones draw from the draft's own
 distribution after the request's temperature, top-k, top-p and min-p, which verification
 needs (sampling/spec_verify.py). When the draft's cache is full the least recently used
 sequences leave it; a request that still does not fit gets no drafts that step.
@@ -53,7 +54,8 @@ class DraftModelProposer:
         per_seq = -(-(max_model_len + self.k + 1) // 16)
         self.kv = PagedKVCache(self.model, seqs * per_seq, 16, max(seqs, 1), prefill_chunk)
         # the draft only ever computes tokens the target has decided: decode's numerics throughout
-        self.runner = ModelRunner(self.model, self.kv, device_sampling=False, continuations=True)
+        # device_sampling: a GPU draft's greedy rounds take their argmax there (argmax_rows)
+        self.runner = ModelRunner(self.model, self.kv, device_sampling=True, continuations=True)
         self._seqs: OrderedDict[str, _DraftSequence] = OrderedDict()  # least recently used first
         self._next_id = 0
 
@@ -72,16 +74,19 @@ class DraftModelProposer:
         live = [(r, limit, s) for r, limit in zip(requests, limits) if (s := self._sync(r)) is not None]
         if not live:
             return
-        last = self._catch_up([(r.all_ids, s) for r, _, s in live])
+        on_device = self.runner.device_sampler is not None and all(r.params.greedy for r, _, _ in live)
+        last = self._catch_up([(r.all_ids, s) for r, _, s in live], on_device)
         drafts: list[list[int]] = [[] for _ in live]
         probs: list[list[np.ndarray]] = [[] for _ in live]
         for round_ in range(max(limit for _, limit, _ in live)):
             active = [i for i, (_, limit, _) in enumerate(live) if round_ < limit]
             if round_ > 0:
                 step = [(live[i][2], drafts[i][-1]) for i in active]
-                rows = self._decode(step)
-                last = dict(zip(active, rows))
+                last = dict(zip(active, self._decode(step, on_device)))
             for i in active:
+                if on_device:  # already the argmax's token id
+                    drafts[i].append(int(last[i]))
+                    continue
                 request, _, seq = live[i]
                 token, q = self._choose(last[i], request, seq)
                 drafts[i].append(token)
@@ -129,10 +134,10 @@ class DraftModelProposer:
                 return True
         return False
 
-    def _catch_up(self, items: list[tuple[list[int], _DraftSequence]]) -> dict[int, np.ndarray]:
+    def _catch_up(self, items: list[tuple[list[int], _DraftSequence]], argmax: bool = False) -> dict[int, Any]:
         """Run the tokens each draft sequence lacks, in chunks the step budget allows; the logits
-        after each sequence's last token."""
-        last: dict[int, np.ndarray] = {}
+        after each sequence's last token (argmax: their argmax's token id, taken on the device)."""
+        last: dict[int, Any] = {}
         pending = {i: ids[len(seq.tokens):] for i, (ids, seq) in enumerate(items)}
         while pending:
             budget, batch = self.prefill_chunk, []
@@ -147,11 +152,15 @@ class DraftModelProposer:
                                   num_computed=len(items[i][1].tokens), num_logit_rows=self._rows_wanted(chunk, done),
                                   sample=False, return_logits=done)
                 for i, chunk, done in batch))
-            results = self.runner.execute(step).results
-            for (i, chunk, done), result in zip(batch, results):
+            if argmax:
+                tokens, owners = self.runner.argmax_rows(step)
+                rows = [tokens[owners == n] for n in range(len(batch))]
+            else:
+                rows = [result.logits for result in self.runner.execute(step).results]
+            for (i, chunk, done), row in zip(batch, rows):
                 items[i][1].tokens.extend(chunk)
                 if done:
-                    last[i] = result.logits[-1]
+                    last[i] = row[-1]
                     del pending[i]
                 else:
                     pending[i] = pending[i][len(chunk):]
@@ -165,15 +174,21 @@ class DraftModelProposer:
             return 0
         return len(chunk) if len(chunk) <= self.k + 1 else 1
 
-    def _decode(self, step: list[tuple[_DraftSequence, int]]) -> list[np.ndarray]:
+    def _decode(self, step: list[tuple[_DraftSequence, int]], argmax: bool = False) -> list[Any]:
+        """One token for each sequence: the logits row after it (argmax: its argmax's token id,
+        taken on the device)."""
         out = SchedulerOutput(tuple(
             ScheduledSequence(request_id=str(n), seq_id=seq.seq_id, token_ids=(token,), num_computed=len(seq.tokens),
-                              num_logit_rows=1, sample=False, return_logits=True)
+                              num_logit_rows=1, sample=False, return_logits=not argmax)
             for n, (seq, token) in enumerate(step)))
-        results = self.runner.execute(out).results
+        if argmax:
+            tokens, _ = self.runner.argmax_rows(out)
+            rows: list[Any] = tokens[:len(step)].tolist()
+        else:
+            rows = [r.logits[-1] for r in self.runner.execute(out).results]
         for seq, token in step:
             seq.tokens.append(token)
-        return [r.logits[-1] for r in results]
+        return rows
 
     @staticmethod
     def _choose(row: np.ndarray, request: Request, seq: _DraftSequence) -> tuple[int, np.ndarray | None]:

@@ -157,6 +157,22 @@ class ModelRunner:
         return (bool(owners.size) and set(owners.tolist()) == sampling
                 and all(greedy_on_device(seq) for seq in samplers))
 
+    def argmax_rows(self, step: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
+        """Run the step and take every logit row's argmax on the device: (token ids, the
+        sequence each row belongs to, -1 for none). Only the ids come to the host, not rows of
+        the vocabulary (a greedy draft model's proposals: on a GPU, copying a 150k-entry row
+        back and scanning it in numpy costs more than the draft's step itself)."""
+        if self.device_sampler is None:
+            raise VtoolError("argmax_rows needs the device sampler (a GPU library with sampling functions)")
+        t0 = time.perf_counter()
+        logits = self._forward(step)
+        launched = self.device_sampler.launch(logits.tensor, PreparedDraw(len(logits.owners), ARGMAX, ()))
+        self.seconds["forward"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        tokens, _ = self.device_sampler.collect(launched)
+        self.seconds["sample"] += time.perf_counter() - t0
+        return tokens, logits.owners
+
     def finish(self, flight: InFlightStep) -> ModelRunnerOutput:
         """Wait for a launched step and sample what the device did not: the results."""
         t0 = time.perf_counter()
