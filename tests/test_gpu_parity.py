@@ -555,15 +555,62 @@ def test_smollm2_as_its_own_draft_changes_no_greedy_token_on_the_gpu(smollm2, ar
         return rows(*args)
 
     engine.runner._finish_greedy_rows = counted_rows
+    # the draft's greedy rounds take their argmax on the device too (draft_proposer, argmax_rows)
+    draft_runner = engine.speculator.proposer.runner
+    calls["draft_argmax"] = 0
+    argmax_rows = draft_runner.argmax_rows
+
+    def counted_argmax(*args):
+        calls["draft_argmax"] += 1
+        return argmax_rows(*args)
+
+    draft_runner.argmax_rows = counted_argmax
     got = _run_engine(engine, prompts[:1], lambda _i: greedy)
     stats = engine.stats()
     print(f"[smollm2 self-draft] {calls}, {stats['spec_num_accepted_tokens']}/{stats['spec_num_draft_tokens']} kept")
     assert got == plain
-    assert calls["device_verifies"] > 0
+    assert calls["device_verifies"] > 0 and calls["draft_argmax"] > 0
     assert stats["spec_num_accepted_tokens"] >= 0.9 * stats["spec_num_draft_tokens"] > 0
     assert engine.kv.in_sync() and engine.kv_usage() == 0.0
     mixed = [greedy, SamplingParams(temperature=0.8, seed=5, max_tokens=STEPS, ignore_eos=True)]
-    calls["device_verifies"] = 0
+    calls["device_verifies"] = calls["draft_argmax"] = 0
     both = _run_engine(engine, prompts[:2], lambda i: mixed[i])
-    assert both["r0"] == plain["r0"] and calls["device_verifies"] == 0
+    assert both["r0"] == plain["r0"] and calls["device_verifies"] == 0 and calls["draft_argmax"] == 0
+    assert engine.kv.in_sync() and engine.kv_usage() == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_tiny_model_as_its_own_draft_takes_its_argmax_on_the_gpu(artifacts):
+    """A tiny float32 model drafting for itself on the GPU: the draft's greedy rounds take their
+    argmax on the device (ModelRunner.argmax_rows: only token ids come back), it proposes what
+    the target decodes, the tokens are those of the engine without speculation, and every KV
+    block is back at the end."""
+    from vtool.runtime.engine.engine import Engine, EngineConfig
+    from vtool.runtime.engine.spec_config import parse_speculative_config
+    from vtool.runtime.session import open_session
+
+    folder, artifact = artifacts.tiny("llama-gqa", "float32")
+    session = open_session(artifact, open_checkpoint(folder), max_model_len=256)
+    greedy = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    prompts = [PROMPT, PROMPT[:5]]
+    plain, _ = _engine_tokens(session, prompts, lambda _i: greedy, device_sampling=True)
+    config = parse_speculative_config({"model": str(folder), "num_speculative_tokens": 3})
+    engine = Engine(session, EngineConfig(max_num_seqs=4, enable_prefix_caching=False, gpu_memory_utilization=0.3,
+                                          speculative=config.resolved(str(artifact), str(folder))))
+    runner = engine.speculator.proposer.runner
+    calls = {"draft_argmax": 0}
+    argmax_rows = runner.argmax_rows
+
+    def counted(*args):
+        calls["draft_argmax"] += 1
+        return argmax_rows(*args)
+
+    runner.argmax_rows = counted
+    got = _run_engine(engine, prompts, lambda _i: greedy)
+    stats = engine.stats()
+    print(f"[tiny self-draft] {calls}, {stats['spec_num_accepted_tokens']}/{stats['spec_num_draft_tokens']} kept")
+    assert got == plain
+    assert calls["draft_argmax"] > 0
+    assert stats["spec_num_accepted_tokens"] >= 0.9 * stats["spec_num_draft_tokens"] > 0
     assert engine.kv.in_sync() and engine.kv_usage() == 0.0

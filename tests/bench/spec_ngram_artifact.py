@@ -7,16 +7,27 @@ write-new-code one (`write`), through the model's chat template unless --raw.
     python tests/bench/spec_ngram_artifact.py --artifact ART --model FILE.gguf [--k 2,4,8] [--tokens 256]
         [--prompt copy|write] [--raw] [--draft-artifact ART --draft-model FILE.gguf]
 
-The report counts the verification steps that took the argmax of every row on the device.
+The report counts the verification steps that took the argmax of every row on the device, and
+gives the host seconds of the target's and the draft's model runners (launch / wait-and-sample)
+over all runs. With a draft model each k runs twice: `k4` takes the draft's argmax on the
+device (only token ids come back), `k4-host` copies the draft's logits rows to the host and
+scans them there (the path before). --profile N prints the N most costly functions (cProfile,
+cumulative) of one speculative run.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
+import sys
+import time
+from types import SimpleNamespace
 from pathlib import Path
 
 from spec_ngram_cpu import PROMPT
-from spec_oracle import decode_rate
+from spec_oracle import decode_rate, step_times
 
 from vtool.runtime.engine.engine import Engine, EngineConfig
 from vtool.runtime.engine.spec_config import parse_speculative_config
@@ -55,6 +66,7 @@ def main() -> None:
                     help="copy: repeat a piece of code; write: write new code (drafts must guess)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--raw", action="store_true", help="the prompt as plain text, not through the chat template")
+    ap.add_argument("--profile", type=int, default=0, help="print this many top functions of one profiled run")
     a = ap.parse_args()
     session = open_session(a.artifact, open_checkpoint(a.model), max_model_len=a.max_model_len)
     text = PROMPT if a.prompt == "copy" else WRITE
@@ -70,26 +82,48 @@ def main() -> None:
     rates = [decode_rate(base, prompt, a.tokens) for _ in range(3)]
     report["no_spec_tok_s"] = max(r for r, _ in rates)
     reference = rates[0][1]
+    ks = [int(x) for x in a.k.split(",")]
+    report["target_step_ms"] = step_times(base, max(ks))  # the model alone, logits copied back
     del base
-    for k in (int(x) for x in a.k.split(",")):
+    for k in ks:
         if a.draft_artifact:
             config = parse_speculative_config({"model": str(a.draft_model), "num_speculative_tokens": k}) \
                 .resolved(str(a.draft_artifact), str(a.draft_model))
         else:
             config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k,
                                                "prompt_lookup_min": lo, "prompt_lookup_max": hi})
-        for variant in ("",):
+        for variant in ("", "-host") if a.draft_artifact else ("",):
             engine = Engine(session, EngineConfig(max_num_seqs=4, speculative=config))
+            draft_runner = getattr(engine.speculator.proposer, "runner", None)
+            if draft_runner is not None and "draft_step_ms" not in report:
+                proposer = engine.speculator.proposer
+                report["draft_step_ms"] = step_times(SimpleNamespace(model=proposer.model, kv=proposer.kv), 1)
+            if variant == "-host" and draft_runner is not None:
+                draft_runner.device_sampler = None  # the draft's rows come to the host
             calls = count_device_verifies(engine)
             decode_rate(engine, prompt, 16)
+            t0 = time.perf_counter()
             runs = [decode_rate(engine, prompt, a.tokens) for _ in range(3)]
+            wall = time.perf_counter() - t0
             s = engine.stats()
             best = max(r for r, _ in runs)
-            report[f"k{k}{variant}"] = {"tok_s": best, "speedup": best / report["no_spec_tok_s"],
-                                        "same_tokens": all(t == reference for _, t in runs),
-                                        "kept": s["spec_num_accepted_tokens"], "drafted": s["spec_num_draft_tokens"],
-                                        "steps": s["steps"], **calls}
-        del engine
+            report[f"k{k}{variant}"] = {
+                "tok_s": best, "speedup": best / report["no_spec_tok_s"],
+                "same_tokens": all(t == reference for _, t in runs),
+                "kept": s["spec_num_accepted_tokens"], "drafted": s["spec_num_draft_tokens"], "steps": s["steps"],
+                "wall_s_3_runs": round(wall, 3),
+                "target_runner_s": {n: round(v, 3) for n, v in engine.runner.seconds.items()},
+                "draft_runner_s": ({n: round(v, 3) for n, v in draft_runner.seconds.items()}
+                                   if draft_runner is not None else None), **calls}
+            if a.profile and variant == "":
+                prof = cProfile.Profile()
+                prof.enable()
+                decode_rate(engine, prompt, a.tokens)
+                prof.disable()
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(a.profile)
+                print(f"== profile k={k}\n{out.getvalue()}", file=sys.stderr)
+            del engine
     print(json.dumps(report))
 
 
