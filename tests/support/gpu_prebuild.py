@@ -52,9 +52,10 @@ def build(args: argparse.Namespace) -> None:
     from vtool.toolchain.build import build_artifact
 
     out = Path(args.out).resolve()
-    if out.exists():
+    previous = json.loads((out / "index.json").read_text()) if args.reuse and (out / "index.json").exists() else None
+    if out.exists() and previous is None:
         shutil.rmtree(out)
-    (out / "artifacts").mkdir(parents=True)
+    (out / "artifacts").mkdir(parents=True, exist_ok=True)
     # A build that fails is recorded (the GPU test then fails with its message) and the rest go on.
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     index: dict = {"target": args.target, "versions": installed_versions(), "tiny": {}, "errors": {},
@@ -72,7 +73,16 @@ def build(args: argparse.Namespace) -> None:
             print(f"    FAILED: {type(e).__name__}: {str(e)[-400:]}", flush=True)
             return None
 
-    for name in sorted(TINY_SHAPES):
+    shapes = sorted(TINY_SHAPES) if not args.shapes else [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = [s for s in shapes if s not in TINY_SHAPES]
+    if unknown:
+        sys.exit(f"--shapes: {', '.join(unknown)} not in tests/support/tiny_models.py TINY_SHAPES")
+    if previous is not None:  # --reuse: what an earlier run built stays, unless built again now
+        index["tiny"] = {k: v for k, v in previous.get("tiny", {}).items() if k not in shapes}
+    for name in shapes:
+        for stale in (out / "tiny" / name, *(out / "artifacts" / f"{name}-{d}" for d in DTYPES)):
+            if stale.exists():
+                shutil.rmtree(stale)
         folder = make_tiny_model(name, out / "tiny" / name)
         entry = {"checkpoint": str(folder.relative_to(out)), "artifacts": {}}
         for dtype in dtypes:
@@ -179,6 +189,9 @@ def main() -> None:
     b.add_argument("--no-smollm2", action="store_true", help="tiny models only (nothing over the carry limit)")
     b.add_argument("--dtypes", default=",".join(DTYPES),
                    help="tiny-model dtypes to build (the tests of a dtype left out skip, saying so)")
+    b.add_argument("--shapes", default="", help="tiny shapes to build, comma-separated (default: all)")
+    b.add_argument("--reuse", action="store_true",
+                   help="keep what an earlier run built into --out; only --shapes (and SmolLM2) are built again")
     b.add_argument("--pack-dir", default=str(ROOT / ".devcarry"))
     b.add_argument("--chunk-mib", type=int, default=48, help="part size for carrying; 0: do not pack")
     b.set_defaults(func=build)
