@@ -5,8 +5,9 @@ Per proposal round the draft first computes the tokens of each sequence it has n
 whole prompt the first time; afterwards the target's last token and the drafts it accepted),
 then decodes one token at a time up to the request's draft limit. Its cache is kept in step
 by common prefix: tokens it holds that the request no longer has (rejected drafts) are popped
-first. Greedy requests take the draft's argmax (on a GPU, when every request of the round is
-greedy, taken on the device: only token ids come back); random ones draw from the draft's own
+first. Greedy requests take the draft's argmax (on the host from the logits row; with
+`argmax_on_device`, on a GPU when every request of the round is greedy, on the device: only
+token ids come back); random ones draw from the draft's own
 distribution after the request's temperature, top-k, top-p and min-p, which verification
 needs (sampling/spec_verify.py). When the draft's cache is full the least recently used
 sequences leave it; a request that still does not fit gets no drafts that step.
@@ -54,8 +55,13 @@ class DraftModelProposer:
         per_seq = -(-(max_model_len + self.k + 1) // 16)
         self.kv = PagedKVCache(self.model, seqs * per_seq, 16, max(seqs, 1), prefill_chunk)
         # the draft only ever computes tokens the target has decided: decode's numerics throughout
-        # device_sampling: a GPU draft's greedy rounds take their argmax there (argmax_rows)
+        # device_sampling: a GPU draft's greedy rounds can take their argmax there (argmax_rows)
         self.runner = ModelRunner(self.model, self.kv, device_sampling=True, continuations=True)
+        # Off until it measures faster on a GPU: in session 9 a device draw for the draft's
+        # greedy tokens ran 0.77-0.91x against copying the row and scanning it on the host
+        # (the compiled argmax also computes the row's log-sum-exp in float64); the bench
+        # tests/bench/spec_ngram_artifact.py runs both ("-devargmax").
+        self.argmax_on_device = False
         self._seqs: OrderedDict[str, _DraftSequence] = OrderedDict()  # least recently used first
         self._next_id = 0
 
@@ -74,7 +80,8 @@ class DraftModelProposer:
         live = [(r, limit, s) for r, limit in zip(requests, limits) if (s := self._sync(r)) is not None]
         if not live:
             return
-        on_device = self.runner.device_sampler is not None and all(r.params.greedy for r, _, _ in live)
+        on_device = (self.argmax_on_device and self.runner.device_sampler is not None
+                     and all(r.params.greedy for r, _, _ in live))
         last = self._catch_up([(r.all_ids, s) for r, _, s in live], on_device)
         drafts: list[list[int]] = [[] for _ in live]
         probs: list[list[np.ndarray]] = [[] for _ in live]

@@ -9,9 +9,9 @@ write-new-code one (`write`), through the model's chat template unless --raw.
 
 The report counts the verification steps that took the argmax of every row on the device, and
 gives the host seconds of the target's and the draft's model runners (launch / wait-and-sample)
-over all runs. With a draft model each k runs twice: `k4` takes the draft's argmax on the
-device (only token ids come back), `k4-host` copies the draft's logits rows to the host and
-scans them there (the path before). --profile N prints the N most costly functions (cProfile,
+over all runs. With a draft model each k runs twice: `k4` copies the draft's logits rows to the
+host and scans them there (the default), `k4-devargmax` takes the draft's argmax on the device
+(only token ids come back; DraftModelProposer.argmax_on_device). --profile N prints the N most costly functions (cProfile,
 cumulative) of one speculative run.
 """
 from __future__ import annotations
@@ -92,14 +92,14 @@ def main() -> None:
         else:
             config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k,
                                                "prompt_lookup_min": lo, "prompt_lookup_max": hi})
-        for variant in ("", "-host") if a.draft_artifact else ("",):
+        for variant in ("", "-devargmax") if a.draft_artifact else ("",):
             engine = Engine(session, EngineConfig(max_num_seqs=4, speculative=config))
             draft_runner = getattr(engine.speculator.proposer, "runner", None)
             if draft_runner is not None and "draft_step_ms" not in report:
                 proposer = engine.speculator.proposer
                 report["draft_step_ms"] = step_times(SimpleNamespace(model=proposer.model, kv=proposer.kv), 1)
-            if variant == "-host" and draft_runner is not None:
-                draft_runner.device_sampler = None  # the draft's rows come to the host
+            if variant == "-devargmax":
+                engine.speculator.proposer.argmax_on_device = True
             calls = count_device_verifies(engine)
             decode_rate(engine, prompt, 16)
             t0 = time.perf_counter()
