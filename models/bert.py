@@ -125,9 +125,10 @@ def _encoder_class() -> type:
     from tvm.relax.frontend.nn import Tensor, op
 
     from vtool.models.decoder import Linear  # float32 accumulation whatever the weight dtype
+    from vtool.models.layer_norm import LayerNorm  # bfloat16 normalized in float32
 
     def layer_norm(c: ModelConfig, dtype: str) -> Any:
-        return nn.LayerNorm(c.hidden_size, eps=c.rms_norm_eps, elementwise_affine=True, dtype=dtype)
+        return LayerNorm(c.hidden_size, eps=c.rms_norm_eps, elementwise_affine=True, dtype=dtype)
 
     class Embeddings(nn.Module):
         def __init__(self, c: ModelConfig, dtype: str):

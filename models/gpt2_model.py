@@ -20,6 +20,7 @@ from tvm.target import Target
 
 from vtool.models.config import ModelConfig
 from vtool.models.decoder import DecoderForCausalLM, Linear
+from vtool.models.layer_norm import LayerNorm
 
 
 class Attention(nn.Module):
@@ -46,9 +47,9 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, c: ModelConfig, dtype: str):
-        self.ln_1 = nn.LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.ln_1 = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.attn = Attention(c, dtype)
-        self.ln_2 = nn.LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.ln_2 = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(c, dtype)
 
     def forward(self, h: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
@@ -61,7 +62,7 @@ class GPT2Model(nn.Module):
         self.wte = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
         self.wpe = nn.Embedding(c.max_position_embeddings, c.hidden_size, dtype=dtype)
         self.h = nn.ModuleList([Block(c, dtype) for _ in range(c.num_hidden_layers)])
-        self.ln_f = nn.LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.ln_f = LayerNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
 
 
 class GPT2LMHeadModel(nn.Module):
