@@ -109,7 +109,7 @@ def _flashinfer(installed: bool) -> None:
 def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attention):  # noqa: ANN001, C901
     from vtool.models.int8_activations import DOT_FORMATS, int8_isa
     from vtool.models.weights import check_checkpoint_shapes, kept_formats
-    from vtool.toolchain.cuda import check_attention_shape
+    from vtool.toolchain.cuda import check_attention_shape, check_prefill_tiling
     from vtool.toolchain.quantize import SCHEMES, plan_formats
 
     families = ("x86", "arm")
@@ -120,6 +120,7 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
     check_checkpoint_shapes(cfg, {n: t.shape for n, t in ckpt.tensors().items()}, str(ckpt.path))
     if spec.family == "cuda":
         check_attention_shape(cfg)
+        check_prefill_tiling(cfg, dtype)  # added with the rule (toolchain/cuda.py)
     quants = ("auto", "none", "gguf", *SCHEMES)
     if quantization not in quants:
         raise VtoolError(f"unknown quantization {quantization!r}; supported: {', '.join(quants)}")

@@ -278,6 +278,23 @@ def test_attention_shapes_tvm_cannot_launch_on_cuda_are_refused_by_name(tmp_path
     build_artifact(folder, "host")  # the CPU kernels have no such limit
 
 
+@pytest.mark.parametrize("shape, head_dim", [("qwen2-window", 12), ("mixtral-experts", 20)])
+def test_prefill_tilings_tvm_cannot_generate_are_refused_by_name(shape, head_dim, tmp_path):
+    """float32 with head_dim 12 or 20: TVM's prefill-attention generator finds no legal tiling
+    and raised deep inside the module build (seen on both tiny shapes); the plan refuses it by
+    name first, while bfloat16 (another tiling) and the CPU build of the same model plan."""
+    from vtool import VtoolError
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+    from vtool.toolchain.plan import BuildOptions, resolve_plan
+
+    ckpt = open_checkpoint(make_tiny_model(shape, tmp_path / "m"))
+    with pytest.raises(VtoolError, match=f"head_dim={head_dim} in float32 is not supported on CUDA: TVM's "
+                                         "prefill-attention kernel has no legal tiling.*build in bfloat16"):
+        resolve_plan(ckpt, "sm_90a", BuildOptions(dtype="float32"), tools=False)
+    assert resolve_plan(ckpt, "sm_90a", BuildOptions(dtype="bfloat16"), tools=False).dtype == "bfloat16"
+    assert resolve_plan(ckpt, "host", BuildOptions(dtype="float32"), tools=False).dtype == "float32"
+
+
 @needs_nvcc
 def test_a_splittable_head_gets_the_split_kv_decode_and_the_sampler(tmp_path_factory):
     """qwen2-bias has head_dim 32: its library carries the split-KV decode kernels (and the

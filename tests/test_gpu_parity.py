@@ -126,6 +126,8 @@ class Artifacts:
 
     def _missing(self, key: str) -> None:
         error = self.index.get("errors", {}).get(key)
+        if error and "is not supported on CUDA" in error:  # a shape the build refuses by name (toolchain/cuda.py)
+            pytest.skip(f"the {self.target} build refuses {key} by name: {error}")
         pytest.fail(f"the {self.target} build of {key} failed in tests/support/gpu_prebuild.py: {error}" if error else
                     f"{self.root / INDEX_NAME} has no {key} artifact; rerun tests/support/gpu_prebuild.py")
 

@@ -399,3 +399,22 @@ def check_attention_shape(cfg: Any) -> None:
             f"head_dim={cfg.head_dim} with {group} query head(s) per KV head is not supported on CUDA: TVM's "
             f"decode-attention kernel would launch {bdz} threads in z (CUDA allows 64); head_dim x group "
             "must be at least 32")
+
+
+def check_prefill_tiling(cfg: Any, dtype: str) -> None:
+    """Refuse shapes for which TVM 0.27's paged prefill-attention kernels (prefill, ragged
+    prefill, sliding window) have no legal tiling: their generator raises while the Relax
+    module is built, after minutes of work, with a message that names no model field. TVM's
+    own configuration function is the oracle, so the rule is exactly TVM's. It fails for a few
+    float32 head dims that are not multiples of 16 (12 and 20 among the tiny test shapes);
+    real models (head_dim 64, 128, 256) and 16-bit dtypes are far from it."""
+    from tvm.relax.frontend.nn.llm._kernel_common import _get_prefill_kernel_config
+    from tvm.target import Target
+
+    try:
+        _get_prefill_kernel_config(cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim, dtype,
+                                   Target({"kind": "cuda", "arch": "sm_90a"}))
+    except ValueError as err:
+        raise VtoolError(
+            f"head_dim={cfg.head_dim} in {dtype} is not supported on CUDA: TVM's prefill-attention kernel has no "
+            f"legal tiling for it ({err}); build in bfloat16 or float16") from None

@@ -68,7 +68,7 @@ class Family:
     # the manifest's build.pipeline, given --gemm and the resolved --cuda-graph-sizes
     describe_pipeline: Callable[[Family, str, tuple[int, ...]], dict[str, Any]]
     # --- the build
-    check_model: Callable[[ModelConfig], None]  # refuses shapes its kernels cannot run
+    check_model: Callable[[ModelConfig, str], None]  # refuses shapes its kernels cannot run (config, dtype)
     toolchain: Callable[[TargetSpec], dict[str, str]]  # external tools' versions (cache key); {} when none
     compile: Callable[[BuildPlan, Path, Progress], dict[str, Any]]  # compile + link model.so
     # --- tuning (toolchain/tune.py)
@@ -111,7 +111,7 @@ def _nothing(*_args: Any) -> list[Any]:
     return []
 
 
-def _no_check(_cfg: ModelConfig) -> None:
+def _no_check(_cfg: ModelConfig, _dtype: str) -> None:
     return None
 
 
@@ -138,10 +138,11 @@ def _cuda_toolchain(_target: TargetSpec) -> dict[str, str]:
     return {"nvcc": nvcc_version()}
 
 
-def _cuda_check_model(cfg: ModelConfig) -> None:
-    from vtool.toolchain.cuda import check_attention_shape
+def _cuda_check_model(cfg: ModelConfig, dtype: str) -> None:
+    from vtool.toolchain.cuda import check_attention_shape, check_prefill_tiling
 
     check_attention_shape(cfg)
+    check_prefill_tiling(cfg, dtype)
 
 
 def _cuda_extra_modules(cfg: ModelConfig) -> list[Any]:

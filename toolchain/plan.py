@@ -239,7 +239,7 @@ def resolve_plan(checkpoint: Checkpoint, target: str | TargetSpec, options: Buil
     cfg = parse_hf_config(raw)
     shapes = {n: t.shape for n, t in checkpoint.tensors().items()}
     check_checkpoint_shapes(cfg, shapes, str(checkpoint.path))
-    family.check_model(cfg)
+    family.check_model(cfg, options.dtype)
     quantization, kept, dense = resolve_quantization(options.quantization, checkpoint, cfg, spec)
     quantize_now = quantization in SCHEMES
     qsources = quantized_sources(cfg, kept) if quantize_now else {}
