@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import assets
+from embed_oracle import cosines, reference
 from vtool import VtoolError
 from live_server import vtool_serve
 from vtool.runtime.engine.pooling import Dense, Pooler, PoolingError, load_pooler
@@ -56,37 +57,6 @@ def llm(minilm, artifact):
     from vtool import LLM
 
     return LLM(str(minilm))  # the artifact above, from the build cache
-
-
-def reference(folder: Path, texts: list[str]) -> np.ndarray:
-    """transformers' BertModel, then the checkpoint's sentence-transformers pooling, from its files."""
-    import torch
-    from transformers import AutoTokenizer, BertModel
-
-    modules = json.loads((folder / "modules.json").read_text())
-    kinds = [m["type"].rsplit(".", 1)[-1] for m in modules]
-    pooling = next(m for m in modules if m["type"].endswith("Pooling"))
-    cfg = json.loads((folder / pooling["path"] / "config.json").read_text())
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    model = BertModel.from_pretrained(str(folder)).eval()
-    enc = tok(texts, padding=True, return_tensors="pt")
-    with torch.no_grad():
-        hidden = model(**enc).last_hidden_state.double()
-    mask = enc["attention_mask"].unsqueeze(-1).double()
-    if cfg.get("pooling_mode_mean_tokens"):
-        vec = (hidden * mask).sum(1) / mask.sum(1)
-    elif cfg.get("pooling_mode_cls_token"):
-        vec = hidden[:, 0]
-    else:
-        raise AssertionError(f"the reference does not know the pooling in {cfg}")
-    if "Normalize" in kinds:
-        vec = torch.nn.functional.normalize(vec, dim=-1)
-    return vec.numpy()
-
-
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
 # ------------------------------------------------------------------------------ build and parity

@@ -147,6 +147,17 @@ class Artifacts:
             make_tiny_model(name, folder)
         return folder, build_artifact(folder, self.target, dtype)
 
+    def embed(self, name: str, dtype: str) -> tuple[Path, Path]:
+        """(checkpoint folder, artifact folder) for a tiny embedding model (gpu_prebuild's `embed`)."""
+        if self.root is None:
+            pytest.skip("the tiny embedding models come prebuilt only (tests/support/gpu_prebuild.py)")
+        entry = self.index.get("embed", {}).get(name)
+        if entry is None:
+            pytest.skip(f"{self.root / INDEX_NAME} has no tiny {name} (its donor checkpoint was not at hand)")
+        if dtype not in entry["artifacts"]:
+            self._missing(f"{name}-{dtype}")
+        return self.root / entry["checkpoint"], self.root / entry["artifacts"][dtype]
+
     def smollm2(self) -> tuple[Path, Path]:
         """(GGUF path, bfloat16 artifact folder)."""
         from vtool.runtime.weights.default_model import SHA256, default_model_path, sha256_of
@@ -607,3 +618,31 @@ def test_tiny_model_as_its_own_draft_takes_its_argmax_on_the_gpu(artifacts):
     assert calls["draft_argmax"] > 0
     assert stats["spec_num_accepted_tokens"] >= 0.9 * stats["spec_num_draft_tokens"] > 0
     assert engine.kv.in_sync() and engine.kv_usage() == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, min_cosine, max_abs", [("float32", 1 - 1e-6, 1e-4), ("bfloat16", 0.999, None)])
+def test_tiny_bert_embeds_like_transformers_on_the_gpu(artifacts, dtype, min_cosine, max_abs):
+    """A tiny random BertModel (all-MiniLM-L6-v2's tokenizer and mean pooling + Normalize):
+    vectors from its CUDA library against transformers (float32, pooled as the checkpoint
+    says), texts of different lengths in one padded batch, and each text alone as in the batch."""
+    from embed_oracle import cosines, reference
+    from vtool.runtime.engine.embed import Embedder
+    from vtool.runtime.session import open_session
+
+    folder, artifact = artifacts.embed("bert", dtype)
+    session = open_session(artifact, open_checkpoint(folder))
+    assert session.model.on_gpu
+    embedder = Embedder(session)
+    texts = ["hello world", "A somewhat longer sentence, with punctuation and more words in it.", "x",
+             "Embeddings on the GPU should match the reference."]
+    ids = [embedder.tokenize(t) for t in texts]
+    got = embedder.embed(ids)
+    want = reference(folder, texts)
+    cos = cosines(got, want)
+    print(f"[tiny bert {dtype}] cosine min {cos.min():.9f}, max|d| {np.abs(got - want).max():.2e}")
+    assert cos.min() >= min_cosine, cos
+    if max_abs is not None:
+        assert np.abs(got - want).max() < max_abs
+    alone = np.stack([embedder.embed([i])[0] for i in ids])
+    np.testing.assert_allclose(alone, got, atol=2e-5 if dtype == "float32" else 2e-2)

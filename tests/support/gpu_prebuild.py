@@ -7,6 +7,8 @@ On the build machine (apache-tvm + nvcc, no GPU needed):
 writes .devcarry/gpu-tests/ (what VTOOL_GPU_ARTIFACTS points at):
     index.json                      the target, versions, and where everything is
     tiny/<shape>/                   the tiny random checkpoints, made here once and carried
+                                    (tiny/bert/: a random BertModel with all-MiniLM-L6-v2's
+                                    tokenizer and pooling, when that asset is here)
                                     (torch/transformers versions differ there, so re-making
                                     them from the seed is not guaranteed to give equal weights)
     artifacts/<shape>-<dtype>/      CUDA artifacts, float32 and bfloat16, for every tiny shape
@@ -73,12 +75,14 @@ def build(args: argparse.Namespace) -> None:
             print(f"    FAILED: {type(e).__name__}: {str(e)[-400:]}", flush=True)
             return None
 
-    shapes = sorted(TINY_SHAPES) if not args.shapes else [s.strip() for s in args.shapes.split(",") if s.strip()]
+    shapes = sorted(TINY_SHAPES) if not args.shapes else [s.strip() for s in args.shapes.split(",")
+                                                          if s.strip() and s.strip() != "bert"]
     unknown = [s for s in shapes if s not in TINY_SHAPES]
     if unknown:
         sys.exit(f"--shapes: {', '.join(unknown)} not in tests/support/tiny_models.py TINY_SHAPES")
     if previous is not None:  # --reuse: what an earlier run built stays, unless built again now
         index["tiny"] = {k: v for k, v in previous.get("tiny", {}).items() if k not in shapes}
+        index["embed"] = dict(previous.get("embed", {}))
     for name in shapes:
         for stale in (out / "tiny" / name, *(out / "artifacts" / f"{name}-{d}" for d in DTYPES)):
             if stale.exists():
@@ -91,6 +95,32 @@ def build(args: argparse.Namespace) -> None:
             if built:
                 entry["artifacts"][dtype] = built
         index["tiny"][name] = entry
+
+    if not args.shapes or "bert" in args.shapes.split(","):
+        # a tiny random BertModel with all-MiniLM-L6-v2's tokenizer and pooling (embedding parity)
+        import assets
+        from embed_oracle import make_tiny_bert
+
+        try:
+            donor = assets.minilm_dir()
+        except Exception as err:  # noqa: BLE001 -- no network, no cache: the GPU test then skips, saying so
+            donor = None
+            print(f"WARNING: all-MiniLM-L6-v2 is not available here ({err}): no tiny BERT for the GPU", flush=True)
+        if donor is None:
+            pass
+        else:
+            bert = out / "tiny" / "bert"
+            for stale in (bert, *(out / "artifacts" / f"bert-{d}" for d in DTYPES)):
+                if stale.exists():
+                    shutil.rmtree(stale)
+            folder = make_tiny_bert(bert, donor)
+            entry = {"checkpoint": str(folder.relative_to(out)), "artifacts": {}}
+            for dtype in dtypes:
+                built = attempt(f"bert-{dtype}", lambda: build_artifact(
+                    folder, args.target, dtype, output=out / "artifacts" / f"bert-{dtype}", progress=progress))
+                if built:
+                    entry["artifacts"][dtype] = built
+            index.setdefault("embed", {})["bert"] = entry
 
     gguf = None
     if not args.no_smollm2:
@@ -189,7 +219,8 @@ def main() -> None:
     b.add_argument("--no-smollm2", action="store_true", help="tiny models only (nothing over the carry limit)")
     b.add_argument("--dtypes", default=",".join(DTYPES),
                    help="tiny-model dtypes to build (the tests of a dtype left out skip, saying so)")
-    b.add_argument("--shapes", default="", help="tiny shapes to build, comma-separated (default: all)")
+    b.add_argument("--shapes", default="",
+                   help="tiny shapes to build, comma-separated, `bert` for the tiny embedding model (default: all)")
     b.add_argument("--reuse", action="store_true",
                    help="keep what an earlier run built into --out; only --shapes (and SmolLM2) are built again")
     b.add_argument("--pack-dir", default=str(ROOT / ".devcarry"))
