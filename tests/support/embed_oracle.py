@@ -47,9 +47,10 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def make_tiny_bert(folder: Path, donor: Path, seed: int = 0) -> Path:
-    """A random BertModel (2 layers, hidden 64, 4 heads of 16, intermediate 128) with the
+    """A random BertModel (2 layers, hidden 64, 2 heads of 32, intermediate 128) with the
     donor's vocabulary, tokenizer and pooling files, written as safetensors into `folder`:
-    a few MB, so it travels where the real checkpoint (90 MB) does not."""
+    a few MB, so it travels where the real checkpoint (90 MB) does not. Two heads of 32: TVM's CUDA
+    decode attention cannot launch head_dim x heads-per-KV-head < 32 (toolchain/cuda.py)."""
     import torch
     from transformers import BertConfig, BertModel
 
@@ -62,7 +63,7 @@ def make_tiny_bert(folder: Path, donor: Path, seed: int = 0) -> Path:
             shutil.copytree(sub, folder / sub.name, dirs_exist_ok=True)
     vocab = json.loads((donor / "config.json").read_text())["vocab_size"]
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    config = BertConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=128, max_position_embeddings=128)
     BertModel(config).eval().save_pretrained(str(folder), safe_serialization=True)
     return folder
