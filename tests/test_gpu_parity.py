@@ -31,6 +31,7 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -584,7 +585,21 @@ def test_smollm2_as_its_own_draft_changes_no_greedy_token_on_the_gpu(smollm2, ar
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_tiny_model_as_its_own_draft_takes_its_argmax_on_the_gpu(artifacts):
+def _with_word_tokenizer(folder: Path, out: Path) -> Path:
+    """A copy of a tiny checkpoint with a word-level tokenizer.json over its vocabulary ("t0",
+    "t1", ...): the engine needs a tokenizer, the tiny shapes have none."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    shutil.copytree(folder, out)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+def test_tiny_model_as_its_own_draft_takes_its_argmax_on_the_gpu(artifacts, tmp_path):
     """A tiny float32 model drafting for itself on the GPU: the draft's greedy rounds take their
     argmax on the device (ModelRunner.argmax_rows: only token ids come back), it proposes what
     the target decodes, the tokens are those of the engine without speculation, and every KV
@@ -594,6 +609,7 @@ def test_tiny_model_as_its_own_draft_takes_its_argmax_on_the_gpu(artifacts):
     from vtool.runtime.session import open_session
 
     folder, artifact = artifacts.tiny("llama-gqa", "float32")
+    folder = _with_word_tokenizer(folder, tmp_path / "llama-gqa")
     session = open_session(artifact, open_checkpoint(folder), max_model_len=256)
     greedy = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     prompts = [PROMPT, PROMPT[:5]]

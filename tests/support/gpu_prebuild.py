@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,9 @@ def build(args: argparse.Namespace) -> None:
     from vtool.runtime.weights.default_model import FILENAME, SHA256, default_model_path
     from vtool.toolchain.build import build_artifact
 
+    from vtool.toolchain.cuda import UNVERIFIED_ENV
+
+    os.environ[UNVERIFIED_ENV] = "1"  # the parity tests are what checks those kernels
     out = Path(args.out).resolve()
     previous = json.loads((out / "index.json").read_text()) if args.reuse and (out / "index.json").exists() else None
     if out.exists() and previous is None:
@@ -83,6 +87,9 @@ def build(args: argparse.Namespace) -> None:
     if previous is not None:  # --reuse: what an earlier run built stays, unless built again now
         index["tiny"] = {k: v for k, v in previous.get("tiny", {}).items() if k not in shapes}
         index["embed"] = dict(previous.get("embed", {}))
+        rebuilt = (*shapes, *(["bert"] if not args.shapes or "bert" in args.shapes.split(",") else []))
+        index["errors"] = {k: v for k, v in previous.get("errors", {}).items()
+                           if not any(k.startswith(f"{n}-") for n in rebuilt)}
     for name in shapes:
         for stale in (out / "tiny" / name, *(out / "artifacts" / f"{name}-{d}" for d in DTYPES)):
             if stale.exists():
