@@ -114,6 +114,9 @@ class ModelConfig:
     embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the embedding dtype
     attn_scale: float = 0.0  # the softmax scale; 0: head_dim ** -0.5
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+    # attention scores s = cap * tanh(s / cap), s = q.k * attn_scale, before the mask and softmax, in every
+    # attention kernel of the KV cache (models/softcap.py); 0: none (Gemma-2's attn_logit_softcapping)
+    attn_logit_softcap: float = 0.0
     sliding_window: int = 0  # the window of the layers in sliding_layers; 0: none
     sliding_layers: tuple[int, ...] = ()  # the layers that attend over the last sliding_window tokens only
     # RoPE applied by the model instead of the KV cache: the cache has one theta, Gemma-3 two
@@ -159,7 +162,8 @@ _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n
 # the Gemma hooks -> their defaults, at which to_dict() leaves them out
 _GEMMA_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
                  if f.name in ("sandwich_norms", "mlp_act", "embed_scale", "attn_scale", "final_logit_softcap",
-                               "sliding_window", "sliding_layers", "model_rope", "rope_local_theta")}
+                               "attn_logit_softcap", "sliding_window", "sliding_layers", "model_rope",
+                               "rope_local_theta")}
 
 
 def _require(cfg: dict[str, Any], key: str) -> Any:

@@ -6,9 +6,10 @@ config   parse_decoder plus: four norms per layer (sandwich_norms), GELU-tanh ML
          soft-capping (Gemma-2), per-head q/k RMSNorm (Gemma-3), sliding-window layers
          (Gemma-3: layer_types or sliding_window_pattern; Gemma-2: every other layer, the first
          sliding), RoPE in the model (rope_local_base_freq on the sliding layers, rope_theta and
-         linear scaling on the global ones). Refused by name: attention logit soft-capping
-         (Gemma-2's attn_logit_softcapping: TVM's paged attention kernels have no soft-cap),
-         bidirectional attention on the causal architectures, other activations and rope types.
+         linear scaling on the global ones), attention logit soft-capping (Gemma-2's
+         attn_logit_softcapping, applied inside every attention kernel: models/softcap.py).
+         Refused by name: bidirectional attention on the causal architectures, other
+         activations and rope types.
          use_bidirectional_attention (EmbeddingGemma) builds for Gemma3TextModel only, as an
          embedding model (models/gemma_encoder.py); its window is read as window // 2 + 1.
 module   models/decoder.py DecoderForCausalLM; the KV cache built with a per-layer attention
@@ -21,6 +22,7 @@ GGUF     llama.cpp's "gemma2" / "gemma3": ffn_norm is the pre-feedforward norm; 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable, Mapping
 
 from vtool.models import llama
@@ -68,11 +70,17 @@ def sliding_layers(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int, ..
     return tuple(i for i in range(layers) if (i + 1) % pattern)
 
 
+def _softcap(cfg: dict[str, Any], key: str) -> float:
+    """A soft-cap field: a positive number, or null / 0 / absent for none."""
+    value = cfg.get(key)
+    if value is None or value == 0:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"config field {key!r} must be a positive number or null, got {value!r}")
+    return float(value)
+
+
 def normalize(cfg: dict[str, Any], arch: str) -> ModelConfig:
-    if cfg.get("attn_logit_softcapping"):
-        raise ConfigError(f"attn_logit_softcapping={cfg['attn_logit_softcapping']} is not supported: TVM's paged "
-                          "attention kernels apply no soft-cap to attention logits (Gemma-2 sets 50.0); a config "
-                          "with attn_logit_softcapping null builds")
     bidirectional = bool(cfg.get("use_bidirectional_attention"))
     if bidirectional and arch not in BIDIRECTIONAL:
         raise ConfigError(f"use_bidirectional_attention with {arch} is not supported; vtool builds it as an "
@@ -91,10 +99,10 @@ def normalize(cfg: dict[str, Any], arch: str) -> ModelConfig:
     scalar = cfg.get("query_pre_attn_scalar") or c.head_dim
     if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
         raise ConfigError(f"config field 'query_pre_attn_scalar' must be a positive number, got {scalar!r}")
-    softcap = cfg.get("final_logit_softcapping") or 0.0
     return dataclasses.replace(
         c, sandwich_norms=True, mlp_act="gelu_tanh", embed_scale=True, attn_scale=float(scalar) ** -0.5,
-        final_logit_softcap=float(softcap), sliding_window=window,
+        final_logit_softcap=_softcap(cfg, "final_logit_softcapping"),
+        attn_logit_softcap=_softcap(cfg, "attn_logit_softcapping"), sliding_window=window,
         sliding_layers=sliding_layers(cfg, arch, c.num_hidden_layers) if window else (),
         model_rope=True, rope_local_theta=local_theta,
         rope_scaling={"rope_type": "linear", "factor": factor} if factor != 1.0 else None)

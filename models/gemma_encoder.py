@@ -43,7 +43,11 @@ def normalize(cfg: dict[str, Any], arch: str) -> ModelConfig:
     if not cfg.get("use_bidirectional_attention"):
         raise ConfigError(f"{arch} without use_bidirectional_attention (a causal Gemma-3 as an embedding model) is "
                           "not supported; supported: EmbeddingGemma's use_bidirectional_attention true")
-    return gemma.normalize(cfg, arch)
+    c = gemma.normalize(cfg, arch)
+    if c.attn_logit_softcap:  # DenseAttention below applies none (EmbeddingGemma sets null)
+        raise ConfigError(f"attn_logit_softcapping={c.attn_logit_softcap} is not supported for {arch} (the "
+                          "embedding model's dense attention applies no soft-cap); EmbeddingGemma sets null")
+    return c
 
 
 def _source_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

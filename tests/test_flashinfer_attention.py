@@ -98,3 +98,19 @@ def test_auto_falls_back_to_tir_saying_why(monkeypatch, tmp_path):
     # and an explicit flashinfer still refuses, by name
     with pytest.raises(fa.FlashInferError, match="not importable"):
         fa.resolve_attention("flashinfer", "cuda", "bfloat16", cfg) and fa.probe()
+
+
+def test_a_softcapped_model_is_refused_and_auto_falls_back_to_tir(monkeypatch):
+    """Gemma-2's attention logit soft-cap: vtool's FlashInfer kernels have none (TVM's runtime
+    passes them no cap), so flashinfer is refused by name and auto takes TIR, saying why,
+    before any probe of flashinfer."""
+    gemma2 = parse_hf_config({**RAW, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                              "hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": 128,
+                              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
+    assert gemma2.attn_logit_softcap == 50.0
+    with pytest.raises(fa.FlashInferError, match="attn_logit_softcapping=50"):
+        fa.resolve_attention("flashinfer", "cuda", "bfloat16", gemma2)
+    monkeypatch.setattr(fa, "probe", lambda: pytest.fail("auto probed flashinfer for a model it cannot serve"))
+    notices: list[str] = []
+    assert fa.resolve_attention("auto", "cuda", "bfloat16", gemma2, notices.append) == "tir"
+    assert len(notices) == 1 and "attn_logit_softcapping" in notices[0]

@@ -4,8 +4,10 @@ llama.cpp's "gemma2"/"gemma3" GGUF, against transformers at float32.
 The tiny shapes (tests/support/tiny_models.py) have a sliding window of 8 and prompts of 40
 tokens, so the windowed layers (TVM's per-layer "mha_sliding" KV cache) differ from global
 attention in the prompt and in all 32 decode steps; Gemma-3's local and global rope bases and
-its linear scaling are applied by the model (ModelConfig.model_rope). Refused by name:
-attention logit soft-capping, bidirectional attention, other activations and rope types."""
+its linear scaling are applied by the model (ModelConfig.model_rope). Gemma-2's attention logit
+soft-cap (2.0 on the tiny model, where it changes every logit) is applied inside every attention
+kernel (models/softcap.py): vtool's parallel CPU kernels at head_dim 256, TVM's serial ones at
+head_dim 12. Refused by name: bidirectional attention, other activations and rope types."""
 from __future__ import annotations
 
 import json
@@ -16,6 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import tvm
 
 from hf_oracle import greedy
 from vtool.models.config import ConfigError, parse_hf_config
@@ -78,6 +81,21 @@ def test_the_window_matters(gemma):
     assert float(np.abs(unwindowed - ref_prompt)[cfg["sliding_window"]:].max()) > 100 * TOL
 
 
+def test_the_cap_matters(tiny_shape_dir):
+    """Gemma-2's tiny model without its attention logit soft-cap gives other logits and tokens in
+    transformers: the cap bites at every position, so a kernel that drops it fails the parity tests."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_shape_dir(SHAPES["gemma2"])
+    ref_prompt, ref_tokens, _ = oracle(folder)
+    uncapped = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
+                                                    attn_logit_softcapping=None).eval()
+    prompt, tokens, _ = greedy(uncapped, PROMPT, STEPS)
+    # at every position with more than one key to weigh (the first attends to itself alone)
+    assert float(np.abs(prompt - ref_prompt)[1:].max(axis=-1).min()) > 100 * TOL
+    assert tokens != ref_tokens
+
+
 def test_the_config(gemma):
     family, folder, artifact, _ = gemma
     c = parse_hf_config(json.loads((folder / "config.json").read_text()))
@@ -87,10 +105,13 @@ def test_the_config(gemma):
         assert c.sliding_layers == (0, 2) and c.qk_norm and c.rope_local_theta == 10000.0
         assert c.rope_theta == 1e6 and c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
         assert c.attn_scale == pytest.approx(24**-0.5)
+        assert c.attn_logit_softcap == 0.0
     else:
         assert c.sliding_layers == (0,) and not c.qk_norm and c.final_logit_softcap == 10.0
+        assert c.attn_logit_softcap == 2.0
         assert c.attn_scale == pytest.approx(20**-0.5)
     manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["config"].get("attn_logit_softcap", 0.0) == c.attn_logit_softcap  # in the compiled config
     norms = [p for p in manifest["params"] if p["name"].endswith("norm.weight")]
     assert norms and all(p["transform"] == "plus_one" for p in norms)
     raw = json.loads((folder / "config.json").read_text())
@@ -123,6 +144,8 @@ def write_gemma_gguf(folder: Path, path: Path, arch: str, pattern: list[bool] | 
     if arch == "gemma2":
         w.add_rope_freq_base(rope["rope_theta"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        if cfg.get("attn_logit_softcapping"):
+            w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
     else:
         w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -176,6 +199,7 @@ def test_a_gguf_gives_transformers_logits_and_tokens(gemma, tmp_path):
     assert got["architectures"] == cfg["architectures"] and got["layer_types"] == cfg["layer_types"]
     c = parse_hf_config(got)
     assert c.sliding_window == 8 and c.attn_scale == pytest.approx(cfg["head_dim"] ** -0.5)
+    assert c.attn_logit_softcap == (cfg["attn_logit_softcapping"] or 0.0)  # gemma2: 2.0, from the file
     norm = "model.layers.0.pre_feedforward_layernorm.weight"
     from safetensors.numpy import load_file
 
@@ -213,10 +237,12 @@ def test_llama_cpp_layer_defaults_without_a_pattern(tmp_path, tiny_shape_dir):
     ckpt = open_checkpoint(write_gemma_gguf(tiny_shape_dir("gemma2-softcap"), tmp_path / "g2.gguf", "gemma2"))
     assert ckpt.config()["layer_types"] == ["sliding_attention", "full_attention"]
     assert ckpt.config()["final_logit_softcapping"] == 10.0
+    assert ckpt.config()["attn_logit_softcapping"] == 2.0
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"attn_logit_softcapping": "50"}, "attn_logit_softcapping"),  # a cap builds (below); a non-number does not
+    ({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"hidden_activation": "relu"}, "hidden_activation"),
     ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
@@ -247,6 +273,91 @@ def test_qwen2_sliding_window_layers_match_transformers(tiny_shape_dir):
     errors = compare(build_artifact(folder, "host", "float32"), folder, oracle(folder))
     print("qwen2-window max |diff|", errors)
     assert max(errors.values()) < TOL, errors
+
+
+def test_tvms_serial_cpu_kernels_cap_too(tmp_path, monkeypatch):
+    """At a head_dim that is no multiple of 16 the CPU build keeps TVM's serial attention kernels
+    (ragged, paged, decode, sliding-window prefill and decode: schedules/cpu/attention.py takes
+    only the others), capped by models/softcap.py: Gemma-2's tiny model at head_dim 12 matches."""
+    import tiny_models
+
+    monkeypatch.setitem(tiny_models.TINY_SHAPES, "gemma2-softcap-d12",
+                        dict(tiny_models.TINY_SHAPES["gemma2-softcap"], head_dim=12))
+    folder = tiny_models.make_tiny_model("gemma2-softcap-d12", tmp_path / "d12")
+    assert parse_hf_config(json.loads((folder / "config.json").read_text())).attn_logit_softcap == 2.0
+    errors = compare(build_artifact(folder, "host", "float32"), folder, oracle(folder))
+    print("gemma2-softcap head_dim 12 max |diff|", errors)
+    assert max(errors.values()) < TOL, errors
+
+
+def _attention_kernels(shape: str, target: str, dtype: str, tiny_shape_dir) -> tvm.IRModule:
+    """The tiny model's Relax module as a build exports it (before the pipeline)."""
+    from vtool.targets import lookup
+    from vtool.targets.host import best_host_target
+    from vtool.toolchain.build import model_module
+
+    cfg = parse_hf_config(json.loads((tiny_shape_dir(shape) / "config.json").read_text()))
+    spec = lookup(best_host_target() if target == "host" else target)
+    return model_module(cfg, spec, dtype, lambda _m: None)[1]
+
+
+def _capped_kernels(mod: tvm.IRModule) -> dict[str, tuple[float, int]]:
+    """name -> (the cap attribute, tanh calls in its text) of each attention kernel (an sm_scale parameter)."""
+    from vtool.models.softcap import sm_scale_param
+    from vtool.schedules.softcap import softcap_of
+
+    return {gv.name_hint: (softcap_of(f), f.script().count("T.tanh("))
+            for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and sm_scale_param(f) is not None}
+
+
+def test_every_attention_kernel_caps_its_scores_once(tiny_shape_dir):
+    """Each attention kernel of the KV cache (CPU and CUDA: prefill, decode, ragged prefill, their
+    sliding-window variants, tree attention) caps its score exactly once, and vtool's kernels that
+    replace TVM's take the cap over: the CPU rules, CUDA's split-KV decode and short prefill.
+    A model without a cap has none anywhere."""
+    from vtool.models import softcap as model_softcap
+    from vtool.schedules import softcap as schedule_softcap
+    from vtool.schedules.cpu import attention as cpu
+    from vtool.schedules.cuda.decode_attention import replace_decode_attention
+    from vtool.schedules.cuda.short_prefill_attention import (SHORT_SYMBOL, TILED_SYMBOL,
+                                                              replace_prefill_paged_attention)
+
+    assert model_softcap.ATTR == schedule_softcap.ATTR
+    host = _capped_kernels(_attention_kernels("gemma2-softcap", "host", "float32", tiny_shape_dir))
+    assert {"batch_prefill_ragged_kv", "batch_prefill_paged_kv_cpu", "batch_decode_paged_kv_cpu",
+            "batch_prefill_paged_kv_cpu_sliding_window", "batch_decode_paged_kv_cpu_sliding_window"} <= set(host)
+    assert set(host.values()) == {(2.0, 1)}, host
+    mod = _attention_kernels("gemma2-softcap", "host", "float32", tiny_shape_dir)
+    rules = (cpu.rewrite_prefill_ragged, cpu.rewrite_prefill_paged, cpu.rewrite_decode_paged,
+             cpu.rewrite_prefill_paged_sliding, cpu.rewrite_decode_paged_sliding)
+    rewritten = {gv.name_hint: new for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)
+                 for new in [next((r(gv.name_hint, f) for r in rules if r(gv.name_hint, f) is not None), None)]
+                 if new is not None}
+    assert len(rewritten) == 5  # head_dim 256: all five of vtool's CPU kernels, each capped
+    assert all(f.script().count("T.tanh(") >= 1 for f in rewritten.values())
+
+    cuda = _attention_kernels("gemma2-softcap", "sm_90a", "bfloat16", tiny_shape_dir)
+    assert {"batch_prefill_ragged_kv", "batch_prefill_paged_kv", "batch_decode_paged_kv",
+            "batch_prefill_paged_kv_sliding_window",
+            "batch_decode_paged_kv_sliding_window"} <= set(_capped_kernels(cuda))
+    assert set(_capped_kernels(cuda).values()) == {(2.0, 1)}
+    cuda, replaced = replace_decode_attention(cuda)
+    assert replaced == 1 and "T.tanh(" in cuda["batch_decode_paged_kv"].script()
+    cuda, replaced = replace_prefill_paged_attention(cuda)
+    assert replaced == 1 and all("T.tanh(" in cuda[s].script() for s in (SHORT_SYMBOL, TILED_SYMBOL))
+
+    for target, dtype in (("host", "float32"), ("sm_90a", "bfloat16")):  # Gemma-3: no cap, TVM's kernels as they are
+        plain = _attention_kernels("gemma3-window", target, dtype, tiny_shape_dir)
+        assert set(_capped_kernels(plain).values()) == {(0.0, 0)}
+
+
+def test_embedding_gemma_refuses_an_attention_cap(tiny_shape_dir):
+    """EmbeddingGemma's dense attention (models/gemma_encoder.py) applies no cap: a config with one is refused."""
+    cfg = json.loads((tiny_shape_dir("gemma3-window") / "config.json").read_text())
+    encoder = cfg | {"architectures": ["Gemma3TextModel"], "use_bidirectional_attention": True}
+    assert parse_hf_config(encoder).attn_logit_softcap == 0.0
+    with pytest.raises(ConfigError, match="attn_logit_softcapping"):
+        parse_hf_config(encoder | {"attn_logit_softcapping": 50.0})
 
 
 def test_the_engine_chunks_prompts_by_the_window(gemma):
@@ -286,3 +397,27 @@ def test_a_tiny_gemma3_compiles_for_sm_90a(tiny_shape_dir):
     assert b"batch_prefill_paged_kv_sliding_window" in library and b"model_rope" in library
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["config"]["sliding_layers"] == [0, 2] and manifest["config"]["model_rope"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tiny_gemma2_with_its_attention_cap_compiles_for_sm_90a(dtype, tiny_shape_dir, monkeypatch):
+    """CUDA (no GPU needed): refused by name (the capped kernels gave wrong logits on the H200);
+    with the testing override TVM's attention kernels capped and vtool's split-KV decode and
+    short prefill with the cap compile, SASS for sm_90a (the GPU parity tests run them)."""
+    from vtool import VtoolError
+    from vtool.toolchain.cuda import UNVERIFIED_ENV, CudaBuildError, find_nvcc
+
+    monkeypatch.delenv(UNVERIFIED_ENV, raising=False)
+    with pytest.raises(VtoolError, match="attention logit soft-capping.*is not supported on CUDA yet"):
+        build_artifact(tiny_shape_dir("gemma2-softcap"), "sm_90a", dtype)
+    try:
+        find_nvcc()
+    except CudaBuildError as err:
+        pytest.skip(f"!!! CUDA BUILDS ARE NOT TESTED HERE: {err} !!!")
+    monkeypatch.setenv(UNVERIFIED_ENV, "1")
+    artifact = build_artifact(tiny_shape_dir("gemma2-softcap"), "sm_90a", dtype)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["config"]["attn_logit_softcap"] == 2.0 and manifest["attention"] == "tir"
+    assert manifest["build"]["cuda"]["embedded"]["sass"] == ["sm_90a"]
+    assert manifest["build"]["pipeline"]["passes"][:2] == ["VtoolSplitKVDecodeAttention", "VtoolShortPrefillAttention"]

@@ -121,6 +121,13 @@ def resolve_attention(choice: str, family: str, dtype: str, cfg: Any,
         raise FlashInferError(f"--attention flashinfer's decode kernels take {FLASHINFER_GROUP_SIZES} query heads per "
                               f"KV head (DISPATCH_GQA_GROUP_SIZE), this model has {cfg.num_attention_heads}/"
                               f"{cfg.num_key_value_heads}; use --attention tir")
+    if getattr(cfg, "attn_logit_softcap", 0.0):
+        # FlashInfer has a soft-cap variant (DefaultAttention's use_logits_soft_cap, with a logits_soft_cap
+        # scalar), but TVM 0.27's runtime calls the run functions with sm_scale and the rope scalars only
+        raise FlashInferError(f"--attention flashinfer: this model soft-caps its attention logits "
+                              f"(attn_logit_softcapping={cfg.attn_logit_softcap:g}), which the FlashInfer kernels "
+                              "vtool builds (DefaultAttention, no logits soft-cap) do not; use --attention tir "
+                              "(TVM's TIR kernels, capped: models/softcap.py)")
     return "flashinfer"
 
 

@@ -28,6 +28,8 @@ import re
 from tvm import tirx
 from tvm.script import tirx as T
 
+from vtool.schedules.softcap import capper, softcap_of
+
 NAME = "batch_prefill_ragged_kv"
 TILE = 16  # keys per online-softmax step
 LANES = 16  # float32 lanes of the dot products (AVX-512); the head dim must be a multiple of it
@@ -56,14 +58,16 @@ def rewrite_prefill_ragged(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | No
     dtype = str(func.params[0].dtype)
     if dtype != "float32" or h_q % h_kv or d_qk % LANES or d_v % LANES or int(k[2]) != d_qk:
         return None
-    new = _kernel(h_kv, h_q, d_qk, d_v)
+    new = _kernel(h_kv, h_q, d_qk, d_v, softcap_of(func))
     return new.with_attrs(func.attrs) if func.attrs is not None else new
 
 
-def _kernel(h_kv: int, h_q: int, d_qk: int, d_v: int) -> tirx.PrimFunc:
+def _kernel(h_kv: int, h_q: int, d_qk: int, d_v: int, softcap: float = 0.0) -> tirx.PrimFunc:
+    """`softcap`: the attention logit soft-cap of the kernel replaced (schedules/softcap.py; 0: none)."""
     group = h_q // h_kv
     n_dc, n_vc = d_qk // LANES, d_v // LANES
     neg = -5e4  # TVM's kernels' "minus infinity" (finite: exp2 of a difference stays defined)
+    cap = capper(softcap)
 
     @T.prim_func(s_tir=True)
     def batch_prefill_ragged_kv(
@@ -124,7 +128,7 @@ def _kernel(h_kv: int, h_q: int, d_qk: int, d_v: int) -> tirx.PrimFunc:
                                     part[j] = part[j] + part[j + 8]
                                 for j in T.vectorized(4):
                                     part[j] = part[j] + part[j + 4]
-                                s[t] = ((part[0] + part[2]) + (part[1] + part[3])) * scale
+                                s[t] = cap(((part[0] + part[2]) + (part[1] + part[3])) * scale)
                                 st[2] = T.max(st[2], s[t])
                         # st[2] = the tile's max; rescale what is accumulated when it rises
                         if st[2] > st[0]:
@@ -169,20 +173,22 @@ def rewrite_decode_paged(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | None
         return None
     if str(func.params[0].dtype) != "float32" or h_q % h_kv or d % LANES or int(pages[4]) != d:
         return None
-    new = _decode_kernel(h_kv, h_q, d, page_size)
+    new = _decode_kernel(h_kv, h_q, d, page_size, softcap_of(func))
     return new.with_attrs(func.attrs) if func.attrs is not None else new
 
 
-def _page_attention(d: int, page_size: int):  # noqa: ANN202 - a TVMScript macro
+def _page_attention(d: int, page_size: int, softcap: float = 0.0):  # noqa: ANN202 - a TVMScript macro
     """The attention of one query row (`row` of q, query head `h`, KV head `hk`) over the first
     n_keys keys of a sequence whose pages start at page_values[first]: one page of keys per
     online-softmax step (scores scaled by `scale` = sm_scale * log2(e)), the q.k dot products
     and p.v updates vectorized over the head dimension; with pages of LANES keys the page's
     scores and weights come out LANES at once (`_page_scores`, `_exp2`). Writes output[row, h]
     and lse[row, h] (log2 units; -5e4 with no key). The decode and the paged prefill kernels
-    expand it inside their parallel loops."""
+    expand it inside their parallel loops. `softcap`: each score capped before the mask and the
+    max (schedules/softcap.py; 0: none)."""
     n_c = d // LANES
     neg = -5e4
+    cap = capper(softcap)
 
     @T.macro
     def attend(q, pages, page_values, output, lse, row, h, hk, first, n_keys, scale):
@@ -203,7 +209,7 @@ def _page_attention(d: int, page_size: int):  # noqa: ANN202 - a TVMScript macro
                     # into another key's lane), then their max
                     s[T.Ramp(0, 1, LANES)] = T.Select(
                         T.Ramp(0, 1, LANES) < T.Broadcast(n_keys - T.Cast("int32", p) * page_size, LANES),
-                        _page_scores(q, pages, row, h, page, hk, d) * T.Broadcast(scale, LANES),
+                        cap(_page_scores(q, pages, row, h, page, hk, d) * T.Broadcast(scale, LANES)),
                         T.Broadcast(T.float32(neg), LANES))
                     for t in T.serial(page_size):
                         st[2] = T.max(st[2], s[t])
@@ -219,7 +225,7 @@ def _page_attention(d: int, page_size: int):  # noqa: ANN202 - a TVMScript macro
                                 part[j] = part[j] + part[j + 8]
                             for j in T.vectorized(4):
                                 part[j] = part[j] + part[j + 4]
-                            s[t] = ((part[0] + part[2]) + (part[1] + part[3])) * scale
+                            s[t] = cap(((part[0] + part[2]) + (part[1] + part[3])) * scale)
                             st[2] = T.max(st[2], s[t])
                 if st[2] > st[0]:  # the page raised the max: rescale what is accumulated
                     st[3] = T.exp2(st[0] - st[2])
@@ -246,14 +252,14 @@ def _page_attention(d: int, page_size: int):  # noqa: ANN202 - a TVMScript macro
     return attend
 
 
-def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.PrimFunc:
+def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float = 0.0) -> tirx.PrimFunc:
     """Parallel over (sequence, query head); one page of keys per online-softmax step; the
     q.k dot products and p.v updates vectorized over the head dimension. With pages of 16
     keys, the page's scores and softmax weights come out 16 at once, as in the paged prefill
     kernel (`_page_scores`, `_exp2`): SmolLM2's 9/3 heads, 2-core Xeon, 512 keys 46 -> 29 us,
     128 keys 14 -> 10 us."""
     group = h_q // h_kv
-    attend = _page_attention(d, page_size)
+    attend = _page_attention(d, page_size, softcap)
 
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv_cpu(
@@ -389,16 +395,16 @@ def rewrite_prefill_paged(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | Non
         return None
     if str(func.params[0].dtype) != "float32" or h_q % h_kv or d % LANES or int(pages[4]) != d:
         return None
-    new = _paged_prefill_kernel(h_kv, h_q, d, page_size)
+    new = _paged_prefill_kernel(h_kv, h_q, d, page_size, softcap_of(func))
     return new.with_attrs(func.attrs) if func.attrs is not None else new
 
 
-def _paged_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.PrimFunc:
+def _paged_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float = 0.0) -> tirx.PrimFunc:
     """Per sequence, parallel over its (query, head) pairs; query i of n sees the first
     kv_len - n + i + 1 keys when causal (TVM's mask), all kv_len otherwise. One page of keys
     per online-softmax step, as the decode kernel."""
     group = h_q // h_kv
-    attend = _page_attention(d, page_size)
+    attend = _page_attention(d, page_size, softcap)
 
     @T.prim_func(s_tir=True)
     def batch_prefill_paged_kv_cpu(
@@ -503,13 +509,14 @@ SLIDING_DECODE_NAME = "batch_decode_paged_kv_cpu_sliding_window"
 _WINDOW = re.compile(r"T\.max\((\d+) - q_idx - 1, 0\)")
 
 
-def _window_page_attention(d: int, page_size: int):  # noqa: ANN202 - a TVMScript macro
+def _window_page_attention(d: int, page_size: int, softcap: float = 0.0):  # noqa: ANN202 - a TVMScript macro
     """`_page_attention` over two segments of a sliding-window sequence's slots, [lo0, hi0) (the
     sink's) and [lo1, hi1) (the window's), one online softmax over both, page by page, the slots
     outside a segment masked. The callers compute the bounds outside the macro's block (TIR's
-    block regions take no variable bound inside the block)."""
+    block regions take no variable bound inside the block). `softcap` as `_page_attention`'s."""
     n_c = d // LANES
     neg = -5e4
+    cap = capper(softcap)
 
     @T.macro
     def segment(q, pages, page_values, row, h, hk, first, s_lo, s_hi, scale, acc, part, s, st):
@@ -520,7 +527,7 @@ def _window_page_attention(d: int, page_size: int):  # noqa: ANN202 - a TVMScrip
                 s[T.Ramp(0, 1, LANES)] = T.Select(
                     T.Ramp(0, 1, LANES) < T.Broadcast(s_hi - p * page_size, LANES),
                     T.Select(T.Ramp(0, 1, LANES) >= T.Broadcast(s_lo - p * page_size, LANES),
-                             _page_scores(q, pages, row, h, page, hk, d) * T.Broadcast(scale, LANES),
+                             cap(_page_scores(q, pages, row, h, page, hk, d) * T.Broadcast(scale, LANES)),
                              T.Broadcast(T.float32(neg), LANES)),
                     T.Broadcast(T.float32(neg), LANES))
                 for t in T.serial(page_size):
@@ -537,7 +544,7 @@ def _window_page_attention(d: int, page_size: int):  # noqa: ANN202 - a TVMScrip
                             part[j] = part[j] + part[j + 8]
                         for j in T.vectorized(4):
                             part[j] = part[j] + part[j + 4]
-                        s[t] = ((part[0] + part[2]) + (part[1] + part[3])) * scale
+                        s[t] = cap(((part[0] + part[2]) + (part[1] + part[3])) * scale)
                         st[2] = T.max(st[2], s[t])
             if st[2] > st[0]:
                 st[3] = T.exp2(st[0] - st[2])
@@ -611,13 +618,14 @@ def rewrite_prefill_paged_sliding(name: str, func: tirx.PrimFunc) -> tirx.PrimFu
     windows = set(_WINDOW.findall(func.script()))
     if len(windows) != 1:
         return None
-    new = _sliding_prefill_kernel(dims[2], dims[0], dims[1], dims[3], int(windows.pop()))
+    new = _sliding_prefill_kernel(dims[2], dims[0], dims[1], dims[3], int(windows.pop()), softcap_of(func))
     return new.with_attrs(func.attrs) if func.attrs is not None else new
 
 
-def _sliding_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int, window: int) -> tirx.PrimFunc:
+def _sliding_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int, window: int,
+                            softcap: float = 0.0) -> tirx.PrimFunc:
     group = h_q // h_kv
-    attend = _window_page_attention(d, page_size)
+    attend = _window_page_attention(d, page_size, softcap)
 
     @T.prim_func(s_tir=True)
     def batch_prefill_paged_kv_cpu_sliding_window(
@@ -679,13 +687,13 @@ def rewrite_decode_paged_sliding(name: str, func: tirx.PrimFunc) -> tirx.PrimFun
     dims = _sliding_shapes(func, 13, 9, 0, 1, 4)
     if dims is None:
         return None
-    new = _sliding_decode_kernel(dims[2], dims[0], dims[1], dims[3])
+    new = _sliding_decode_kernel(dims[2], dims[0], dims[1], dims[3], softcap_of(func))
     return new.with_attrs(func.attrs) if func.attrs is not None else new
 
 
-def _sliding_decode_kernel(h_kv: int, h_q: int, d: int, page_size: int) -> tirx.PrimFunc:
+def _sliding_decode_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float = 0.0) -> tirx.PrimFunc:
     group = h_q // h_kv
-    attend = _window_page_attention(d, page_size)
+    attend = _window_page_attention(d, page_size, softcap)
 
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv_cpu_sliding_window(

@@ -21,6 +21,8 @@ import math
 import tvm
 from tvm.script import tirx as T
 
+from vtool.schedules.softcap import capper, softcap_of
+
 DECODE_SYMBOL = "batch_decode_paged_kv"  # the symbol of TVM's kernel this one replaces
 WARPS = 4
 LANES = 32
@@ -41,7 +43,7 @@ def num_splits(num_qo_heads: int) -> int:
 
 
 def split_kv_macros(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
-                    page_size: int = 16) -> tuple[object, object, int]:
+                    page_size: int = 16, softcap: float = 0.0) -> tuple[object, object, int]:
     """The two halves of split-KV paged attention for one query row, as TVMScript macros any
     kernel with this layout expands (this decode kernel; short_prefill_attention.py's), and
     the split count S:
@@ -53,12 +55,16 @@ def split_kv_macros(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
     rows x query heads in the grid (the split count in use follows it).
 
     merge(part_o, part_m, part_d, row, head, output, lse, tx): the S partial states of one
-    (row, head) into output and lse, by one warp."""
+    (row, head) into output and lse, by one warp.
+
+    softcap: each score soft-capped once the warp has summed it, before the running max
+    (schedules/softcap.py; 0: none, and no code for it)."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     GROUP = H_qo // H_kv
     V = D // LANES  # elements of a head each lane owns
     S = num_splits(H_qo)
     LOG2E = math.log2(math.e)
+    capping, cap = bool(softcap), capper(softcap)
 
     # pylint: disable=too-many-locals,too-many-statements
     @T.macro
@@ -102,6 +108,8 @@ def split_kv_macros(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
                 T.attr(T.comm_reducer(lambda a, b: a + b, [T.float32(0)]), "reduce_scope", T.int32(0))
                 T.tvm_thread_allreduce(T.uint32(1), dot[0], True, score[0], tx, dtype="void")
             if pos < end:
+                if capping:  # a Python bool: the statement exists only in capped kernels
+                    score[0] = cap(score[0])
                 m_new: T.let[T.float32] = T.max(st[0], score[0])
                 rescale: T.let[T.float32] = T.exp2(st[0] - m_new)
                 p: T.let[T.float32] = T.exp2(score[0] - m_new)
@@ -162,11 +170,11 @@ def split_kv_macros(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: 
 
 
 def split_kv_decode(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
-                    page_size: int = 16) -> tvm.tirx.PrimFunc:
+                    page_size: int = 16, softcap: float = 0.0) -> tvm.tirx.PrimFunc:
     if head_dim % LANES or head_dim > 256:
         raise ValueError(f"split-KV decode needs head_dim a multiple of {LANES} up to 256, got {head_dim}")
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
-    partial, merge, S = split_kv_macros(H_kv, H_qo, D, dtype, page_size)
+    partial, merge, S = split_kv_macros(H_kv, H_qo, D, dtype, page_size, softcap)
 
     # pylint: disable=too-many-locals
     @T.prim_func(s_tir=True)
@@ -251,8 +259,9 @@ def _shapes_of(func: tvm.tirx.PrimFunc) -> tuple[int, int, int, str]:
 def replace_decode_attention(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:
     """Put split_kv_decode in place of TVM's `batch_decode_paged_kv` PrimFunc in `mod` (the
     KV cache refers to it by GlobalVar, so the cache then calls the new kernel). The
-    sliding-window variant has another symbol and stays. Returns the module and how many
-    kernels were replaced."""
+    sliding-window variant has another symbol and stays. TVM's kernel's attention logit
+    soft-cap (models/softcap.py's attribute) goes to the new one. Returns the module and how
+    many kernels were replaced."""
     replaced = 0
     for gvar, func in list(mod.functions.items()):
         if isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None and \
@@ -260,7 +269,7 @@ def replace_decode_attention(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:
             kv_heads, qo_heads, head_dim, dtype = _shapes_of(func)
             if head_dim % LANES or head_dim > 256:
                 continue  # lanes own head_dim / 32 elements each: keep TVM's kernel
-            mod[gvar] = split_kv_decode(kv_heads, qo_heads, head_dim, dtype)
+            mod[gvar] = split_kv_decode(kv_heads, qo_heads, head_dim, dtype, softcap=softcap_of(func))
             replaced += 1
     return mod, replaced
 

@@ -27,6 +27,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from vtool.schedules.cuda.decode_attention import LANES, WARPS, split_kv_macros
+from vtool.schedules.softcap import softcap_of
 
 PAGED_PREFILL_SYMBOL = "batch_prefill_paged_kv"  # TVM's kernel this one goes in front of
 # Steps of at most this many tokens take the split-KV path (verification steps: sequences
@@ -35,10 +36,11 @@ SHORT_STEP_TOKENS = 128
 
 
 def short_paged_prefill(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
-                        page_size: int = 16) -> tvm.tirx.PrimFunc:
-    """The split-KV kernel with batch_prefill_paged_kv's signature (no sliding window)."""
+                        page_size: int = 16, softcap: float = 0.0) -> tvm.tirx.PrimFunc:
+    """The split-KV kernel with batch_prefill_paged_kv's signature (no sliding window);
+    `softcap`: the attention logit soft-cap (schedules/softcap.py; 0: none)."""
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
-    partial, merge, S = split_kv_macros(H_kv, H_qo, D, dtype, page_size)
+    partial, merge, S = split_kv_macros(H_kv, H_qo, D, dtype, page_size, softcap)
 
     # pylint: disable=too-many-locals,too-many-statements
     @T.prim_func(s_tir=True)
@@ -181,8 +183,9 @@ def replace_prefill_paged_attention(mod: tvm.IRModule) -> tuple[tvm.IRModule, in
     """Put the dispatcher in place of `batch_prefill_paged_kv` in `mod` (the KV cache refers
     to it by GlobalVar), with the short kernel and TVM's own beside it under their own
     symbols. The sliding-window variant has another symbol and stays; so does a kernel whose
-    head_dim the lanes cannot split (not a multiple of 32, or past 256). Returns the module
-    and how many kernels were replaced."""
+    head_dim the lanes cannot split (not a multiple of 32, or past 256). The short kernel takes
+    TVM's kernel's attention logit soft-cap (models/softcap.py's attribute; TVM's own, kept for
+    long steps, is capped already). Returns the module and how many kernels were replaced."""
     replaced = 0
     for gvar, func in list(mod.functions.items()):
         if not (isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None
@@ -192,8 +195,8 @@ def replace_prefill_paged_attention(mod: tvm.IRModule) -> tuple[tvm.IRModule, in
         head_dim, qo_heads, kv_heads = int(q.shape[2]), int(q.shape[1]), int(pages.shape[2])
         if head_dim % LANES or head_dim > 256:
             continue
-        mod[SHORT_SYMBOL] = short_paged_prefill(kv_heads, qo_heads, head_dim, str(q.dtype), int(pages.shape[3])) \
-            .with_attr("global_symbol", SHORT_SYMBOL)
+        mod[SHORT_SYMBOL] = short_paged_prefill(kv_heads, qo_heads, head_dim, str(q.dtype), int(pages.shape[3]),
+                                                softcap_of(func)).with_attr("global_symbol", SHORT_SYMBOL)
         mod[TILED_SYMBOL] = func.with_attr("global_symbol", TILED_SYMBOL)
         mod[gvar] = dispatcher(kv_heads, qo_heads, head_dim, str(q.dtype), int(pages.shape[3]))
         replaced += 1

@@ -61,13 +61,14 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                            "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                               "rope_theta": 1e6}}),
-    # Gemma-2: alternating sliding (window 8) and global layers, final logit soft-capping, MQA 4/1,
-    # head_dim 16 != 48/4, untied (a tied tiny Gemma repeats one token; test_gemma.py ties a copy for
-    # llama.cpp's gemma2 GGUF, which has no output tensor); attn_logit_softcapping off (refused)
+    # Gemma-2: alternating sliding (window 8) and global layers, final logit soft-capping, attention
+    # logit soft-capping at 2.0 (small enough to bite: this model's scores reach far past it), MQA 4/1,
+    # head_dim 256 (Gemma2Config's default, != 48/4), untied (a tied tiny Gemma repeats one token;
+    # test_gemma.py ties a copy for llama.cpp's gemma2 GGUF, which has no output tensor)
     "gemma2-softcap": dict(arch="gemma2", hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
                            sliding_window=8, query_pre_attn_scalar=20, final_logit_softcapping=10.0,
-                           attn_logit_softcapping=None),
+                           attn_logit_softcapping=2.0),
     # Qwen2 with use_sliding_window: layer 0 global, layer 1 over a window of 8; MQA 4/1, head_dim 12
     "qwen2-window": dict(arch="qwen2", hidden_size=48, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
