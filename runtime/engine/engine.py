@@ -18,7 +18,8 @@ import numpy as np
 
 from vtool import VtoolError
 from vtool.runtime.engine.grammar_stage import GrammarStage
-from vtool.runtime.engine.kv_cache import PagedKVCache, cache_layers, sliding_window
+from vtool.runtime.engine.kv_blocks import blocks_for_window
+from vtool.runtime.engine.kv_cache import PagedKVCache, cache_layers, frees_window, sliding_window, window_kept
 from vtool.runtime.engine.output_processor import OutputProcessor
 from vtool.runtime.engine.prefix_cache import PrefixCache
 from vtool.runtime.engine.request import CoreOutput, FinishedRequestStats, Request, Status, StepOutput
@@ -68,6 +69,12 @@ class EngineConfig:
     grammar_jump_forward: bool = True
     # --speculative-config (engine/spec_config.py); None: no speculation.
     speculative: SpeculativeConfig | None = None
+    # A model whose every layer is windowed (CPU builds): give back the KV blocks wholly outside
+    # the window while a sequence runs (kv_cache.py sliding_window), so a sequence holds at most
+    # about window / 16 + 2 blocks. Off by default: that cache runs TVM's serial attention kernels
+    # with rope applied inside them (models/window_cache.py), measured 6x slower per decode step
+    # and 35x per prompt than vtool's at a window of 512. Speculative decoding keeps every block.
+    kv_window_freeing: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in POLICIES:
@@ -83,10 +90,11 @@ class EngineConfig:
             raise VtoolError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
-def kv_bytes_per_block(manifest: dict[str, Any], block_size: int) -> int:
+def kv_bytes_per_block(manifest: dict[str, Any], block_size: int, frees: bool = False) -> int:
+    """frees: the cache is the window-freeing one (kv_cache.py SLIDING_CACHE), which has no extra layer."""
     c = manifest["config"]
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[manifest["dtype"]]
-    return 2 * cache_layers(c) * c["num_key_value_heads"] * c["head_dim"] * block_size * itemsize
+    return 2 * cache_layers(c, frees) * c["num_key_value_heads"] * c["head_dim"] * block_size * itemsize
 
 
 def kv_memory_budget(model: Any, config: EngineConfig) -> int:
@@ -165,13 +173,32 @@ class Engine:
         # Before the KV cache: on a GPU the cache takes a share of what memory is free, and a
         # draft model's weights and cache must be in place by then.
         self.speculator = Speculator.create(config.speculative, self) if config.speculative else None
+        # Every layer windowed: the cache that frees what the window passed, when asked for, unless
+        # speculative decoding must take rejected drafts back (kv_cache.py sliding_window).
+        frees = config.kv_window_freeing and self.speculator is None and frees_window(self.model)
+        if config.kv_window_freeing and not frees:
+            log.info("KV blocks outside the sliding window are kept: %s", "speculative decoding takes tokens back"
+                     if self.speculator is not None and frees_window(self.model) else
+                     "the model has no window-freeing cache (a global layer, no window, or not a CPU build)")
+        per_seq_tokens = self.max_model_len
+        if frees:  # a sequence never holds more; TVM adds 2 pages per sequence to what it is given
+            per_seq_tokens = min(per_seq_tokens, blocks_for_window(window_kept(self.model), config.block_size)
+                                 * config.block_size)
         num_blocks = config.num_blocks or max(
-            1, min(kv_memory_budget(self.model, config) // kv_bytes_per_block(self.model.manifest, config.block_size),
-                   -(-self.max_model_len * config.max_num_seqs // config.block_size)))
+            1, min(kv_memory_budget(self.model, config) // kv_bytes_per_block(self.model.manifest, config.block_size,
+                                                                               frees)
+                   - (2 * config.max_num_seqs if frees else 0),
+                   -(-per_seq_tokens * config.max_num_seqs // config.block_size)))
         self.kv = PagedKVCache(self.model, num_blocks, config.block_size, config.max_num_seqs,
-                               config.max_num_batched_tokens)
+                               config.max_num_batched_tokens, free_window=frees)
         capacity = self.kv.blocks.num_blocks * config.block_size
-        if capacity < self.max_model_len:
+        if self.kv.frees:
+            if self.kv.blocks.num_blocks < self.kv.blocks.window_blocks(self.kv.window):
+                raise VtoolError(f"the KV cache has {self.kv.blocks.num_blocks} blocks of {config.block_size}; a "
+                                 f"sequence of this sliding-window model may hold "
+                                 f"{self.kv.blocks.window_blocks(self.kv.window)}: raise --num-blocks")
+            capacity = None  # blocks outside the window are freed: no prompt outgrows the cache
+        elif capacity < self.max_model_len:
             if config.max_model_len is not None:
                 # As vLLM: one request at full context must fit, or preemption could never help it.
                 raise VtoolError(

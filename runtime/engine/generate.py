@@ -15,7 +15,8 @@ from vtool import VtoolError
 from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.sampling.host import SequenceSampler, sample_batch
 from vtool.runtime.artifact.tvm_runtime import global_func
-from vtool.runtime.engine.kv_cache import sliding_window
+from vtool.runtime.engine.kv_blocks import blocks_for_window
+from vtool.runtime.engine.kv_cache import SLIDING_CACHE, frees_window, sliding_window, window_kept
 from vtool.runtime.engine.validation import RequestLimits
 from vtool.runtime.sampling.params import SamplingParams, check_token_ids
 
@@ -42,7 +43,9 @@ class Generator:
 
     SEQ_ID = 0
 
-    def __init__(self, model: CompiledModel, max_model_len: int):
+    def __init__(self, model: CompiledModel, max_model_len: int, free_window: bool = False):
+        """free_window: on a model whose every layer is windowed, the cache that frees the
+        pages outside the window (kv_cache.py sliding_window; slower: EngineConfig.kv_window_freeing)."""
         self.model = model
         self.max_model_len = max_model_len
         self._kv = None
@@ -52,6 +55,9 @@ class Generator:
         self._add = global_func("vm.builtin.kv_state_add_sequence")
         self._remove = global_func("vm.builtin.kv_state_remove_sequence")
         self.window = sliding_window(model)  # a sliding-window model takes at most this per step (kv_cache.py)
+        # every layer windowed: the cache that frees what the window passed (nothing here pops or forks)
+        self.kept = window_kept(model) if free_window and frees_window(model) else 0
+        self._enable_window = global_func("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")
 
     @property
     def chunk(self) -> int:
@@ -61,14 +67,19 @@ class Generator:
     def _fresh_sequence(self, tokens_needed: int) -> None:
         """A KV cache with room for `tokens_needed`, holding one empty sequence."""
         capacity = -(-tokens_needed // PAGE_SIZE) * PAGE_SIZE
+        if self.kept:  # the sequence never holds more (TVM adds 2 pages per sequence too)
+            capacity = min(capacity, blocks_for_window(self.kept, PAGE_SIZE) * PAGE_SIZE)
         if self._kv is None or capacity > self._kv_capacity:
             shape = self.model.ffi.Shape
-            self._kv = self.model.function("create_tir_paged_kv_cache")(
-                shape([1]), shape([capacity]), shape([PREFILL_CHUNK]), shape([PAGE_SIZE]), shape([0]))
+            sizes = [shape([1]), shape([capacity]), shape([PREFILL_CHUNK]), shape([PAGE_SIZE])]
+            self._kv = self.model.function(SLIDING_CACHE)(*sizes) if self.kept else \
+                self.model.function("create_tir_paged_kv_cache")(*sizes, shape([0]))
             self._kv_capacity = capacity
         else:
             self._remove(self._kv, self.SEQ_ID)
         self._add(self._kv, self.SEQ_ID)
+        if self.kept:
+            self._enable_window(self._kv, self.SEQ_ID, self.kept, 0)
 
     def _embed(self, ids: list[int]) -> object:
         """Token embeddings as a [1, n, hidden] tensor on the model's device (a view: no copy

@@ -9,23 +9,54 @@ from vtool.runtime.engine.kv_blocks import KVBlockManager
 from vtool.runtime.artifact.tvm_runtime import global_func
 
 
+# models/window_cache.py ENTRY: the build's cache-wide sliding-window KV cache (every layer windowed)
+SLIDING_CACHE = "create_tir_sliding_kv_cache"
+
+
 def sliding_window(model: CompiledModel) -> int:
     """The window of the model's sliding-window layers (0: none). TVM's paged KV cache masks
     the window over the cached keys only: within one step a sequence's new tokens attend to
     each other causally, so no sequence may feed more than this many tokens in one step
     (Generator and Scheduler chunk prompts by it), and the prefix cache stays off (attention
-    over a forked prefix applies the window to each shared block apart)."""
+    over a forked prefix applies the window to each shared block apart).
+
+    What is freed, and when. By default nothing before the sequence ends: the model's
+    per-layer cache (create_tir_paged_kv_cache) holds every page of a sequence until it is
+    removed. A model whose every layer is windowed (Mistral, Phi-3, Qwen2 with
+    max_window_layers 0) is also built with SLIDING_CACHE (CPU builds: models/window_cache.py);
+    an engine asked for it (EngineConfig.kv_window_freeing; Generator(free_window=True)) uses
+    it: after every step each sequence keeps its last window - 1 tokens (a query sees those
+    and itself: the window) and every page wholly before them goes back, so a sequence holds
+    at most ceil((window + 14) / 16) pages however long it runs. It is opt-in because its
+    attention kernels are TVM's serial ones with rope applied inside them (several times
+    slower). That cache cannot pop (speculative decoding's rejected drafts) or fork, so an
+    engine with speculative decoding, and a draft model's own cache, keep the per-layer cache,
+    as does every model with a global layer (Gemma-2/3, Qwen2 with max_window_layers > 0,
+    OLMo-3): those layers attend to every token, so no page is ever outside every layer's
+    window."""
     return int(model.manifest.get("config", {}).get("sliding_window") or 0)
 
 
-def cache_layers(config: dict[str, Any]) -> int:
+def frees_window(model: CompiledModel) -> bool:
+    """Whether the library has SLIDING_CACHE, the cache that frees what the window passed."""
+    return SLIDING_CACHE in model.manifest.get("entry_points", ())
+
+
+def cache_layers(config: dict[str, Any], frees: bool = False) -> int:
     """The KV cache's layers for a manifest's config: the model's, and one more that no forward
     pass reaches when every layer is a sliding-window one (Mistral, Phi-3: TVM 0.27's cache
     allocates its q/k/v staging buffers only when some layer has full attention;
-    models/decoder.py create_paged_kv_cache adds it)."""
+    models/decoder.py create_paged_kv_cache adds it), except in SLIDING_CACHE (`frees`), whose
+    layers are all full-attention ones to TVM."""
     layers = int(config["num_hidden_layers"])
     windowed = config.get("sliding_window") and len(config.get("sliding_layers") or ()) == layers
-    return layers + 1 if windowed else layers
+    return layers + 1 if windowed and not frees else layers
+
+
+def window_kept(model: CompiledModel) -> int:
+    """The tokens each sequence of SLIDING_CACHE keeps after a step: window - 1 (the query
+    itself is the window's last)."""
+    return sliding_window(model) - 1
 
 
 # TVM's TIR attention/append kernels are generated for 16-token pages (other sizes fail
@@ -35,16 +66,23 @@ SUPPORTED_BLOCK_SIZES = (16,)
 
 class PagedKVCache:
     def __init__(self, model: CompiledModel, num_blocks: int, block_size: int, max_num_seqs: int,
-                 prefill_chunk: int):
+                 prefill_chunk: int, free_window: bool = False):
+        """free_window: use SLIDING_CACHE where the library has it (sliding_window() says what
+        it frees); its sequences can be neither popped nor forked, so the default is the
+        per-layer cache, which keeps every page."""
         if block_size not in SUPPORTED_BLOCK_SIZES:
             raise VtoolError(f"block size {block_size} is not supported; supported: {SUPPORTED_BLOCK_SIZES}")
         shape = model.ffi.Shape
-        self.handle = model.function("create_tir_paged_kv_cache")(
-            shape([max_num_seqs]), shape([num_blocks * block_size]), shape([prefill_chunk]), shape([block_size]),
-            shape([0]))
+        self.frees = free_window and frees_window(model)
+        # tokens each sequence keeps (0: all); TVM adds 2 pages per sequence to this cache's count
+        self.window = window_kept(model) if self.frees else 0
+        sizes = [shape([max_num_seqs]), shape([num_blocks * block_size]), shape([prefill_chunk]), shape([block_size])]
+        self.handle = model.function(SLIDING_CACHE)(*sizes) if self.frees else \
+            model.function("create_tir_paged_kv_cache")(*sizes, shape([0]))
         self._f = {name: global_func(f"vm.builtin.{name}") for name in (
             "kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_fork_sequence",
-            "kv_state_begin_forward", "kv_state_end_forward", "kv_state_popn", "attention_kv_cache_get_num_available_pages")}
+            "kv_state_begin_forward", "kv_state_end_forward", "kv_state_popn", "attention_kv_cache_get_num_available_pages",
+            "attention_kv_cache_enable_sliding_window_for_seq")}
         self._shape = shape
         self.max_num_seqs = max_num_seqs  # TVM sizes a step's arrays by it: no step may run more rows
         # TVM may round the page count up; the mirror starts from what TVM reports.
@@ -55,10 +93,15 @@ class PagedKVCache:
         return int(self._f["attention_kv_cache_get_num_available_pages"](self.handle))
 
     def add(self, seq_id: int) -> None:
-        self.blocks.add(seq_id)
+        self.blocks.add(seq_id, self.window)
         self._f["kv_state_add_sequence"](self.handle, seq_id)
+        if self.window:  # keep the last `window` tokens, no attention sink
+            self._f["attention_kv_cache_enable_sliding_window_for_seq"](self.handle, seq_id, self.window, 0)
 
     def fork(self, parent: int, child: int, fork_pos: int) -> None:
+        if self.frees:
+            raise VtoolError("the window-freeing KV cache cannot fork a sequence (TVM forks a slid sequence only "
+                             "within its attention sink); the prefix cache is off for sliding-window models")
         self.blocks.fork(parent, child, fork_pos)
         self._f["kv_state_fork_sequence"](self.handle, parent, child, fork_pos)
 
@@ -68,6 +111,10 @@ class PagedKVCache:
 
     def pop(self, seq_id: int, num_tokens: int) -> None:
         """Take back the sequence's last num_tokens (speculative tokens the target rejected)."""
+        if num_tokens and self.frees:
+            raise VtoolError("the window-freeing KV cache cannot take tokens back (the tokens its window slid out "
+                             "for them are gone): speculative decoding runs on the per-layer cache "
+                             "(PagedKVCache(free_window=False))")
         if num_tokens:
             self.blocks.pop(seq_id, num_tokens)
             self._f["kv_state_popn"](self.handle, seq_id, num_tokens)

@@ -17,9 +17,11 @@ from vtool.schedules.cpu.matmul import schedule_nt_matmul
 from vtool.schedules.cpu.moe import schedule_moe_gemv
 from vtool.schedules.cpu.quantized import schedule_quantized_matmul
 from vtool.schedules.cpu.rowwise import schedule_rowwise
-from vtool.schedules.cpu.sliding_attention import fix_sliding_prefill
+from vtool.schedules.cpu.sliding_attention import NAME as SLIDING_PREFILL, fix_sliding_prefill
 from vtool.schedules.views import becomes_view
 
+# models/window_cache.py FREEING_SUFFIX (schedules never import models; a test holds the two equal)
+FREEING_SUFFIX = "_window_freeing"
 _OUT_ELEMWISE_FUSABLE = 4  # relax OpPatternKind: elementwise 0, broadcast 1, injective 2, reduce 3
 
 
@@ -49,7 +51,11 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
                          # its prefill's mask fixed: it reads an unset maximum)
                          or rewrite_prefill_paged_sliding(gv.name_hint, func)
                          or rewrite_decode_paged_sliding(gv.name_hint, func)
-                         or fix_sliding_prefill(gv.name_hint, func))
+                         or fix_sliding_prefill(gv.name_hint, func)
+                         # the window-freeing cache's own TVM kernels (inline rope: never vtool's),
+                         # its prefill with the same fix
+                         or (fix_sliding_prefill(SLIDING_PREFILL, func)
+                             if gv.name_hint == SLIDING_PREFILL + FREEING_SUFFIX else None))
             if rewritten is not None:
                 updates[gv] = rewritten
                 continue
