@@ -4,8 +4,9 @@ The module of every family today (models/llama.py: Llama, Mistral, SmolLM2; mode
 models/qwen3.py); the differences are config flags the family's normalisation sets
 (ModelConfig.attention_bias for Qwen2's q/k/v bias, ModelConfig.qk_norm for Qwen3's per-head
 RMSNorm on q and k; Gemma's in models/gemma.py: sandwich_norms, mlp_act, embed_scale,
-attn_scale, final_logit_softcap, sliding_window/sliding_layers (per-layer "mha_sliding" KV-cache
-layers) and model_rope (q/k rotated here, models/rope.py, the cache built with RopeMode.NONE)).
+attn_scale, final_logit_softcap, attn_logit_softcap (the cache's kernels capped: models/softcap.py),
+sliding_window/sliding_layers (per-layer "mha_sliding" KV-cache layers) and model_rope (q/k
+rotated here, models/rope.py, the cache built with RopeMode.NONE)).
 q/k/v and gate/up are fused into one projection
 each, so attention and the MLP cost one GEMV launch apiece instead of three and two.
 
@@ -21,6 +22,8 @@ Entry points (the runtime calls these by name; the manifest lists them):
     (CUDA builds add batch_decode_captured, a copy run from CUDA graphs per batch size:
     toolchain/pipeline.py; its symbolic batch is the spec's "batch_size")
   create_tir_paged_kv_cache(max_batch, max_total_len, prefill_chunk, page_size, sliding)
+  create_tir_sliding_kv_cache(max_batch, max_total_len, prefill_chunk, page_size): only where every
+    layer is windowed (CPU builds): the cache that frees what the window passed (models/window_cache.py)
 """
 from __future__ import annotations
 
@@ -35,9 +38,12 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from vtool.models.config import ModelConfig
-from vtool.models.quantized_linear import (Int8Kernels, QuantizedEmbedding, QuantizedLinear, decode_numerics,
-                                          use_int8_gemv)
+from vtool.models.quantized_linear import (Int8Kernels, QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear,
+                                          decode_numerics, use_int8_gemv)
+from vtool.models.weights import SPLIT
 from vtool.models.rope import apply_rope, inverse_frequencies, longrope_inverse_frequencies
+from vtool.models.softcap import softcap_kv_cache
+from vtool.models.window_cache import ENTRY as SLIDING_CACHE_ENTRY, frees_window, sliding_kv_cache
 
 # compiled module path ("model.layers.0.mlp.down_proj") -> GGML block format kept in memory
 Formats = Mapping[str, str]
@@ -65,11 +71,18 @@ class Linear(nn.Module):
 
 
 def make_linear(path: str, in_features: int, out_features: int, bias: bool, dtype: str,
-                formats: Formats) -> Linear | QuantizedLinear:
-    """A QuantizedLinear where the build keeps `path`'s weight in blocks, else a Linear."""
+                formats: Formats, parts: tuple[int, ...] | None = None
+                ) -> Linear | QuantizedLinear | SplitQuantizedLinear:
+    """A QuantizedLinear where the build keeps `path`'s weight in blocks, else a Linear.
+    `parts`: a fused layer's rows per source (q, k, v), for a weight kept in several formats
+    (a SplitQuantizedLinear)."""
     fmt = formats.get(path)
     if fmt is None:
         return Linear(in_features, out_features, bias, dtype)
+    if SPLIT in fmt:
+        if parts is None or sum(parts) != out_features:
+            raise ValueError(f"{path}: kept as {fmt!r} but the layer does not say its parts' rows")
+        return SplitQuantizedLinear(in_features, parts, bias, dtype, fmt)
     return QuantizedLinear(in_features, out_features, bias, dtype, fmt)
 
 
@@ -90,7 +103,8 @@ class Attention(nn.Module):
             else:
                 self.inv_freq = inverse_frequencies(self.head_dim, theta, float(scaling.get("factor", 1.0)))
         self.qkv_proj = make_linear(prefix + "qkv_proj", c.hidden_size, (self.hq + 2 * self.hkv) * self.head_dim,
-                                    c.attention_bias, dtype, formats)
+                                    c.attention_bias, dtype, formats,
+                                    (self.hq * self.head_dim, self.hkv * self.head_dim, self.hkv * self.head_dim))
         self.o_proj = make_linear(prefix + "o_proj", self.hq * self.head_dim, c.hidden_size, False, dtype, formats)
         self.qk_norm, self.qk_norm_full = c.qk_norm, c.qk_norm_full
         if c.qk_norm:
@@ -126,7 +140,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig, dtype: str, formats: Formats, prefix: str):
         self.gate_up_proj = make_linear(prefix + "gate_up_proj", c.hidden_size, 2 * c.intermediate_size, False,
-                                        dtype, formats)
+                                        dtype, formats, (c.intermediate_size, c.intermediate_size))
         self.down_proj = make_linear(prefix + "down_proj", c.intermediate_size, c.hidden_size, False, dtype, formats)
         self.act = c.mlp_act
 
@@ -263,7 +277,7 @@ class DecoderForCausalLM(nn.Module):
         layers = len(attn_kind) if isinstance(attn_kind, list) else c.num_hidden_layers
         window = {"layer_sliding_window_size": c.sliding_window} if c.sliding_window else {}
         # vtool.toolchain.flashinfer_attention.use_attention may set another cache class.
-        return getattr(self, "kv_cache_class", TIRPagedKVCache)(
+        cache = getattr(self, "kv_cache_class", TIRPagedKVCache)(
             attn_kind=attn_kind, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size, page_size=page_size,
             support_sliding_window=support_sliding_window,
@@ -274,12 +288,22 @@ class DecoderForCausalLM(nn.Module):
             rope_mode=RopeMode.NONE if c.model_rope else RopeMode.NORMAL, rope_scale=1, rope_theta=c.rope_theta,
             rope_scaling={} if c.model_rope else dict(c.rope_scaling or {}), rope_ext_factors=rx.prim_value(0),
             rotary_dim=c.head_dim, enable_disaggregation=False, dtype=self.dtype, target=self.target, **window)
+        if c.attn_logit_softcap:  # Gemma-2: every attention kernel of the cache caps its scores (models/softcap.py)
+            softcap_kv_cache(cache, c.attn_logit_softcap)
+        return cache
+
+    def create_tir_sliding_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+                                    prefill_chunk_size: tirx.Var, page_size: tirx.Var) -> PagedKVCache:
+        """Every layer windowed: TVM's cache-wide sliding window, which frees the pages the
+        window has passed (models/window_cache.py; the runtime picks it where nothing pops)."""
+        return sliding_kv_cache(self.config, self.dtype, self.target, max_batch_size, max_total_seq_len,
+                                prefill_chunk_size, page_size)
 
     def get_default_spec(self) -> dict:
         hidden, dt = self.config.hidden_size, self.dtype
         packed = {"param_mode": "packed", "effect_mode": "none"}
         kv = nn.spec.Object(object_type=PagedKVCache)
-        return {
+        spec = {
             "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": packed},
             "prefill": {"input_embed": nn.spec.Tensor([1, "seq_len", hidden], dt), "kv": kv, "$": packed},
             "decode": {"input_embed": nn.spec.Tensor([1, 1, hidden], dt), "kv": kv, "$": packed},
@@ -300,3 +324,9 @@ class DecoderForCausalLM(nn.Module):
                 "$": {"param_mode": "none", "effect_mode": "none"},
             },
         }
+        if frees_window(self.config, getattr(self, "target", None)):
+            spec[SLIDING_CACHE_ENTRY] = {
+                "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int, "page_size": int,
+                "$": {"param_mode": "none", "effect_mode": "none"},
+            }
+        return spec

@@ -1,6 +1,7 @@
 """Quantized activation rows (llama.cpp's integer-dot scheme): which kept formats and targets take them.
 
-Q8_0/Q4_0/Q4_1/Q5_0 weights meet Q8_0 activation blocks, Q4_K/Q6_K weights Q8_K ones, as in llama.cpp.
+Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL weights meet Q8_0 activation blocks, Q2_K..Q6_K and IQ4_XS weights Q8_K
+ones, as in llama.cpp.
 
 The build decides `--activations` with these before it compiles anything, so this module is
 pure Python (no TVM). The kernels themselves are schedules/cpu/int8_gemv.py; the toolchain
@@ -12,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 # The kept formats with integer-dot kernels over Q8_0 activation blocks (schedules/cpu/int8_gemv.py) ...
-INT8_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")
+INT8_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 # ... and over Q8_K ones (256 values, float32 d: llama.cpp's K-quant dots, schedules/cpu/kquant_gemv.py)
-Q8_K_FORMATS = ("Q4_K", "Q6_K")
+Q8_K_FORMATS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 # Every kept format that takes quantized activations under --activations decode / q8_0 / auto
 DOT_FORMATS = INT8_FORMATS + Q8_K_FORMATS
 

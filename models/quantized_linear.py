@@ -1,5 +1,5 @@
 """Linear layers and embeddings whose weights stay in GGUF block form (Q8_0, Q4_0, Q4_1,
-Q5_0, Q4_K, Q6_K).
+Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS).
 
 The weight is never materialized as floats: each kernel reads the quants and the block
 scales and dequantizes in registers, inside the GEMV/GEMM, accumulating in float32
@@ -27,8 +27,9 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from vtool.runtime.weights.ggml_blocks import (BLOCK, FORMATS, SUPER_BLOCK, TILE_ROWS, block_cols, keepable, part_dtype,
-                                              part_shape, parts)
+from vtool.models.weights import format_runs
+from vtool.runtime.weights.ggml_blocks import (FORMATS, IQ4_VALUES, SUPER_BLOCK, TILE_ROWS, block_cols, keepable,
+                                              part_dtype, part_shape, parts)
 
 CHUNK = 16  # weights per vtool_dequant chunk: half a block
 DEQUANT_BLOCK = "vtool_dequant"
@@ -40,6 +41,16 @@ def _nibble(qweight: te.Tensor, t, b, r, c, j) -> tirx.PrimExpr:
     """Chunk c's 4-bit quant j: the low (even c) or high (odd c) nibbles of block b's 16 bytes."""
     return tirx.bitwise_and(tirx.shift_right(qweight[t, b, r, j], ((c % 2) * 4).astype("uint8")),
                             tirx.const(15, "uint8"))
+
+
+def _iq4_level(q: tirx.PrimExpr) -> tirx.PrimExpr:
+    """IQ4_NL's / IQ4_XS's level of a 4-bit code, as float32: a tree of selects on its bits."""
+    levels = [tirx.const(float(v), "float32") for v in IQ4_VALUES]
+    for bit in range(4):
+        set_ = tirx.bitwise_and(tirx.shift_right(q, tirx.const(bit, "uint8")), tirx.const(1, "uint8")) != \
+            tirx.const(0, "uint8")
+        levels = [tirx.Select(set_, levels[2 * i + 1], levels[2 * i]) for i in range(len(levels) // 2)]
+    return levels[0]
 
 
 def _f32(v: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -54,19 +65,42 @@ def _weight(fmt: str, w: list[te.Tensor], n, c, j) -> tirx.PrimExpr:
     t, r, b = n // TILE_ROWS, n % TILE_ROWS, c // 2
     if fmt == "Q8_0":
         return _f32(qweight[t, b, r, (c % 2) * CHUNK + j]) * _f32(w[1][t, b, r])
+    if fmt in ("Q2_K", "Q3_K"):  # 2-bit quants: chunk c at bits 2(c % 4) of 64-weight group c // 4
+        s = c // (SUPER_BLOCK // CHUNK)
+        q2 = tirx.bitwise_and(tirx.shift_right(qweight[t, c // 4, r, j], ((c % 4) * 2).astype("uint8")),
+                              tirx.const(3, "uint8"))
+        if fmt == "Q2_K":  # parts: qweight, scale (d), min (dmin), sub_scale (sc | m << 4 per 16)
+            sm = w[3][t, c, r]
+            d = _f32(w[1][t, s, r]) * _f32(tirx.bitwise_and(sm, tirx.const(15, "uint8")))
+            m = _f32(w[2][t, s, r]) * _f32(tirx.shift_right(sm, tirx.const(4, "uint8")))
+            return d * _f32(q2) - m
+        # Q3_K, parts: qweight, qhigh (the third bits, as Q5_0's), scale, sub_scale (signed, per 16)
+        e = (c % 2) * CHUNK + j
+        high = tirx.bitwise_and(tirx.shift_right(w[1][t, b, r, e // 8], (e % 8).astype("uint8")),
+                                tirx.const(1, "uint8"))
+        q3 = tirx.bitwise_or(q2, tirx.shift_left(high, tirx.const(2, "uint8")))
+        return (_f32(w[2][t, s, r]) * _f32(w[3][t, c, r])) * (_f32(q3) - tirx.const(4.0, "float32"))
     q = _nibble(qweight, t, b, r, c, j)
+    if fmt == "IQ4_NL":  # parts: qweight, scale
+        return _iq4_level(q) * _f32(w[1][t, b, r])
+    if fmt == "IQ4_XS":  # parts: qweight, scale (d per 256), sub_scale (ls - 32 per 32)
+        return (_f32(w[1][t, c // (SUPER_BLOCK // CHUNK), r]) * _f32(w[2][t, b, r])) * _iq4_level(q)
     if fmt == "Q4_0":
         return (_f32(q) - tirx.const(8.0, "float32")) * _f32(w[1][t, b, r])
     if fmt == "Q4_1":
         return _f32(q) * _f32(w[1][t, b, r]) + _f32(w[2][t, b, r])
-    if fmt == "Q5_0":  # parts: qweight, qhigh (element e's 5th bit at bit e % 8 of byte e // 8), scale
+    if fmt in ("Q5_0", "Q5_1", "Q5_K"):  # qhigh (w[1]): element e's 5th bit at bit e % 8 of byte e // 8
         e = (c % 2) * CHUNK + j
         high = tirx.bitwise_and(tirx.shift_right(w[1][t, b, r, e // 8], (e % 8).astype("uint8")),
                                 tirx.const(1, "uint8"))
-        q5 = tirx.bitwise_or(q, tirx.shift_left(high, tirx.const(4, "uint8")))
-        return (_f32(q5) - tirx.const(16.0, "float32")) * _f32(w[2][t, b, r])
+        q = tirx.bitwise_or(q, tirx.shift_left(high, tirx.const(4, "uint8")))
+        if fmt == "Q5_0":  # parts: qweight, qhigh, scale
+            return (_f32(q) - tirx.const(16.0, "float32")) * _f32(w[2][t, b, r])
+        if fmt == "Q5_1":  # parts: qweight, qhigh, scale, min
+            return _f32(q) * _f32(w[2][t, b, r]) + _f32(w[3][t, b, r])
+        w = [w[0], *w[2:]]  # Q5_K: then as Q4_K's parts
     s = c // (SUPER_BLOCK // CHUNK)  # the 256-weight super-block
-    if fmt == "Q4_K":  # parts: qweight, scale (d), min (dmin), sub_scale, sub_min
+    if fmt in ("Q4_K", "Q5_K"):  # parts: qweight, scale (d), min (dmin), sub_scale, sub_min
         d = _f32(w[1][t, s, r]) * _f32(w[3][t, b, r])
         m = _f32(w[2][t, s, r]) * _f32(w[4][t, b, r])
         return d * _f32(q) - m
@@ -96,7 +130,7 @@ def matmul_te(fmt: str, x: te.Tensor, *w: te.Tensor) -> te.Tensor:
 
 def take_te(fmt: str, dtype: str, ids: te.Tensor, *w: te.Tensor) -> te.Tensor:
     """Rows `ids` of a quantized [V, K] table, dequantized to `dtype`: [n, K]."""
-    k = int(w[0].shape[1]) * BLOCK  # qweight is [tiles, blocks, TILE_ROWS, bytes]
+    k = int(w[0].shape[1]) * FORMATS[fmt].qweight_group  # qweight is [tiles, groups, TILE_ROWS, bytes]
     return te.compute(
         (ids.shape[0], k),
         lambda i, col: _weight(fmt, list(w), ids[i], col // CHUNK, col % CHUNK).astype(dtype),
@@ -204,6 +238,29 @@ class QuantizedLinear(_QuantizedWeight):
         y = self._matmul(x, prompt)
         if self.compute_dtype != "float32":
             y = y.astype(self.compute_dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class SplitQuantizedLinear(nn.Module):
+    """A fused linear (q|k|v, gate|up) whose parts are kept in different block formats (a
+    Q4_K_M file's Q5_0 q/k and Q8_0 v): one QuantizedLinear per run of consecutive parts that
+    share a format (`runs.<i>`, models/weights.py format_runs), their outputs concatenated, so
+    every part keeps its own blocks and integer-dot kernel instead of the whole being dequantized."""
+
+    def __init__(self, in_features: int, part_rows: tuple[int, ...], bias: bool, dtype: str, spec: str):
+        runs = format_runs(spec)
+        if len(part_rows) != sum(count for _, _, count in runs):
+            raise ValueError(f"split format {spec!r} names {sum(c for _, _, c in runs)} parts, the layer has "
+                             f"{len(part_rows)}")
+        self.out_features = sum(part_rows)
+        self.runs = nn.ModuleList([QuantizedLinear(in_features, sum(part_rows[first:first + count]), False, dtype, fmt)
+                                   for fmt, first, count in runs])
+        self.bias = nn.Parameter((self.out_features,), dtype) if bias else None
+
+    def forward(self, x: Tensor, prompt: bool = False) -> Tensor:
+        y = op.concat([run(x, prompt) for run in self.runs], dim=-1)
         if self.bias is not None:
             y = y + self.bias
         return y

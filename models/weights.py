@@ -24,6 +24,25 @@ FUSED = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 
+# A fused module whose sources are kept in different block formats (a Q4_K_M file's Q5_0 q/k and
+# Q8_0 v) keeps each source in its own blocks: its format is the sources' formats joined by
+# SPLIT ("Q5_0,Q5_0,Q8_0"), and it is compiled as one matmul per run of consecutive sources that
+# share a format (models/quantized_linear.py SplitQuantizedLinear: submodules `runs.<i>`).
+SPLIT = ","
+RUNS = "runs"
+
+
+def format_runs(spec: str) -> list[tuple[str, int, int]]:
+    """A kept format, or a split one ("Q5_0,Q5_0,Q8_0") -> (format, first source, sources) per
+    run of consecutive sources sharing a format: [("Q5_0", 0, 2), ("Q8_0", 2, 1)]."""
+    runs: list[tuple[str, int, int]] = []
+    for i, fmt in enumerate(spec.split(SPLIT)):
+        if runs and runs[-1][0] == fmt:
+            runs[-1] = (fmt, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((fmt, i, 1))
+    return runs
+
 
 class WeightPlanError(VtoolError):
     """The checkpoint does not provide what the config says the model needs."""
@@ -69,6 +88,17 @@ def plan_parameters(named_params: Iterable[tuple[str, Any]],
             entry["quant"] = {"format": formats[module], "part": leaf}
             leaf = "weight"
             entry["sources"] = [f"{module}.{leaf}"]
+        parent, _, run = module.rpartition(f".{RUNS}.")
+        if parent in formats and SPLIT in formats[parent] and leaf in QUANT_PARTS:
+            # one run of a fused module kept in several formats: its own sources' blocks
+            fmt, first, count = format_runs(formats[parent])[int(run)]
+            fused = next(f for f in fused_sources if parent.endswith("." + f))
+            prefix = parent[: -len(fused) - 1]
+            entry["quant"] = {"format": fmt, "part": leaf}
+            entry["sources"] = [f"{prefix}.{p}.weight" for p in fused_sources[fused][first:first + count]]
+            entry["transform"] = "concat_rows" if count > 1 else "identity"
+            plan.append(entry)
+            continue
         for fused, parts in fused_sources.items():
             if module.endswith("." + fused):
                 prefix = module[: -len(fused) - 1]
@@ -102,7 +132,9 @@ def kept_formats(c: ModelConfig, stored: Mapping[str, tuple[str, tuple[int, ...]
 
     Returns (kept: module -> format, dense: module -> stored types dequantized instead). A
     module is kept when all its sources share one format vtool has kernels for and fit its
-    tiles (a fused q|k|v of Q4_K q/k and a Q6_K v cannot be one block matrix, for example).
+    tiles. A fused module whose sources are each keepable in different formats (a q|k|v of
+    Q4_K q/k and a Q6_K v) keeps each in its own blocks: its format is the per-source list
+    joined by SPLIT (format_runs).
     """
     kept: dict[str, str] = {}
     dense: dict[str, str] = {}
@@ -110,6 +142,8 @@ def kept_formats(c: ModelConfig, stored: Mapping[str, tuple[str, tuple[int, ...]
         types = sorted({stored[s][0] for s in sources})
         if len(types) == 1 and all(keepable(types[0], *stored[s][1]) for s in sources):
             kept[module] = types[0]
+        elif len(types) > 1 and all(keepable(stored[s][0], *stored[s][1]) for s in sources):
+            kept[module] = SPLIT.join(stored[s][0] for s in sources)
         elif any(t not in FLOAT_TYPES for t in types):
             dense[module] = "+".join(types)
     return kept, dense

@@ -77,8 +77,7 @@ def sources(tmp_path_factory) -> dict:
         # head_dim 16, MHA: TVM's CUDA decode attention cannot launch it
         "st-hd16": _safetensors(tmp / "hd16", 16, 8, 8),
         "gguf-q4_1": write_tiny_gguf(tmp / "q41.gguf", lambda _n: Q.Q4_1),
-        # K-quants: Q6_K has no integer-dot kernel, and a q|k|v whose parts differ (Q4_K q/k,
-        # Q6_K v) is dequantized at load
+        # K-quants: a q|k|v whose parts differ (Q4_K q/k, Q6_K v) keeps each part in its own blocks
         "gguf-mixed": write_tiny_gguf(tmp / "mixed.gguf", lambda n: Q.Q4_K if ".attn_q." in n or ".attn_k." in n
                                       else Q.Q6_K, shape=K_SHAPE),
         "gguf-f32": write_tiny_gguf(tmp / "f32.gguf", lambda _n: Q.F32),
@@ -152,8 +151,9 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
         scheme = "gguf" if kept else "none"
         if not kept:
             if quantization != "auto":
-                raise VtoolError(f"--quantization gguf: {ckpt.path} has no weight stored as Q8_0, Q4_0, Q4_1, Q4_K "
-                                 "or Q6_K (the formats with kernels); use --quantization none")
+                raise VtoolError(f"--quantization gguf: {ckpt.path} has no weight stored as Q8_0, Q4_0, Q4_1, Q5_0, "
+                                 "Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (the formats with kernels); use "
+                                 "--quantization none")
             dense = {}
     if gemm not in ("auto", "tir", "cublas"):
         raise VtoolError(f"--gemm {gemm!r} is not one of auto, tir, cublas")
@@ -165,7 +165,7 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
     if activations not in ("auto", "decode", "q8_0", "none"):
         raise VtoolError(f"unknown --activations {activations!r}; supported: auto, decode, q8_0, none")
     isa = int8_isa(str(spec.tvm.get("mcpu", "")), list(spec.tvm.get("mattr", []))) if spec.family == "x86" else None
-    usable = isa is not None and bool(set(kept.values()) & set(DOT_FORMATS))  # + Q4_K/Q6_K (issue 16)
+    usable = isa is not None and bool({f for v in kept.values() for f in v.split(",")} & set(DOT_FORMATS))
     if activations == "none" or (activations == "auto" and not usable):
         activations = "none"
     elif activations == "auto":
@@ -174,7 +174,8 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
         raise VtoolError(f"--activations {activations} needs an x86 target with integer dot products (AVX2 or "
                          f"AVX-512 VNNI); {spec.name} has none: use --activations none")
     elif not usable:
-        raise VtoolError(f"--activations {activations} applies to weights kept as Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K blocks and "
+        raise VtoolError(f"--activations {activations} applies to weights kept as Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                         "IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS blocks and "
                          "this build keeps none: use --activations none (or --quantization gguf / q4_1 / q8_0)")
     return scheme, kept, dense, activations, gemm, attention
 

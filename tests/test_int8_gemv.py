@@ -1,5 +1,6 @@
 """The integer-dot decode GEMVs (schedules/cpu/int8_gemv.py) against an oracle nobody here wrote:
-gguf-py quantizes random weights (Q8_0, Q4_0, Q4_1) and the activation row (Q8_0, as
+gguf-py quantizes random weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; IQ4_NL blocks come from
+tests/support/quant_gguf.py's encoder) and the activation row (Q8_0, as
 llama.cpp's dot products take it) and dequantizes both; the product of the two
 dequantized operands is what the kernel must compute, up to float32 summation order.
 
@@ -16,6 +17,7 @@ import tvm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quant_gguf import quantize
 from vtool.models.int8_activations import int8_isa as isa_for
 from vtool.schedules.cpu.int8_gemv import DEFAULT_CHUNK, FORMATS, MAX_CHUNK, gemm_func, gemv_func
 from vtool.runtime.weights import quant_blocks
@@ -65,7 +67,7 @@ def test_gemv_equals_q8_0_activations_times_dequantized_weights(isa, fmt, n, k):
     w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 0.2, (n, 1))).astype(np.float32)
     x = (rng.standard_normal(k) * 3).astype(np.float32)
     x[:32] = 0  # an all-zero block: d_x = 0 must not divide by zero
-    raw = gguf.quants.quantize(w, getattr(Q, fmt))
+    raw = quantize(w, getattr(Q, fmt))  # gguf-py's quantizer (IQ4_NL: tests/support/quant_gguf.py's encoder)
     parts = quant_blocks.repack(fmt, raw, k)
     args = [tvm.runtime.tensor(x.reshape(1, 1, k))] + [tvm.runtime.tensor(parts[p])
                                                          for p in quant_blocks.FORMATS[fmt].parts]
@@ -94,8 +96,8 @@ def _gemm_rows_check(fmt: str, isa: str, m: int, seed: int, rows_per_chunk: int 
     the oracle up to float32 summation order."""
     n, k = 64, 256
     rng = np.random.default_rng(seed)
-    raw = gguf.quants.quantize((rng.standard_normal((n, k)) * rng.uniform(0.01, 0.3, (n, 1))).astype(np.float32),
-                               getattr(Q, fmt))
+    raw = quantize((rng.standard_normal((n, k)) * rng.uniform(0.01, 0.3, (n, 1))).astype(np.float32),
+                   getattr(Q, fmt))
     gemm, gemv = _gemm_and_gemv(fmt, isa, n, k, rows_per_chunk)
     parts = _parts(fmt, raw, k)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)

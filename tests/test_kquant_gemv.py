@@ -65,8 +65,8 @@ def _oracle(fmt: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
 def _inputs(k: int, m: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
-    x[0, :256] = 0  # an all-zero super-block: d_x = 0 must not divide by zero
-    if k > 256:
+    if k > 256:  # (not the only one: an all-zero row would pass against any weights)
+        x[0, :256] = 0  # an all-zero super-block: d_x = 0 must not divide by zero
         x[0, 300] = -40.0  # a negative largest value: iscale > 0 there
     return x
 

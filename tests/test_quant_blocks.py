@@ -3,7 +3,7 @@ weights stay quantized (vtool.models.weights.kept_formats). No compiler involved
 
 The repacked parts must dequantize to exactly what gguf.quants.dequantize (the code
 transformers' GGUF loader uses) gives: every format's dequantization is exact in float32.
-Q4_K/Q6_K blocks come from tests/support/quant_gguf.py's numpy encoders (gguf-py cannot quantize
+K-quant blocks come from tests/support/quant_gguf.py's numpy encoders (gguf-py cannot quantize
 K-quants), themselves held to gguf-py's dequantizer within the quantization error.
 """
 from __future__ import annotations
@@ -14,15 +14,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quant_gguf import QK_K, encode_q4_k, encode_q6_k, quantize
+from quant_gguf import QK_K, encode_q2_k, encode_q3_k, encode_q4_k, encode_q5_k, encode_q6_k, quantize
 from vtool.models.config import parse_hf_config
-from vtool.models.weights import expected_source_shapes, kept_formats, plan_parameters, weight_modules
+from vtool.models.weights import expected_source_shapes, format_runs, kept_formats, plan_parameters, weight_modules
 from vtool.runtime.weights import ggml_blocks
 from vtool.runtime.weights.quant_blocks import QuantFormatError, dequantize, repack
 
 Q = gguf.GGMLQuantizationType
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
-F16_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # d (and m/dmin)
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+F16_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+               "IQ4_XS": (0,)}  # d (and m/dmin)
 
 
 @settings(max_examples=60, deadline=None)
@@ -58,6 +60,7 @@ def test_repack_of_random_bytes_matches_gguf(fmt, seed):
 
 def test_block_table_agrees_with_gguf():
     """ggml_blocks (the one table the runtime and the models read) against gguf-py's sizes."""
+    assert ggml_blocks.IQ4_VALUES == tuple(gguf.quants.IQ4_NL.kvalues)
     assert set(ggml_blocks.FORMATS) == set(FORMATS)
     assert set(ggml_blocks.QUANT_PARTS) == {p for f in FORMATS for p in ggml_blocks.parts(f)}
     for name, fmt in ggml_blocks.FORMATS.items():
@@ -66,10 +69,11 @@ def test_block_table_agrees_with_gguf():
         assert ggml_blocks.part_dtype(name, "qweight") == fmt.qweight_dtype
 
 
-@pytest.mark.parametrize("fmt, most", [("Q8_0", 1.0), ("Q4_0", 1.0), ("Q4_1", 1.0), ("Q5_0", 1.0), ("Q4_K", 148 / 144),
-                                       ("Q6_K", 1.0)])
+@pytest.mark.parametrize("fmt, most", [("Q8_0", 1.0), ("Q4_0", 1.0), ("Q4_1", 1.0), ("Q5_0", 1.0), ("Q5_1", 1.0),
+                                       ("Q2_K", 1.0), ("Q3_K", 114 / 110), ("Q4_K", 148 / 144), ("Q5_K", 180 / 176),
+                                       ("Q6_K", 1.0), ("IQ4_NL", 1.0), ("IQ4_XS", 138 / 136)])
 def test_repacked_bytes_are_about_the_files(fmt, most):
-    """Kept weights cost the file's bytes (Q4_K: its 6-bit scales and mins take a byte each)."""
+    """Kept weights cost the file's bytes (Q3_K/Q4_K/Q5_K: their 6-bit scales take a byte each)."""
     rows, cols = 8, 2 * QK_K
     raw = quantize(np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32), Q[fmt])
     assert sum(a.nbytes for a in repack(fmt, raw, cols).values()) == pytest.approx(most * raw.nbytes)
@@ -83,24 +87,51 @@ def test_k_quant_encoders_round_trip_through_gguf(scale, seed):
     w = (rng.standard_normal((4, 2 * QK_K)) * scale).astype(np.float32)
     w[1, :QK_K] = 0  # an all-zero super-block
     w[2, :32] = np.abs(w[2, :32]) + scale  # a sub-block with no negative weight
-    for enc, qtype, bits, rms in ((encode_q4_k, Q.Q4_K, 4, 0.09), (encode_q6_k, Q.Q6_K, 6, 0.025)):
+    for enc, qtype, bits, rms in ((encode_q4_k, Q.Q4_K, 4, 0.09), (encode_q5_k, Q.Q5_K, 5, 0.045),
+                                  (encode_q6_k, Q.Q6_K, 6, 0.025)):
         raw = enc(w)
         assert raw.shape == (4, 2 * gguf.GGML_QUANT_SIZES[qtype][1])
         got = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
-        # every weight within half a quantization step of the sub-block's (Q4_K: 32 weights,
-        # range max - min over 15 steps; Q6_K: 16 weights, |max| over 31), with the
+        # every weight within half a quantization step of the sub-block's (Q4_K/Q5_K: 32 weights,
+        # range max - min over 15/31 steps; Q6_K: 16 weights, |max| over 31), with the
         # rounded-up 6/8-bit scales' slack: 1/63 or 1/127 of the super-block's largest step
-        sub = 32 if bits == 4 else 16
+        sub = 16 if bits == 6 else 32
         x = w.reshape(4, -1, sub)
-        if bits == 4:
+        if bits < 6:
             lo = np.minimum(x.min(-1), 0)
-            step = (x.max(-1) - lo) / 15
+            step = (x.max(-1) - lo) / (2 ** bits - 1)
         else:
             step = np.abs(x).max(-1) / 31
-        slack = step.reshape(4, -1, QK_K // sub).max(-1, keepdims=True) / (63 if bits == 4 else 127)
+        slack = step.reshape(4, -1, QK_K // sub).max(-1, keepdims=True) / (127 if bits == 6 else 63)
         bound = 0.5 * (step.reshape(4, -1, QK_K // sub) + 3 * slack).reshape(4, -1, 1) * (1 + 1e-3)
         assert (np.abs(got - w).reshape(4, -1, sub) <= bound).all(), qtype.name
         assert np.sqrt(np.mean((got - w) ** 2)) <= rms * np.sqrt(np.mean(w ** 2)), qtype.name
+        assert np.all(got[1, :QK_K] == 0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(scale=st.sampled_from([1e-3, 0.1, 3.0, 200.0]), seed=st.integers(0, 2**31 - 1))
+def test_low_bit_k_quant_encoders_round_trip_through_gguf(scale, seed):
+    """Q2_K (q in 0..3 with a 4-bit min per 16) and Q3_K (q in -4..3, signed 6-bit scales per 16):
+    every weight within half a step of its 16 weights' (plus the rounded-up scales' slack)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((4, 2 * QK_K)) * scale).astype(np.float32)
+    w[1, :QK_K] = 0
+    w[2, :16] = np.abs(w[2, :16]) + scale
+    for enc, qtype in ((encode_q2_k, Q.Q2_K), (encode_q3_k, Q.Q3_K)):
+        raw = enc(w)
+        assert raw.shape == (4, 2 * gguf.GGML_QUANT_SIZES[qtype][1])
+        got = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
+        x = w.reshape(4, -1, 16)
+        if qtype == Q.Q2_K:
+            step = (x.max(-1) - np.minimum(x.min(-1), 0)) / 3
+            slack = step.reshape(4, -1, 16).max(-1, keepdims=True) / 15  # 4-bit scales and mins
+            bound = 0.5 * step.reshape(4, -1, 16) + 2 * slack
+        else:
+            step = np.abs(x).max(-1) / 3.5
+            slack = step.reshape(4, -1, 16).max(-1, keepdims=True) / 31
+            bound = 0.5 * (step.reshape(4, -1, 16) + 4 * slack)
+        assert (np.abs(got - w).reshape(4, -1, 16) <= bound.reshape(4, -1, 1) * (1 + 1e-3)).all(), qtype.name
         assert np.all(got[1, :QK_K] == 0)
 
 
@@ -115,8 +146,8 @@ def test_repack_refuses_bad_sizes(raw_shape, cols, match):
 
 
 def test_repack_refuses_unknown_format():
-    with pytest.raises(QuantFormatError, match="no quantized kernel for GGML type Q5_K"):
-        repack("Q5_K", np.zeros((4, 176), np.uint8), 256)
+    with pytest.raises(QuantFormatError, match="no quantized kernel for GGML type IQ2_XXS"):
+        repack("IQ2_XXS", np.zeros((4, 66), np.uint8), 256)
 
 
 @pytest.mark.parametrize("fmt, raw_shape, cols, match", [
@@ -147,15 +178,19 @@ def test_kept_formats_all_q4_1():
     assert kept == {m: "Q4_1" for m in weight_modules(cfg)} and dense == {}
 
 
-def test_kept_formats_mixed_fused_group_is_dequantized():
-    """q/k in Q4_0 with v in Q8_0 cannot be one block matrix: qkv is dequantized, named."""
+def test_kept_formats_mixed_fused_group_is_split():
+    """q/k in Q4_0 with v in Q8_0 cannot be one block matrix: qkv keeps each source in its own
+    blocks (a split format, one matmul per run of a format); a group with a part of a type
+    without kernels, or a float part, is dequantized, named."""
     cfg = parse_hf_config(CONFIG)
     kept, dense = kept_formats(cfg, _stored({"model.layers.0.self_attn.q_proj.weight": "Q4_0",
                                             "model.layers.0.self_attn.k_proj.weight": "Q4_0",
                                             "model.layers.0.self_attn.v_proj.weight": "Q8_0",
-                                            "lm_head.weight": "Q6_K", "model.embed_tokens.weight": "F16"}))
-    assert "model.layers.0.self_attn.qkv_proj" not in kept
-    assert dense == {"model.layers.0.self_attn.qkv_proj": "Q4_0+Q8_0", "lm_head": "Q6_K"}
+                                            "model.layers.0.mlp.gate_proj.weight": "IQ2_XXS",
+                                            "lm_head.weight": "IQ2_XXS", "model.embed_tokens.weight": "F16"}))
+    assert kept["model.layers.0.self_attn.qkv_proj"] == "Q4_0,Q4_0,Q8_0"
+    assert format_runs(kept["model.layers.0.self_attn.qkv_proj"]) == [("Q4_0", 0, 2), ("Q8_0", 2, 1)]
+    assert dense == {"model.layers.0.mlp.gate_up_proj": "IQ2_XXS+Q4_1", "lm_head": "IQ2_XXS"}
     assert "model.embed_tokens" not in kept and "model.embed_tokens" not in dense  # a float table: plain dense
 
 
@@ -186,6 +221,26 @@ def test_plan_names_the_block_sources():
     assert plan[0]["sources"] == [f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv"]
     assert "quant" not in plan[1] and plan[1]["sources"][0].endswith("q_proj.bias")
     assert "quant" not in plan[2] and plan[2]["sources"] == ["model.layers.0.mlp.down_proj.weight"]
+
+
+def test_plan_names_the_sources_of_each_run_of_a_split_weight():
+    """A q|k|v kept as Q5_0 q/k and a Q8_0 v: runs.0 binds q and k's Q5_0 blocks, runs.1 v's Q8_0
+    ones; the fused bias stays one parameter over the three."""
+    class P:
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype = shape, dtype
+
+    formats = {"model.layers.0.self_attn.qkv_proj": "Q5_0,Q5_0,Q8_0"}
+    p = "model.layers.0.self_attn."
+    plan = plan_parameters([(p + "qkv_proj.runs.0.qhigh", P((24, 2, 4, 4), "uint8")),
+                            (p + "qkv_proj.runs.1.qweight", P((8, 2, 4, 32), "int8")),
+                            (p + "qkv_proj.bias", P((128,), "float32"))], formats)
+    assert plan[0]["quant"] == {"format": "Q5_0", "part": "qhigh"} and plan[0]["transform"] == "concat_rows"
+    assert plan[0]["sources"] == [p + "q_proj.weight", p + "k_proj.weight"]
+    assert plan[1]["quant"] == {"format": "Q8_0", "part": "qweight"} and plan[1]["transform"] == "identity"
+    assert plan[1]["sources"] == [p + "v_proj.weight"]
+    assert "quant" not in plan[2] and plan[2]["transform"] == "concat_rows"
+    assert plan[2]["sources"] == [p + f"{x}_proj.bias" for x in "qkv"]
 
 
 # --- vtool's light GGUF header reader (runtime/weights/gguf_reader.py GGUFFile) ---------------------------

@@ -1,7 +1,7 @@
 """Whole models with weights kept in GGUF blocks (`--quantization gguf`), on tiny llama
 GGUF files quantized by gguf-py: greedy tokens and logits against transformers running
 the same file through its own GGUF loader (which dequantizes to float32), the manifest's
-record of what stayed quantized, and the refusals. The K-quant files (Q4_K/Q6_K blocks
+record of what stayed quantized, and the refusals. The K-quant files (Q2_K..Q6_K blocks
 from tests/support/quant_gguf.py's encoders) have hidden and intermediate sizes that are multiples
 of 256, the K-quants' block.
 
@@ -27,6 +27,7 @@ from vtool import VtoolError
 from vtool.models.int8_activations import INT8_FORMATS, Q8_K_FORMATS
 from vtool.models.int8_activations import isa_for_target as int8_isa_for
 from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.weights.ggml_blocks import FORMATS
 from vtool.runtime.weights.checkpoint import open_checkpoint
 from vtool.runtime.engine.generate import Generator
 from vtool.runtime.artifact.manifest import ManifestError
@@ -44,22 +45,33 @@ VARIANTS = {
     "q4_0": (lambda name: Q.Q8_0 if name == "token_embd.weight" else Q.Q4_0, False, {"Q4_0": 9, "Q8_0": 1}, SHAPE),
     # SmolLM2's mix: Q4_1 layers, Q8_0 tied embedding
     "q4_1": (lambda name: Q.Q8_0 if name == "token_embd.weight" else Q.Q4_1, True, {"Q4_1": 8, "Q8_0": 1}, SHAPE),
-    # v in another format than q/k: the fused qkv cannot be one block matrix and is dequantized
-    "mixed": (lambda name: Q.Q8_0 if ".attn_v." in name else Q.Q4_1 if name != "output.weight" else Q.Q4_0,
-              False, {"Q4_1": 7, "Q4_0": 1}, SHAPE),
-    # a type without kernels (dequantized at load) beside kept ones, as real Q4_K_M files mix them:
-    # a Q5_0 tied embedding (Qwen2.5-Coder's; kept: its gather and the lm_head's integer GEMV),
-    # Q5_1 feed-forward, Q4_1 attention
+    # v and up in another format than q/k and gate: the fused q|k|v and gate|up keep each part in
+    # its own blocks (Q4_1 matmuls for q|k and gate, Q8_0 ones for v and up: SplitQuantizedLinear)
+    "mixed": (lambda name: Q.Q8_0 if ".attn_v." in name or ".ffn_up." in name
+              else Q.Q4_1 if name != "output.weight" else Q.Q4_0,
+              False, {"Q4_1": 9, "Q8_0": 4, "Q4_0": 1}, SHAPE),
+    # several formats, as real Q4_K_M files mix them: a Q5_0 tied embedding (Qwen2.5-Coder's;
+    # its gather and the lm_head's integer GEMV), Q5_1 feed-forward, Q4_1 attention
     "q5_mix": (lambda name: Q.Q5_0 if name == "token_embd.weight" else Q.Q5_1 if ".ffn_" in name else Q.Q4_1,
-               True, {"Q4_1": 4, "Q5_0": 1}, SHAPE),
+               True, {"Q4_1": 4, "Q5_1": 4, "Q5_0": 1}, SHAPE),
+    # Q5_1 everywhere, the tied embedding included
+    "q5_1": (lambda name: Q.Q5_1, True, {"Q5_1": 9}, SHAPE),
     # Q4_K layers, Q6_K tied embedding (its gather and the lm_head GEMV)
     "q4_k": (lambda name: Q.Q6_K if name == "token_embd.weight" else Q.Q4_K, True, {"Q4_K": 8, "Q6_K": 1}, K_SHAPE),
-    # llama.cpp's Q4_K_M mix: v, down and the output in Q6_K, the rest Q4_K (qkv dequantized)
+    # Q5_K everywhere, the tied embedding included (and Q3_K, Q2_K)
+    "q5_k": (lambda name: Q.Q5_K, True, {"Q5_K": 9}, K_SHAPE),
+    "q3_k": (lambda name: Q.Q3_K, True, {"Q3_K": 9}, K_SHAPE),
+    "q2_k": (lambda name: Q.Q2_K, True, {"Q2_K": 9}, K_SHAPE),
+    # the non-linear 4-bit types: IQ4_NL (Q8_0 activations), IQ4_XS (Q8_K), the output matrix Q8_0 / Q6_K
+    "iq4_nl": (lambda name: Q.Q8_0 if name == "output.weight" else Q.IQ4_NL, False, {"IQ4_NL": 9, "Q8_0": 1}, SHAPE),
+    "iq4_xs": (lambda name: Q.Q6_K if name == "output.weight" else Q.IQ4_XS, False, {"IQ4_XS": 9, "Q6_K": 1},
+               K_SHAPE),
+    # llama.cpp's Q4_K_M mix: v, down and the output in Q6_K, the rest Q4_K (q|k and v: two matmuls)
     "q4_k_m": (lambda name: Q.Q6_K if ".attn_v." in name or ".ffn_down." in name or name == "output.weight"
                else Q.Q4_K,
-               False, {"Q4_K": 5, "Q6_K": 3}, K_SHAPE),
+               False, {"Q4_K": 7, "Q6_K": 5}, K_SHAPE),
 }
-DEQUANTIZED = {"mixed": "Q4_1+Q8_0", "q4_k_m": "Q4_K+Q6_K"}  # fused q|k|v of mixed formats
+SPLIT_QKV = {"mixed": ("Q4_1", "Q8_0"), "q4_k_m": ("Q4_K", "Q6_K")}  # fused q|k|v: (q and k, v) formats
 
 
 def _hf_model(path: Path):
@@ -92,23 +104,31 @@ def test_manifest_records_the_kept_formats(variant):
     quant_bytes = sum(int(np.prod(e["shape"])) * np.dtype(e["dtype"]).itemsize
                       for e in manifest["params"] if "quant" in e)
     assert quant_bytes > 0
-    if name in DEQUANTIZED:
-        assert manifest["quantized_weights"]["dequantized"] == {
-            f"model.layers.{i}.self_attn.qkv_proj": DEQUANTIZED[name] for i in range(2)}
-    elif name == "q5_mix":  # no kernel reads Q5_1: expanded at load, and recorded
-        assert manifest["quantized_weights"]["dequantized"] == {
-            f"model.layers.{i}.mlp.{m}": "Q5_1" for i in range(2) for m in ("gate_up_proj", "down_proj")}
-    else:  # every 2-D weight stays in blocks: about the file's size, never a float copy
-        assert manifest["quantized_weights"]["dequantized"] == {}
-        assert quant_bytes < 1.3 * path.stat().st_size
+    # every 2-D weight stays in blocks: about the file's size, never a float copy
+    assert manifest["quantized_weights"]["dequantized"] == {}
+    assert quant_bytes < 1.3 * path.stat().st_size
+    if name in SPLIT_QKV:  # q|k one matmul, v another, each over its own source's blocks
+        runs = {e["name"]: (e["quant"]["format"], e["sources"]) for e in manifest["params"]
+                if ".qkv_proj.runs." in e["name"] and e["name"].endswith(".qweight")}
+        qk, v = SPLIT_QKV[name]
+        assert runs == {f"model.layers.{i}.self_attn.qkv_proj.runs.{r}.qweight": (
+            (qk, [f"model.layers.{i}.self_attn.q_proj.weight", f"model.layers.{i}.self_attn.k_proj.weight"]) if r == 0
+            else (v, [f"model.layers.{i}.self_attn.v_proj.weight"])) for i in range(2) for r in range(2)}
+    if name == "mixed":  # gate|up too: a Q4_1 gate, a Q8_0 up
+        runs = {e["name"]: (e["quant"]["format"], e["sources"]) for e in manifest["params"]
+                if ".gate_up_proj.runs." in e["name"] and e["name"].endswith(".qweight")}
+        assert runs == {f"model.layers.{i}.mlp.gate_up_proj.runs.{r}.qweight": (
+            ("Q4_1", "Q8_0")[r], [f"model.layers.{i}.mlp.{('gate', 'up')[r]}_proj.weight"]) for i in range(2)
+            for r in range(2)}
 
 
 def _int8_gemv_modules(name: str, formats: tuple[str, ...] = INT8_FORMATS) -> Callable[[str], bool]:
     """Which of transformers' Linear modules vtool runs through its Q8_0-activation matmuls
     on this host (schedules/cpu/int8_gemv.py), for the oracle to quantize their inputs as those
-    kernels do: a weight kept in Q8_0/Q4_0/Q4_1 (the fused q|k|v and gate|up only when
-    their parts share the format), on a CPU with an integer-dot tier. formats=Q8_K_FORMATS:
-    those through the Q8_K-activation matmuls over Q4_K/Q6_K (schedules/cpu/kquant_gemv.py)."""
+    kernels do: a weight kept in Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 (a part of the fused q|k|v and gate|up
+    by its own format, when every part's format is kept), on a CPU with an integer-dot tier.
+    formats=Q8_K_FORMATS: those through the Q8_K-activation matmuls over Q4_K/Q5_K/Q6_K
+    (schedules/cpu/kquant_gemv.py)."""
     if int8_isa_for(tvm.target.Target(buildable("host").tvm)) is None:
         return lambda module: False
     qtype_of, tie = VARIANTS[name][0], VARIANTS[name][1]
@@ -121,7 +141,8 @@ def _int8_gemv_modules(name: str, formats: tuple[str, ...] = INT8_FORMATS) -> Ca
         group = next((g for g in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")) if module.endswith(g)),
                      (module.rsplit(".", 1)[1],))
         kinds = {qtype_of(gguf_name(f"model.layers.{layer}.{module.split('.')[3]}.{part}.weight")) for part in group}
-        return len(kinds) == 1 and kinds <= int8
+        own = qtype_of(gguf_name(f"model.layers.{layer}.{module.split('.', 3)[3]}.weight"))
+        return {k.name for k in kinds} <= set(FORMATS) and own in int8
 
     return kept_int8
 
@@ -225,7 +246,7 @@ def test_refusals(tmp_path):
     with pytest.raises(VtoolError, match="--quantization gguf keeps a GGUF file's quantized blocks.*safetensors"):
         build_artifact(folder, "host", quantization="gguf")
     f32 = write_tiny_gguf(tmp_path / "f32.gguf", lambda name: Q.F32)
-    with pytest.raises(VtoolError, match="has no weight stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K"):
+    with pytest.raises(VtoolError, match="has no weight stored as Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, .*, Q6_K"):
         build_artifact(f32, "host", quantization="gguf")
 
 

@@ -1,6 +1,6 @@
 """The quantized kernels (vtool.models.quantized_linear) under the CPU schedules
 (vtool.schedules.cpu.quantized), compiled one by one for this CPU and held to numpy over
-gguf.quants.dequantize of the same blocks (Q4_K/Q6_K blocks from tests/support/quant_gguf.py's
+gguf.quants.dequantize of the same blocks (K-quant blocks from tests/support/quant_gguf.py's
 encoders: gguf-py cannot quantize K-quants).
 
 Tolerance: the kernels dequantize exactly and accumulate in float32, so only summation
@@ -27,8 +27,8 @@ from vtool.schedules.cpu import vector_lanes  # noqa: E402
 from vtool.schedules.cpu.quantized import schedule_quantized_matmul  # noqa: E402
 from vtool.targets import buildable  # noqa: E402
 
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")
-K_FORMATS = ("Q4_K", "Q6_K")  # columns a multiple of 256
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
+K_FORMATS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # columns a multiple of 256
 TARGET = tvm.target.Target(buildable("host").tvm)
 
 

@@ -21,7 +21,8 @@ from typing import Any, Callable, Mapping
 
 from vtool import VtoolError
 from vtool.models.config import ModelConfig, parse_hf_config, source_config
-from vtool.models.weights import check_checkpoint_shapes, kept_formats, weight_modules
+from vtool.models.weights import check_checkpoint_shapes, format_runs, kept_formats, weight_modules
+from vtool.runtime.weights.ggml_blocks import FORMATS as BLOCK_FORMATS
 from vtool.runtime.artifact.library import installed_versions
 from vtool.runtime.weights.checkpoint import Checkpoint
 from vtool.targets import TargetSpec, buildable
@@ -112,8 +113,9 @@ class BuildPlan:
         dequantized at load for want of a kernel (module -> stored types), and (build-time
         schemes) which stay float because their shape does not fit the kernels' tiles."""
         counts: dict[str, int] = {}
-        for fmt in self.kept.values():
-            counts[fmt] = counts.get(fmt, 0) + 1
+        for spec in self.kept.values():
+            for fmt, _, _ in format_runs(spec):  # a fused weight kept in several formats: one per run
+                counts[fmt] = counts.get(fmt, 0) + 1
         summary: dict[str, Any] = {"kept": counts, "dequantized": dict(sorted(self.dense.items()))}
         if self.left_float is not None:
             summary["float"] = sorted(self.left_float)
@@ -322,7 +324,7 @@ def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
     if not kept:
         if requested == "auto":
             return "none", {}, {}
-        raise VtoolError(f"--quantization gguf: {ckpt.path} has no weight stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K "
+        raise VtoolError(f"--quantization gguf: {ckpt.path} has no weight stored as {', '.join(BLOCK_FORMATS)} "
                          f"(the formats with kernels); use --quantization none")
     return "gguf", kept, dense
 
@@ -352,7 +354,8 @@ def resolve_activations(requested: str, target_spec: TargetSpec, kept: Mapping[s
     from vtool.models.int8_activations import DOT_FORMATS
 
     isa = family_of(target_spec).int8_isa(target_spec)
-    usable = isa is not None and bool(set(kept.values()) & set(DOT_FORMATS))
+    formats = {fmt for spec in kept.values() for fmt, _, _ in format_runs(spec)}
+    usable = isa is not None and bool(formats & set(DOT_FORMATS))
     if requested == "none" or (requested == "auto" and not usable):
         return "none"
     if requested == "auto":
@@ -361,6 +364,6 @@ def resolve_activations(requested: str, target_spec: TargetSpec, kept: Mapping[s
         raise VtoolError(f"--activations {requested} needs an x86 target with integer dot products (AVX2 or "
                          f"AVX-512 VNNI); {target_spec.name} has none: use --activations none")
     if not usable:
-        raise VtoolError(f"--activations {requested} applies to weights kept as Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K blocks and this "
-                         "build keeps none: use --activations none (or --quantization gguf / q4_1 / q8_0)")
+        raise VtoolError(f"--activations {requested} applies to weights kept as {', '.join(DOT_FORMATS)} blocks and "
+                         "this build keeps none: use --activations none (or --quantization gguf / q4_1 / q8_0)")
     return requested

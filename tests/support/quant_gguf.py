@@ -1,8 +1,8 @@
 """Tiny llama GGUF files with really quantized weights, for the quantized-kernel tests.
 Written independently of vtool's reader: HF-layout random weights, llama.cpp's Q/K row
 permutation, then gguf-py's quantizer and writer. gguf-py cannot quantize the K-quants
-(its Q4_K/Q6_K quantize raise NotImplementedError), so Q4_K and Q6_K blocks come from the
-small numpy encoders below, written from ggml-quants' block layout; any valid encoding
+(its K-quant and IQ4 quantize raise NotImplementedError), so Q2_K..Q6_K, IQ4_NL and IQ4_XS
+blocks come from the small numpy encoders below, written from ggml-quants' block layout; any valid encoding
 serves, as every oracle dequantizes the same bytes (tests hold them to gguf-py's
 dequantizer within the quantization error)."""
 from __future__ import annotations
@@ -54,6 +54,96 @@ def encode_q4_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def _k_scale_min(x: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
+    """Q4_K/Q5_K's scales for x [rows, nsb, 8, 32]: (d, dmin float16 [rows, nsb], sc, m 6-bit
+    [.., 8], q in 0..levels [.., 8, 32]), scales rounded up so no quant is clipped."""
+    neg_min = np.maximum(-x.min(axis=-1), 0)  # [.., 8]; mins stored as positive offsets
+    dmin = _f16_up(neg_min.max(axis=-1) / 63)  # [..]
+    m = np.clip(np.ceil(_div(neg_min, dmin.astype(np.float32)[..., None])), 0, 63)
+    off = dmin.astype(np.float32)[..., None] * m  # >= -min
+    scale = (x.max(axis=-1) + off) / levels  # range of x + off is within [0, max + off]
+    d = _f16_up(scale.max(axis=-1) / 63)
+    sc = np.clip(np.ceil(_div(scale, d.astype(np.float32)[..., None])), 0, 63)
+    step = d.astype(np.float32)[..., None] * sc
+    q = np.clip(np.rint(_div(x + off[..., None], step[..., None])), 0, levels).astype(np.uint8)
+    return d, dmin, sc.astype(np.uint8), m.astype(np.uint8), q
+
+
+def _pack_scale_min(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """8 6-bit scales and mins -> the K-quants' 12 packed bytes (get_scale_min_k4's inverse)."""
+    return np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                           (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)
+
+
+def encode_q5_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols % 256 == 0) -> Q5_K bytes [rows, cols/256 * 176]: Q4_K's
+    scheme with q in 0..31, the fifth bits in 32 bytes (bit s of byte l: element l of sub-block s)."""
+    rows, cols = w.shape
+    d, dmin, sc, m, q = _k_scale_min(w.astype(np.float32).reshape(rows, cols // QK_K, 8, 32), 31)
+    qh = np.zeros((rows, cols // QK_K, 32), np.uint8)
+    for sub in range(8):
+        qh |= ((q[..., sub, :] >> 4) & 1) << sub
+    q = (q & 15).reshape(rows, cols // QK_K, 4, 2, 32)
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(rows, cols // QK_K, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(rows, -1, 2), dmin.view(np.uint8).reshape(rows, -1, 2),
+                             _pack_scale_min(sc, m), qh, qs], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def _pack_two_bits(q: np.ndarray) -> np.ndarray:
+    """2-bit quants [rows, nsb, 256] -> the K-quants' 64 bytes per 256: byte 32h + l holds
+    element 128h + 32k + l at bits 2k..2k+1."""
+    rows, nsb, _ = q.shape
+    q = q.reshape(rows, nsb, 2, 4, 32)
+    return (q[..., 0, :] | (q[..., 1, :] << 2) | (q[..., 2, :] << 4) | (q[..., 3, :] << 6)).reshape(rows, nsb, 64)
+
+
+def encode_q3_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols % 256 == 0) -> Q3_K bytes [rows, cols/256 * 110]. Per 16
+    weights: w = d*sc * q, q in -4..3, sc 6-bit signed (stored + 32); scales rounded up as in
+    encode_q4_k. The third bit of q + 4 goes to hmask (bit s of byte l: element 32s + l)."""
+    rows, cols = w.shape
+    nsb = cols // QK_K
+    x = w.astype(np.float32).reshape(rows, nsb, 16, 16)
+    scale = np.abs(x).max(axis=-1) / 3.5  # q in -4..3: |x| <= 3.5 steps keeps rint within range
+    d = _f16_up(scale.max(axis=-1) / 31)
+    sc = np.clip(np.ceil(_div(scale, d.astype(np.float32)[..., None])), 0, 31)
+    step = d.astype(np.float32)[..., None] * sc
+    q = (np.clip(np.rint(_div(x, step[..., None])), -4, 3) + 4).astype(np.uint8).reshape(rows, nsb, QK_K)
+    hmask = np.zeros((rows, nsb, 32), np.uint8)
+    for sub in range(8):
+        hmask |= (q[..., 32 * sub:32 * sub + 32] >> 2) << sub
+    s6 = (sc + 32).astype(np.uint8)  # [rows, nsb, 16]
+    low = s6[..., :8] & 15 | ((s6[..., 8:] & 15) << 4)
+    high = np.zeros((rows, nsb, 4), np.uint8)
+    for i in range(16):
+        high[..., i % 4] |= (s6[..., i] >> 4) << (2 * (i // 4))
+    blocks = np.concatenate([hmask, _pack_two_bits(q & 3), low, high, d.view(np.uint8).reshape(rows, -1, 2)],
+                            axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def encode_q2_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols % 256 == 0) -> Q2_K bytes [rows, cols/256 * 84]. Per 16
+    weights: w = d*sc * q - dmin*m, q in 0..3, sc and m 4-bit (one byte: sc | m << 4);
+    scales rounded up as in encode_q4_k."""
+    rows, cols = w.shape
+    nsb = cols // QK_K
+    x = w.astype(np.float32).reshape(rows, nsb, 16, 16)
+    neg_min = np.maximum(-x.min(axis=-1), 0)
+    dmin = _f16_up(neg_min.max(axis=-1) / 15)
+    m = np.clip(np.ceil(_div(neg_min, dmin.astype(np.float32)[..., None])), 0, 15)
+    off = dmin.astype(np.float32)[..., None] * m
+    scale = (x.max(axis=-1) + off) / 3
+    d = _f16_up(scale.max(axis=-1) / 15)
+    sc = np.clip(np.ceil(_div(scale, d.astype(np.float32)[..., None])), 0, 15)
+    step = d.astype(np.float32)[..., None] * sc
+    q = np.clip(np.rint(_div(x + off[..., None], step[..., None])), 0, 3).astype(np.uint8).reshape(rows, nsb, QK_K)
+    blocks = np.concatenate([sc.astype(np.uint8) | (m.astype(np.uint8) << 4), _pack_two_bits(q),
+                             d.view(np.uint8).reshape(rows, -1, 2), dmin.view(np.uint8).reshape(rows, -1, 2)], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
 def encode_q6_k(w: np.ndarray) -> np.ndarray:
     """float32 [rows, cols] (cols % 256 == 0) -> Q6_K bytes [rows, cols/256 * 210]. Per 16
     weights: w = d*sc * (q - 32), q in 1..63, sc int8; scales rounded up as in encode_q4_k."""
@@ -73,12 +163,60 @@ def encode_q6_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+_IQ4 = np.asarray(gguf.quants.IQ4_NL.kvalues, np.float32)  # the 16 non-linear levels
+
+
+def _iq4_codes(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """x [..., 32] -> the 4-bit codes of the levels nearest x / step, packed 16 bytes per 32 (Q4_0's order)."""
+    q = np.abs(_div(x, step[..., None])[..., None] - _IQ4).argmin(axis=-1).astype(np.uint8)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def encode_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols % 32 == 0) -> IQ4_NL bytes [rows, cols/32 * 18]: per 32 weights
+    w = d * level[q] (levels -127..113), d = max|w| / 127 rounded up, each code the nearest level."""
+    rows, cols = w.shape
+    x = w.astype(np.float32).reshape(rows, cols // 32, 32)
+    d = _f16_up(np.abs(x).max(axis=-1) / 127)
+    return np.concatenate([d.view(np.uint8).reshape(rows, -1, 2), _iq4_codes(x, d.astype(np.float32))],
+                          axis=-1).reshape(rows, -1)
+
+
+def encode_iq4_xs(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols % 256 == 0) -> IQ4_XS bytes [rows, cols/256 * 136]: per 32 weights
+    w = d * (ls - 32) * level[q], ls 6-bit (split into 4 low bits in scales_l, 2 high in scales_h)."""
+    rows, cols = w.shape
+    nsb = cols // QK_K
+    x = w.astype(np.float32).reshape(rows, nsb, 8, 32)
+    scale = np.abs(x).max(axis=-1) / 127
+    d = _f16_up(scale.max(axis=-1) / 31)
+    sc = np.clip(np.ceil(_div(scale, d.astype(np.float32)[..., None])), 0, 31)
+    codes = _iq4_codes(x, d.astype(np.float32)[..., None] * sc)  # [rows, nsb, 8, 16]
+    ls = (sc + 32).astype(np.uint16)
+    high = ((ls >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=-1).astype("<u2")  # [rows, nsb]
+    low = (ls & 15).astype(np.uint8)
+    low = low[..., 0::2] | (low[..., 1::2] << 4)  # [rows, nsb, 4]
+    blocks = np.concatenate([d.view(np.uint8).reshape(rows, nsb, 2), high.view(np.uint8).reshape(rows, nsb, 2),
+                             low, codes.reshape(rows, nsb, 128)], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
 def quantize(w: np.ndarray, qtype: "Q") -> np.ndarray:
     """gguf-py's quantizer, or the numpy encoders above for the K-quants."""
     if qtype == Q.Q4_K:
         return encode_q4_k(w)
     if qtype == Q.Q6_K:
         return encode_q6_k(w)
+    if qtype == Q.Q5_K:
+        return encode_q5_k(w)
+    if qtype == Q.Q3_K:
+        return encode_q3_k(w)
+    if qtype == Q.Q2_K:
+        return encode_q2_k(w)
+    if qtype == Q.IQ4_NL:
+        return encode_iq4_nl(w)
+    if qtype == Q.IQ4_XS:
+        return encode_iq4_xs(w)
     return gguf.quants.quantize(w, qtype)
 
 _LAYER = {
