@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from vtool import VtoolError
 from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.artifact.heap import release_free_heap
 from vtool.runtime.weights.checkpoint import Checkpoint, open_checkpoint
 from vtool.runtime.engine.generate import Generator
 from vtool.runtime.engine.spec_config import SpeculativeConfig
@@ -64,6 +65,7 @@ def open_session(artifact: Path, checkpoint: Checkpoint, tokenizer_config: str |
     # The tokenizer first: building it takes transient memory that is given back before the
     # weights (the bulk of what stays resident) are bound, so the two peaks do not add up.
     tokenizer = load_tokenizer(checkpoint, tokenizer_config)
+    release_free_heap()  # what building it freed stays in glibc's heap otherwise, under the weights
     model = CompiledModel(artifact, checkpoint, progress)
     limit = model.manifest["config"]["max_position_embeddings"]
     why = "the model's max_position_embeddings"
@@ -83,6 +85,7 @@ def open_session(artifact: Path, checkpoint: Checkpoint, tokenizer_config: str |
     # again on every full collection (2.6-5% of a CPU decode step's profile samples).
     gc.collect()
     gc.freeze()
+    release_free_heap()
     return session
 
 

@@ -23,6 +23,7 @@ import vtool
 from vtool.runtime.weights.checkpoint import Checkpoint
 from vtool.runtime.artifact.library_arch import check_library_runs_here, check_target_runs_here
 from vtool.runtime.artifact.manifest import LIBRARY_NAME, ManifestError, read_manifest, source_config_mismatches
+from vtool.runtime.weights.ggml_blocks import TILE_ROWS
 from vtool.runtime.weights.quant_blocks import repack
 from vtool.runtime.weights.transforms import apply_transform
 from vtool.runtime.artifact.tvm_runtime import bundled_tvm_version, cuda_runtime, ffi, global_func, load_cublas
@@ -193,22 +194,81 @@ class CompiledModel:
         source = WeightsFile(self.folder, record) if record else checkpoint
         check_sources(plan, checkpoint, source)
         blocks = _BlockCache(source)
-        bound = []
+        bound, streamed = [], {}  # streamed: plan index -> a part bound with its weight's first part
         for i, entry in enumerate(plan):
-            if "quant" in entry:
-                arrays = [blocks.part(src, entry["quant"]["part"]) for src in entry["sources"]]
+            if i not in streamed and _streams(entry, source) and not self.on_gpu:
+                streamed.update(self._bind_streamed(plan, i, source))
+            if i in streamed:
+                bound.append(streamed.pop(i))
             else:
-                arrays = [checkpoint.load(src, dtype=entry["dtype"]) for src in entry["sources"]]
-            value = apply_transform(entry["transform"], arrays)
-            if list(value.shape) != entry["shape"] or str(value.dtype) != entry["dtype"]:
-                raise ManifestError(
-                    f"{checkpoint.path}: {entry['name']!r} made from {entry['sources']} is {value.dtype} "
-                    f"{list(value.shape)}, the library expects {entry['dtype']} {entry['shape']}")
-            bound.append(self.upload(value, entry["dtype"]))
-            del arrays, value
+                if "quant" in entry:
+                    arrays = [blocks.part(src, entry["quant"]["part"]) for src in entry["sources"]]
+                else:
+                    arrays = [checkpoint.load(src, dtype=entry["dtype"]) for src in entry["sources"]]
+                value = apply_transform(entry["transform"], arrays)
+                if list(value.shape) != entry["shape"] or str(value.dtype) != entry["dtype"]:
+                    raise ManifestError(
+                        f"{checkpoint.path}: {entry['name']!r} made from {entry['sources']} is {value.dtype} "
+                        f"{list(value.shape)}, the library expects {entry['dtype']} {entry['shape']}")
+                bound.append(self.upload(value, entry["dtype"]))
+                del arrays, value
             if progress:
                 progress(i + 1, len(plan))
         return bound
+
+    def _bind_streamed(self, plan: list[dict[str, Any]], first: int, source: Any) -> dict[int, Any]:
+        """The parts of plan[first]'s quantized weight (every entry with its sources), as
+        runtime tensors filled a row chunk at a time: each chunk is read from the file,
+        repacked and written into place, so neither the whole tensor's bytes nor its repacked
+        copy are ever resident beside the bound parts (runtime/weights/block_rows.py)."""
+        key = _stream_key(plan[first])
+        members = {j: e for j, e in enumerate(plan) if j >= first and _stream_key(e) == key}
+        entry = plan[first]
+        sources = [source.block_rows(src) for src in entry["sources"]]
+        tiles = sum(rows.rows for rows in sources) // TILE_ROWS
+        alloc = global_func("runtime.TVMTensorAllocWithScope")
+        tensors, views = {}, {}
+        for j, e in members.items():
+            if e["shape"][0] != tiles or any(rows.rows % TILE_ROWS for rows in sources):
+                raise ManifestError(f"{source.path}: {e['name']!r} made from {e['sources']} has "
+                                    f"{[rows.rows for rows in sources]} rows, the library expects {e['dtype']} "
+                                    f"{e['shape']} (tiles of {TILE_ROWS} rows)")
+            tensors[j] = alloc(self.ffi.Shape(e["shape"]), e["dtype"], self.device, None)
+            views[j] = np.from_dlpack(tensors[j])  # the tensor's own memory, written in place
+        tile = 0
+        for src, rows in zip(entry["sources"], sources):
+            cols = source.tensors()[src].shape[-1]
+            step = max(TILE_ROWS, STREAM_CHUNK_BYTES // max(1, rows.row_bytes) // TILE_ROWS * TILE_ROWS)
+            for start in range(0, rows.rows, step):
+                stop = min(rows.rows, start + step)
+                parts = repack(rows.kind, rows.read(start, stop), cols)
+                at = tile + start // TILE_ROWS
+                for j, e in members.items():
+                    part, view = parts.get(e["quant"]["part"]), views[j]
+                    if part is None or part.shape[1:] != view.shape[1:] or part.dtype != view.dtype:
+                        got = "no such part" if part is None else f"{part.dtype} {[tiles, *part.shape[1:]]}"
+                        raise ManifestError(f"{source.path}: {e['name']!r} made from {e['sources']} is {got}, the "
+                                            f"library expects {e['dtype']} {e['shape']}")
+                    view[at:at + part.shape[0]] = part
+                del parts
+            tile += rows.rows // TILE_ROWS
+        return tensors
+
+
+STREAM_CHUNK_BYTES = 1 << 20  # block bytes read, repacked and written per step of _bind_streamed
+_STREAMED_TRANSFORMS = ("identity", "concat_rows")  # parts of one source, or of sources stacked by rows
+
+
+def _streams(entry: dict[str, Any], source: Any) -> bool:
+    """Whether a plan entry is bound a row chunk at a time (_bind_streamed)."""
+    return "quant" in entry and entry["transform"] in _STREAMED_TRANSFORMS and hasattr(source, "block_rows")
+
+
+def _stream_key(entry: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What the parts of one quantized weight share in the plan."""
+    if "quant" not in entry:
+        return None
+    return tuple(entry["sources"]), entry["transform"], entry["quant"].get("format")
 
 
 def check_sources(plan: list[dict[str, Any]], checkpoint: Checkpoint, blocks: Any = None) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
+from vtool.runtime.weights.block_rows import BlockRows
 from vtool.runtime.weights.checkpoint import Checkpoint, CheckpointError, TensorInfo
 from vtool.runtime.weights.ggml_blocks import GGML_TYPES
 from vtool.runtime.weights.gguf_gemma import GEMMA_ARCHITECTURES, gemma_config, is_gemma_norm, norm_from_gguf
@@ -714,6 +715,14 @@ class GGUFCheckpoint(Checkpoint):
         return norm_from_gguf(arr) if is_gemma_norm(self._arch(), name) else arr  # stored as 1 + w
 
     def load_blocks(self, name: str) -> tuple[str, np.ndarray]:
+        rows = self.block_rows(name)
+        return rows.kind, rows.read(0, rows.rows)
+
+    def block_rows(self, name: str) -> BlockRows:
+        """Where a quantized tensor's blocks lie, to be read a few HF rows at a time (the
+        binder streams them: runtime/weights/block_rows.py). Read, not mapped: a mapped page
+        counts in this process's resident memory until the mapping goes, and the bytes only
+        pass through on their way to being repacked."""
         if name not in self.tensors():
             raise CheckpointError(f"{self.path}: no tensor named {name!r}")
         t = self._raw[name]
@@ -721,14 +730,12 @@ class GGUFCheckpoint(Checkpoint):
         if kind in ("F32", "F16", "BF16"):
             raise CheckpointError(f"{self.path}: tensor {t.name!r} is {kind}, not quantized blocks")
         row_bytes = int(t.data.shape[-1])  # uint8 [rows, row_bytes]: blocks never straddle rows
-        # Read, not mapped: a mapped page counts in this process's resident memory until the
-        # mapping goes, and the bytes are only passing through on their way to being repacked.
-        data = np.empty((int(t.n_bytes) // row_bytes, row_bytes), np.uint8)
-        with open(self.path, "rb") as f:
-            f.seek(int(t.data_offset))
-            if f.readinto(memoryview(data).cast("B")) != data.nbytes:
-                raise CheckpointError(f"{self.path}: tensor {t.name!r} is cut short")
-        return kind, self._hf_rows(t, data)
+        rows = int(t.n_bytes) // row_bytes
+        # Each row's index as 8 bytes, through _hf_rows' own reordering (or refusal) of block rows.
+        order = self._hf_rows(t, np.arange(rows, dtype=np.int64).view(np.uint8).reshape(rows, 8))
+        order = np.ascontiguousarray(order).view(np.int64).reshape(rows)
+        same = bool((order == np.arange(rows)).all())
+        return BlockRows(kind, self.path, int(t.data_offset), rows, row_bytes, None if same else order)
 
     def _hf_rows(self, t: Any, arr: np.ndarray) -> np.ndarray:
         """Q/K rows of the `llama` converter back in HF order (floats or block rows alike);

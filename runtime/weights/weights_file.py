@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from vtool.runtime.weights.block_rows import BlockRows
 from vtool.runtime.weights.checkpoint import Checkpoint, TensorInfo
 from vtool.runtime.weights.gguf_reader import GGUFFile
 from vtool.runtime.artifact.manifest import ManifestError
@@ -93,13 +94,14 @@ class WeightsFile:
     def load_blocks(self, name: str) -> tuple[str, np.ndarray]:
         """(GGML type name, raw bytes uint8 [rows, row_bytes]), read rather than mapped (as
         GGUFCheckpoint.load_blocks: the bytes only pass through on their way to the repacker)."""
+        rows = self.block_rows(name)
+        return rows.kind, rows.read(0, rows.rows)
+
+    def block_rows(self, name: str) -> BlockRows:
+        """Where tensor `name`'s blocks lie, to be read a few rows at a time (the binder
+        streams them: runtime/weights/block_rows.py)."""
         t = self._entries.get(name)
         if t is None:
             raise ManifestError(f"{self.path}: no tensor named {name!r}")
         rows = math.prod(self._infos[name].shape[:-1])
-        data = np.empty((rows, int(t.n_bytes) // rows), np.uint8)
-        with open(self.path, "rb") as f:
-            f.seek(int(t.data_offset))
-            if f.readinto(memoryview(data).cast("B")) != data.nbytes:
-                raise ManifestError(f"{self.path}: tensor {name!r} is cut short")
-        return t.tensor_type.name, data
+        return BlockRows(t.tensor_type.name, self.path, int(t.data_offset), rows, int(t.n_bytes) // rows)
