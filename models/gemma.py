@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping
 
 from vtool.models import llama
 from vtool.models.config import ConfigError, ModelConfig, parse_decoder
-from vtool.models.weights import DECODER_WEIGHTS, WeightPlan, plan_parameters
+from vtool.models.weights import DECODER_WEIGHTS, plan_parameters
 
 BIDIRECTIONAL = ("Gemma3TextModel",)  # use_bidirectional_attention (EmbeddingGemma): GEMMA3_EMBED
 ACTIVATIONS = ("gelu_pytorch_tanh",)  # transformers' name of the tanh approximation Gemma uses

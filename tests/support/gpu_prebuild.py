@@ -90,18 +90,22 @@ def build(args: argparse.Namespace) -> None:
         rebuilt = (*shapes, *(["bert"] if not args.shapes or "bert" in args.shapes.split(",") else []))
         index["errors"] = {k: v for k, v in previous.get("errors", {}).items()
                            if not any(k.startswith(f"{n}-") for n in rebuilt)}
-    for name in shapes:
+    def tiny_entry(name: str, make) -> dict:
+        """A fresh tiny checkpoint (make(folder) writes it) and its artifacts per dtype."""
         for stale in (out / "tiny" / name, *(out / "artifacts" / f"{name}-{d}" for d in DTYPES)):
             if stale.exists():
                 shutil.rmtree(stale)
-        folder = make_tiny_model(name, out / "tiny" / name)
+        folder = make(out / "tiny" / name)
         entry = {"checkpoint": str(folder.relative_to(out)), "artifacts": {}}
         for dtype in dtypes:
             built = attempt(f"{name}-{dtype}", lambda: build_artifact(
                 folder, args.target, dtype, output=out / "artifacts" / f"{name}-{dtype}", progress=progress))
             if built:
                 entry["artifacts"][dtype] = built
-        index["tiny"][name] = entry
+        return entry
+
+    for name in shapes:
+        index["tiny"][name] = tiny_entry(name, lambda folder: make_tiny_model(name, folder))
 
     if not args.shapes or "bert" in args.shapes.split(","):
         # a tiny random BertModel with all-MiniLM-L6-v2's tokenizer and pooling (embedding parity)
@@ -113,21 +117,8 @@ def build(args: argparse.Namespace) -> None:
         except Exception as err:  # noqa: BLE001 -- no network, no cache: the GPU test then skips, saying so
             donor = None
             print(f"WARNING: all-MiniLM-L6-v2 is not available here ({err}): no tiny BERT for the GPU", flush=True)
-        if donor is None:
-            pass
-        else:
-            bert = out / "tiny" / "bert"
-            for stale in (bert, *(out / "artifacts" / f"bert-{d}" for d in DTYPES)):
-                if stale.exists():
-                    shutil.rmtree(stale)
-            folder = make_tiny_bert(bert, donor)
-            entry = {"checkpoint": str(folder.relative_to(out)), "artifacts": {}}
-            for dtype in dtypes:
-                built = attempt(f"bert-{dtype}", lambda: build_artifact(
-                    folder, args.target, dtype, output=out / "artifacts" / f"bert-{dtype}", progress=progress))
-                if built:
-                    entry["artifacts"][dtype] = built
-            index.setdefault("embed", {})["bert"] = entry
+        if donor is not None:
+            index.setdefault("embed", {})["bert"] = tiny_entry("bert", lambda folder: make_tiny_bert(folder, donor))
 
     gguf = None
     if not args.no_smollm2:
