@@ -8,7 +8,9 @@ attn_scale, final_logit_softcap, attn_logit_softcap (the cache's kernels capped:
 sliding_window/sliding_layers (per-layer "mha_sliding" KV-cache layers) and model_rope (q/k
 rotated here, models/rope.py, the cache built with RopeMode.NONE)).
 q/k/v and gate/up are fused into one projection
-each, so attention and the MLP cost one GEMV launch apiece instead of three and two.
+each, so attention and the MLP cost one GEMV launch apiece instead of three and two (a GGUF
+that keeps the parts in different block formats runs one GEMV per run of same-format parts:
+quantized_linear.SplitQuantizedLinear).
 
 Entry points (the runtime calls these by name; the manifest lists them):
   embed(input_ids[n]) -> [n, H]
