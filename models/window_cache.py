@@ -32,8 +32,8 @@ cache does about it (measured on the tiny Mistral/Phi-3 shapes, tests/test_windo
 * Kernels. vtool's CPU attention kernels apply no rope (rotary_mode 0), so this cache's ragged
   prefill, sliding prefill and sliding decode kernels are TVM's own, added under names of
   their own (`FREEING_SUFFIX`) which vtool's CPU rewrites do not match (schedules/cpu/
-  __init__.py gives the prefill only the fix of schedules/cpu/sliding_attention.py, and this
-  module fixes TVM's out-of-bounds `scale_O[d]` read in it). They are serial and recompute
+  __init__.py gives the prefill only the fixes of schedules/cpu/sliding_attention.py and
+  rescale_fix.py). They are serial and recompute
   each key's rotation per query: at a window of 512 (hidden 512, 4 layers, 2 cores) an
   800-token prompt took 21 s instead of 0.6 s and a decode step 44 ms instead of 7.5 ms, which
   is why the runtime uses this cache only when asked (EngineConfig.kv_window_freeing).
@@ -174,19 +174,11 @@ def _masked_prefill(func: tirx.PrimFunc, name: str) -> tirx.PrimFunc:
         hits.append(node)
         return tirx.GT(causal + 1, node.b)
 
-    def first_scale(load: tvm.ir.TensorLoad) -> tvm.ir.TensorLoad:
-        # TVM 0.27's CPU kernel rescales O_local[d] by scale_O[d], a 1-element buffer read out of
-        # bounds for every d > 0 (_prefill_kernels.py); the window's masked keys come before the
-        # visible ones here, so that rescale matters: scale_O[0] is the one scale
-        if getattr(load.source, "name", None) != "scale_O" or _is_zero(load.indices):
-            return load
-        return tirx.BufferLoad(load.source, [tirx.IntImm("int32", 0)])
-
-    out = tvm_ffi.structural_map(func, [(tirx.GT, always), (tvm.ir.TensorLoad, first_scale)])
+    # (TVM's out-of-bounds `scale_O[d]` read in this kernel is fixed for every CPU build by
+    # schedules/cpu/rescale_fix.py; the window's masked keys come before the visible ones here,
+    # so that rescale matters)
+    out = tvm_ffi.structural_map(func, [(tirx.GT, always)])
     if not hits:
         raise ValueError(f"{name} tests no `causal > 0`: TVM's sliding-window prefill kernel changed")
     return out
 
-
-def _is_zero(indices: Any) -> bool:
-    return len(indices) == 1 and isinstance(indices[0], tirx.IntImm) and indices[0].value == 0

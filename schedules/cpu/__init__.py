@@ -16,6 +16,7 @@ from vtool.schedules.cpu.attention import (rewrite_decode_paged, rewrite_decode_
 from vtool.schedules.cpu.matmul import schedule_nt_matmul
 from vtool.schedules.cpu.moe import schedule_moe_gemv
 from vtool.schedules.cpu.quantized import schedule_quantized_matmul
+from vtool.schedules.cpu.rescale_fix import fix_rescale_reads
 from vtool.schedules.cpu.rowwise import schedule_rowwise
 from vtool.schedules.cpu.sliding_attention import NAME as SLIDING_PREFILL, fix_sliding_prefill
 from vtool.schedules.views import becomes_view
@@ -44,6 +45,9 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc) or func.attrs is None:
                 continue
+            fixed = fix_rescale_reads(func)  # TVM's serial attention kernels' out-of-bounds rescale
+            if fixed is not None:
+                func = updates[gv] = fixed
             # TVM's serial CPU prefill (ragged and paged) and decode attention
             rewritten = (rewrite_prefill_ragged(gv.name_hint, func) or rewrite_prefill_paged(gv.name_hint, func)
                          or rewrite_decode_paged(gv.name_hint, func) or schedule_fused_rope(func)
