@@ -35,18 +35,23 @@ def gather_gemv(rows: int, top_k: int, out_features: int, in_features: int, expe
                 x_dtype: str, w_dtype: str) -> tirx.PrimFunc:
     """out[t, j, n] = sum_c x[t, j or 0, c] * w[idx[t, j], n, c], float32. x is [T, rows, K]:
     rows 1 (every chosen expert sees the token's row) or top_k (row j goes to expert idx[t, j])."""
+    # Every extent int64, as the token count: with int32 ones beside the int64 token loop, TVM
+    # 0.27's LowerCrossThreadReduction silently leaves a CUDA schedule's lanes racing on one
+    # output (every MoE model was wrong on the H200 until this; tests/support/moe_probe.py).
     t_len = tirx.Var("n", "int64")
-    x = te.placeholder((t_len, rows, in_features), x_dtype, name="x")
-    w = te.placeholder((experts, out_features, in_features), w_dtype, name="w")
-    idx = te.placeholder((t_len, top_k), "int32", name="idx")
-    c = te.reduce_axis((0, in_features), name="c")
+    rows_, top_k_, out_, in_, experts_ = (tirx.IntImm("int64", v) for v in
+                                          (rows, top_k, out_features, in_features, experts))
+    x = te.placeholder((t_len, rows_, in_), x_dtype, name="x")
+    w = te.placeholder((experts_, out_, in_), w_dtype, name="w")
+    idx = te.placeholder((t_len, top_k_), "int32", name="idx")
+    c = te.reduce_axis((tirx.IntImm("int64", 0), in_), name="c")
 
     def body(t, j, n):
         xv = x[t, j if rows > 1 else 0, c]
         wv = w[idx[t, j], n, c]
         return te.sum(xv.astype("float32") * wv.astype("float32"), axis=c)
 
-    out = te.compute((t_len, top_k, out_features), body, name=GEMV_BLOCK)
+    out = te.compute((t_len, top_k_, out_), body, name=GEMV_BLOCK)
     # opaque: never fused with its neighbours; no global symbol: the exporter names each copy
     return te.create_prim_func([x, w, idx, out]).with_attr("op_pattern", 8).without_attr("global_symbol")
 

@@ -183,3 +183,41 @@ def test_a_tiny_moe_compiles_for_sm_90a(reference, tmp_path, monkeypatch):
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["target"]["name"] if isinstance(manifest["target"], dict) else manifest["target"]
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 72, 48, 8), (2, 2, 48, 36, 8), (8, 8, 2048, 768, 16)],
+                         ids=["gate-up-36", "down-36", "down-768"])
+def test_the_cuda_gather_gemv_lowers_to_a_cross_thread_reduction(shape):
+    """schedules/cuda/moe.py splits each output's reduction over 32 lanes; TVM's
+    LowerCrossThreadReduction must turn that into a warp reduction, or the lanes race on one
+    output. It silently skipped the kernel while its loops mixed int32 and int64 (every CUDA
+    MoE model was wrong on the H200). No GPU needed: this checks the lowered TIR."""
+    import tvm
+    from tvm import s_tir
+
+    from vtool.models.moe import gather_gemv
+    from vtool.schedules.cuda.moe import schedule_moe
+    from vtool.targets import lookup
+
+    func = gather_gemv(*shape, "bfloat16", "bfloat16").with_attr("global_symbol", "moe_gemv")
+    scheduled = schedule_moe(func)
+    assert scheduled is not None
+    with tvm.target.Target(lookup("sm_90a").tvm):
+        lowered = s_tir.transform.LowerCrossThreadReduction()(tvm.IRModule({"moe_gemv": scheduled}))
+    assert "tvm_thread_allreduce" in lowered.script()
+
+
+def test_the_cuda_moe_schedule_refuses_mixed_loop_types():
+    import tvm
+    from tvm import te, tirx
+
+    from vtool.schedules.cuda.moe import GEMV_BLOCK, schedule_moe
+
+    n = tirx.Var("n", "int64")
+    x, w = te.placeholder((n, 36), "float32", name="x"), te.placeholder((8, 48, 36), "float32", name="w")
+    idx = te.placeholder((n,), "int32", name="idx")
+    c = te.reduce_axis((0, 36), name="c")
+    out = te.compute((n, 1, 48), lambda t, j, o: te.sum(x[t, c] * w[idx[t], o, c], axis=c), name=GEMV_BLOCK)
+    with pytest.raises(ValueError, match="cross-thread"):
+        schedule_moe(te.create_prim_func([x, w, idx, out]))
+    del tvm

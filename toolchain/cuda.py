@@ -245,8 +245,9 @@ def compile_in_process() -> bool:
     return real_driver_present()
 
 
-def run_worker(request: dict[str, Any], progress: Callable[[str], None]) -> dict[str, Any]:
-    """Run `python -m vtool.toolchain.cuda_worker` with the stub and return its result."""
+def worker_env() -> dict[str, str]:
+    """This process's environment for a CUDA compile subprocess: the driver stub and CUDA 13's
+    libcudart on the loader path, nvcc on PATH, TVM told to compile with nvcc (fatbin)."""
     nvcc = find_nvcc()
     stub = ensure_stub()
     env = dict(os.environ)
@@ -256,6 +257,12 @@ def run_worker(request: dict[str, Any], progress: Callable[[str], None]) -> dict
     env["LD_LIBRARY_PATH"] = os.pathsep.join(paths)
     env["TVM_CUDA_COMPILE_MODE"] = "nvcc"
     env["PATH"] = os.pathsep.join([str(Path(nvcc).parent), env.get("PATH", "")])
+    return env
+
+
+def run_worker(request: dict[str, Any], progress: Callable[[str], None]) -> dict[str, Any]:
+    """Run `python -m vtool.toolchain.cuda_worker` with the stub and return its result."""
+    env = worker_env()
     with tempfile.TemporaryDirectory(prefix="vtool-cuda-") as tmp:
         req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req_path.write_text(json.dumps(request))

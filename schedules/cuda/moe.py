@@ -28,21 +28,6 @@ def _block(sch: s_tir.Schedule, name: str) -> s_tir.SBlockRV | None:
         return None
 
 
-def _extent(sch: s_tir.Schedule, loop: s_tir.LoopRV) -> int | None:
-    extent = sch.get(loop).extent
-    return int(extent) if isinstance(extent, tirx.IntImm) else None
-
-
-def _divisor(extent: int | None, most: int) -> int:
-    """The largest power of two <= most that divides extent (most when the extent is symbolic)."""
-    if extent is None:
-        return most
-    f = most
-    while f > 1 and extent % f:
-        f //= 2
-    return f
-
-
 def schedule_moe(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """`func` scheduled, or None when it is neither MoE kernel."""
     if func.attrs is not None and func.attrs.get("tirx.is_scheduled", False):
@@ -51,11 +36,16 @@ def schedule_moe(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     gemv = _block(sch, GEMV_BLOCK)
     if gemv is not None:
         t, j, n, c = sch.get_loops(gemv)
-        # Factors that divide the extents, so no split needs a predicate: the tiny test shapes
-        # (reductions of 36 and 40) gave wrong logits on the H200 with 32 lanes over a partial
-        # last chunk; the cause is not confirmed (models refuse CUDA MoE until a GPU run passes).
-        no, ni = sch.split(n, [None, _divisor(_extent(sch, n), ROWS)])
-        co, ci = sch.split(c, [None, _divisor(_extent(sch, c), LANES)])
+        dtypes = {str(sch.get(loop).loop_var.ty.dtype) for loop in (t, j, n, c)}
+        if len(dtypes) != 1:
+            raise ValueError(f"{GEMV_BLOCK}: loops of types {sorted(dtypes)}; TVM would not lower its cross-thread "
+                             "reduction (make every extent of models/moe.py's kernel one type)")
+        # The lanes' partial sums meet in TVM's cross-thread reduction, which lowers only when
+        # every loop of the block has one integer type (models/moe.py makes them all int64;
+        # tests/test_moe.py holds that, tests/support/moe_probe.py checks the kernel on a GPU).
+        # A partial last chunk (reductions of 36, 40) is predicated.
+        no, ni = sch.split(n, [None, ROWS])
+        co, ci = sch.split(c, [None, LANES])
         sch.reorder(t, j, no, ni, ci, co)
         bx = sch.fuse(t, j, no)
         sch.bind(bx, "blockIdx.x")
