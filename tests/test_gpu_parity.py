@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from hf_oracle import load_gguf_model, load_gguf_tokenizer
-from tiny_models import TINY_SHAPES, make_tiny_model
+from tiny_models import GPU_DIAGNOSTIC_SHAPES, TINY_SHAPES, make_tiny_model
 from vtool import VtoolError
 from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.weights.checkpoint import open_checkpoint
@@ -159,6 +159,20 @@ class Artifacts:
             self._missing(f"{name}-{dtype}")
         return self.root / entry["checkpoint"], self.root / entry["artifacts"][dtype]
 
+    def kernel_library(self, name: str) -> Path:
+        """A kernel library gpu_prebuild made (index "kernels"), or one built here."""
+        if self.root is not None:
+            rel = self.index.get("kernels", {}).get(name)
+            if rel is None:
+                self._missing(f"{name}-probe" if name == "moe" else name)
+            return self.root / rel
+        import moe_probe
+
+        lib = self.tmp / "kernels" / f"{name}_probe.so"
+        if not lib.exists():
+            moe_probe.build(lib, self.target)
+        return lib
+
     def smollm2(self) -> tuple[Path, Path]:
         """(GGUF path, bfloat16 artifact folder)."""
         from vtool.runtime.weights.default_model import SHA256, default_model_path, sha256_of
@@ -221,9 +235,16 @@ def hf_prompt_logits(model: Any, prompt: list[int]) -> np.ndarray:
 
 
 def load_hf_tiny(folder: Path, dtype: torch.dtype) -> Any:
+    """transformers' model on the GPU, on its plain (eager) paths, as the CPU oracles run it:
+    the default SDPA attention drops Gemma-2's attention soft-cap (the capped tiny model's
+    "reference" was off by the cap's whole effect), and the default grouped expert GEMM on
+    CUDA refuses bf16 experts whose rows are not 16-byte aligned (the tiny experts of 36)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda").eval()
+    config = json.loads((folder / "config.json").read_text())
+    moe = {"experts_implementation": "eager"} if config.get("num_experts") or config.get("num_local_experts") else {}
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager",
+                                                **moe).to("cuda").eval()
 
 
 def first_divergence(ours: list[int], ref: list[int]) -> int | None:
@@ -337,7 +358,7 @@ class TinyCase:
         return self._generators[dtype]
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_SHAPES))
+@pytest.fixture(scope="module", params=[*sorted(TINY_SHAPES), *sorted(GPU_DIAGNOSTIC_SHAPES)])
 def tiny(request, artifacts):
     return TinyCase(request.param, artifacts)
 
@@ -662,3 +683,56 @@ def test_tiny_bert_embeds_like_transformers_on_the_gpu(artifacts, dtype, min_cos
         assert np.abs(got - want).max() < max_abs
     alone = np.stack([embedder.embed([i])[0] for i in ids])
     np.testing.assert_allclose(alone, got, atol=2e-5 if dtype == "float32" else 2e-2)
+
+
+@pytest.mark.gpu
+def test_moe_kernels_match_numpy_on_the_gpu(artifacts):
+    """models/moe.py's router and gather-GEMV, scheduled as a model build schedules them
+    (schedules/cuda/moe.py), alone on the GPU against numpy (tests/support/moe_probe.py): the
+    tiny models' expert sizes (36, 40), bf16 and float32, a prompt's tokens and one token."""
+    import moe_probe
+
+    results = moe_probe.check(artifacts.kernel_library("moe"))
+    for name, r in results.items():
+        print(f"[moe kernel] {name}: {r}")
+    bad = {name: r for name, r in results.items() if not r["ok"]}
+    assert not bad, f"MoE kernels wrong on the GPU: {bad}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, min_cosine, max_rel", [("float32", 1 - 1e-6, 1e-4), ("bfloat16", 0.999, None)])
+def test_tiny_embeddinggemma_embeds_like_transformers_on_the_gpu(artifacts, dtype, min_cosine, max_rel):
+    """A tiny random EmbeddingGemma (bidirectional Gemma-3, windows shorter than the inputs,
+    head_dim 256 as the real one; models/gemma_encoder.py) on the GPU: hidden states of a
+    right-padded batch against transformers' eager Gemma3TextModel on the GPU, and the vectors
+    through the checkpoint's pooling head."""
+    from transformers import Gemma3TextModel
+
+    from embed_oracle import cosines, st_reference
+    from vtool.runtime.engine.pooling import load_pooler
+
+    folder, artifact = artifacts.embed("embeddinggemma", dtype)
+    lengths = [23, 3, 17, 11]
+    rng = np.random.default_rng(3)
+    ids = np.zeros((len(lengths), max(lengths)), np.int32)
+    mask = np.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = [2] + rng.integers(3, 512, n - 1).tolist()
+        mask[row, :n] = 1
+    m = CompiledModel(artifact, open_checkpoint(folder))
+    assert m.on_gpu
+    got = m.to_numpy(m.function("encode")(m.upload(ids), m.upload(mask), m.params)).astype(np.float32)
+    hf = Gemma3TextModel.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").to("cuda").eval()
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(ids, dtype=torch.long, device="cuda"),
+                  attention_mask=torch.tensor(mask, device="cuda")).last_hidden_state.cpu()
+    err = max(float(np.abs(got[r, :n] - want[r, :n].numpy()).max()) for r, n in enumerate(lengths))
+    scale = float(want.abs().max())
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    pooler = load_pooler(folder, 64, manifest["default_pooling"])
+    vec = pooler.finish(pooler.pool(got, lengths))
+    cos = cosines(vec, st_reference(folder, want, torch.tensor(mask)))
+    print(f"[tiny embeddinggemma {dtype}] hidden max|d| {err:.2e} (max|h| {scale:.1f}); cosine min {cos.min():.9f}")
+    assert cos.min() >= min_cosine, cos
+    if max_rel is not None:
+        assert err < max_rel * max(1.0, scale), err

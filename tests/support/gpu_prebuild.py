@@ -44,11 +44,15 @@ DTYPES = ("float32", "bfloat16")
 PART_PREFIX = "part_"
 
 
+# what --shapes takes besides the tiny decoder shapes
+EXTRAS = ("bert", "embeddinggemma", "moe-probe")
+
+
 def build(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE))
     import importlib.metadata
 
-    from tiny_models import TINY_SHAPES, make_tiny_model
+    from tiny_models import GPU_DIAGNOSTIC_SHAPES, TINY_SHAPES, make_tiny_model
     from vtool.runtime.artifact.library import installed_versions
     from vtool.runtime.weights.checkpoint import open_checkpoint
     from vtool.runtime.weights.default_model import FILENAME, SHA256, default_model_path
@@ -79,17 +83,21 @@ def build(args: argparse.Namespace) -> None:
             print(f"    FAILED: {type(e).__name__}: {str(e)[-400:]}", flush=True)
             return None
 
-    shapes = sorted(TINY_SHAPES) if not args.shapes else [s.strip() for s in args.shapes.split(",")
-                                                          if s.strip() and s.strip() != "bert"]
-    unknown = [s for s in shapes if s not in TINY_SHAPES]
+    known = [*sorted(TINY_SHAPES), *sorted(GPU_DIAGNOSTIC_SHAPES)]
+    shapes = known if not args.shapes else [s.strip() for s in args.shapes.split(",")
+                                            if s.strip() and s.strip() not in EXTRAS]
+    unknown = [s for s in shapes if s not in known]
     if unknown:
-        sys.exit(f"--shapes: {', '.join(unknown)} not in tests/support/tiny_models.py TINY_SHAPES")
+        sys.exit(f"--shapes: {', '.join(unknown)} not in tests/support/tiny_models.py TINY_SHAPES or "
+                 "GPU_DIAGNOSTIC_SHAPES")
     if previous is not None:  # --reuse: what an earlier run built stays, unless built again now
         index["tiny"] = {k: v for k, v in previous.get("tiny", {}).items() if k not in shapes}
         index["embed"] = dict(previous.get("embed", {}))
-        rebuilt = (*shapes, *(["bert"] if not args.shapes or "bert" in args.shapes.split(",") else []))
+        index["kernels"] = dict(previous.get("kernels", {}))
+        extras = [e for e in EXTRAS if not args.shapes or e in args.shapes.split(",")]
+        rebuilt = (*shapes, *extras)
         index["errors"] = {k: v for k, v in previous.get("errors", {}).items()
-                           if not any(k.startswith(f"{n}-") for n in rebuilt)}
+                           if k not in extras and not any(k.startswith(f"{n}-") for n in rebuilt)}
     def tiny_entry(name: str, make) -> dict:
         """A fresh tiny checkpoint (make(folder) writes it) and its artifacts per dtype."""
         for stale in (out / "tiny" / name, *(out / "artifacts" / f"{name}-{d}" for d in DTYPES)):
@@ -119,6 +127,21 @@ def build(args: argparse.Namespace) -> None:
             print(f"WARNING: all-MiniLM-L6-v2 is not available here ({err}): no tiny BERT for the GPU", flush=True)
         if donor is not None:
             index.setdefault("embed", {})["bert"] = tiny_entry("bert", lambda folder: make_tiny_bert(folder, donor))
+
+    if not args.shapes or "embeddinggemma" in args.shapes.split(","):
+        # a tiny random EmbeddingGemma (bidirectional Gemma-3 + its pooling head) at its head_dim of 256
+        from embed_oracle import make_tiny_embeddinggemma
+
+        index.setdefault("embed", {})["embeddinggemma"] = tiny_entry(
+            "embeddinggemma", lambda folder: make_tiny_embeddinggemma(folder, head_dim=256))
+
+    if not args.shapes or "moe-probe" in args.shapes.split(","):
+        # models/moe.py's kernels alone against numpy (tests/support/moe_probe.py)
+        import moe_probe
+
+        lib = out / "kernels" / "moe_probe.so"
+        if attempt("moe-probe", lambda: (moe_probe.build(lib, args.target), lib)[1]):
+            index.setdefault("kernels", {})["moe"] = str(lib.relative_to(out))
 
     gguf = None
     if not args.no_smollm2:
@@ -218,7 +241,8 @@ def main() -> None:
     b.add_argument("--dtypes", default=",".join(DTYPES),
                    help="tiny-model dtypes to build (the tests of a dtype left out skip, saying so)")
     b.add_argument("--shapes", default="",
-                   help="tiny shapes to build, comma-separated, `bert` for the tiny embedding model (default: all)")
+                   help="tiny shapes to build, comma-separated; `bert` and `embeddinggemma` for the tiny embedding "
+                        "models, `moe-probe` for the MoE kernels alone (default: all)")
     b.add_argument("--reuse", action="store_true",
                    help="keep what an earlier run built into --out; only --shapes (and SmolLM2) are built again")
     b.add_argument("--pack-dir", default=str(ROOT / ".devcarry"))

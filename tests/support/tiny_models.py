@@ -108,6 +108,24 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
                             head_dim=20, tie_word_embeddings=False, rope_theta=1e6, sliding_window=None),
 }
 
+# Shapes built for the GPU parity run only (tests/test_gpu_parity.py, tests/support/gpu_prebuild.py): they
+# take apart a CUDA failure of a TINY_SHAPES model. Gemma-2's tiny model failed on CUDA with its attention
+# soft-cap at head_dim 256: the same model without the cap, and with the cap at head_dim 32, say which it is.
+GPU_DIAGNOSTIC_SHAPES: dict[str, dict[str, Any]] = {
+    "gemma2-nocap": {**{k: v for k, v in TINY_SHAPES["gemma2-softcap"].items() if k != "attn_logit_softcapping"},
+                     "attn_logit_softcapping": None},
+    "gemma2-softcap-d32": {**TINY_SHAPES["gemma2-softcap"], "head_dim": 32},
+}
+
+
+def shape_spec(name: str) -> dict[str, Any]:
+    """The spec of a TINY_SHAPES or GPU_DIAGNOSTIC_SHAPES name."""
+    if name in TINY_SHAPES:
+        return TINY_SHAPES[name]
+    if name in GPU_DIAGNOSTIC_SHAPES:
+        return GPU_DIAGNOSTIC_SHAPES[name]
+    raise KeyError(f"{name!r} is in neither TINY_SHAPES nor GPU_DIAGNOSTIC_SHAPES")
+
 
 def spread_init(model) -> None:
     """transformers' init (std 0.02) makes a model that repeats one token forever, which
@@ -126,7 +144,7 @@ def spread_init(model) -> None:
 
 
 def make_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
-    """Write config.json + model.safetensors for TINY_SHAPES[name] into folder (float32)."""
+    """Write config.json + model.safetensors for shape_spec(name) into folder (float32)."""
     import torch
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
                               GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
@@ -144,7 +162,7 @@ def make_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
     classes |= {"qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
                 "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
                 "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM)}
-    spec = dict(TINY_SHAPES[name])
+    spec = dict(shape_spec(name))
     config_cls, model_cls = classes[spec.pop("arch")]
     torch.manual_seed(seed)
     config = config_cls(**{**COMMON, **spec})  # a shape may override COMMON (gpt2-learned-pos)
