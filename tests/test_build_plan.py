@@ -108,7 +108,7 @@ def _flashinfer(installed: bool) -> None:
 def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attention):  # noqa: ANN001, C901
     from vtool.models.int8_activations import DOT_FORMATS, int8_isa
     from vtool.models.weights import check_checkpoint_shapes, kept_formats
-    from vtool.toolchain.cuda import check_attention_shape, check_prefill_tiling, check_verified_on_gpu
+    from vtool.toolchain.cuda import check_attention_shape, check_prefill_tiling
     from vtool.toolchain.quantize import SCHEMES, plan_formats
 
     families = ("x86", "arm")
@@ -118,7 +118,6 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
     cfg = parse_hf_config(ckpt.config())
     check_checkpoint_shapes(cfg, {n: t.shape for n, t in ckpt.tensors().items()}, str(ckpt.path))
     if spec.family == "cuda":
-        check_verified_on_gpu(cfg)  # added with the rule (toolchain/cuda.py)
         check_attention_shape(cfg)
         check_prefill_tiling(cfg, dtype)  # added with the rule (toolchain/cuda.py)
     quants = ("auto", "none", "gguf", *SCHEMES)

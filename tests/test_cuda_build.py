@@ -282,14 +282,10 @@ def test_attention_shapes_tvm_cannot_launch_on_cuda_are_refused_by_name(tmp_path
 def test_prefill_tilings_tvm_cannot_generate_are_refused_by_name(shape, head_dim, tmp_path, monkeypatch):
     """float32 with head_dim 12 or 20: TVM's prefill-attention generator finds no legal tiling
     and raised deep inside the module build (seen on both tiny shapes); the plan refuses it by
-    name first, while bfloat16 (another tiling) and the CPU build of the same model plan.
-    (Mixtral is MoE, itself refused on CUDA until verified: the override lets this rule speak.)"""
+    name first, while bfloat16 (another tiling) and the CPU build of the same model plan."""
     from vtool import VtoolError
     from vtool.runtime.weights.checkpoint import open_checkpoint
-    from vtool.toolchain.cuda import UNVERIFIED_ENV
     from vtool.toolchain.plan import BuildOptions, resolve_plan
-
-    monkeypatch.setenv(UNVERIFIED_ENV, "1")
 
     ckpt = open_checkpoint(make_tiny_model(shape, tmp_path / "m"))
     with pytest.raises(VtoolError, match=f"head_dim={head_dim} in float32 is not supported on CUDA: TVM's "

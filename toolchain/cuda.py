@@ -408,26 +408,6 @@ def check_attention_shape(cfg: Any) -> None:
             "must be at least 32")
 
 
-# Set to 1 to build what the last GPU parity run found wrong (the parity tests do, to check a fix).
-UNVERIFIED_ENV = "VTOOL_ALLOW_UNVERIFIED_CUDA"
-
-
-def check_verified_on_gpu(cfg: Any) -> None:
-    """Refuse, by name, model features whose CUDA kernels gave wrong logits on the H200 (tiny
-    models against transformers, docs/results/h200-gpu-parity-issue18-session11.txt): a
-    mixture-of-experts MLP (Qwen3-MoE, Mixtral: logits off by 14-15) and Gemma-2's attention
-    soft-cap (off by 6-9; its CPU kernels match). UNVERIFIED_ENV=1 builds them anyway."""
-    found = []
-    if getattr(cfg, "num_experts", 0):
-        found.append("a mixture-of-experts MLP")
-    if getattr(cfg, "attn_logit_softcap", 0):
-        found.append("attention logit soft-capping (attn_logit_softcapping)")
-    if found and os.environ.get(UNVERIFIED_ENV, "") in ("", "0"):
-        raise VtoolError(
-            f"{' and '.join(found)} is not supported on CUDA yet: its kernels gave wrong logits in the last GPU "
-            f"parity run (they work on the CPU targets); set {UNVERIFIED_ENV}=1 to build it anyway, for testing")
-
-
 def check_prefill_tiling(cfg: Any, dtype: str) -> None:
     """Refuse shapes for which TVM 0.27's paged prefill-attention kernels (prefill, ragged
     prefill, sliding window) have no legal tiling: their generator raises while the Relax
