@@ -158,7 +158,19 @@ class CompiledModel:
         else:
             tensor = global_func("runtime.TVMTensorAllocWithScope")(
                 self.ffi.Shape(array.shape), dtype, self.device, None)
-        global_func("runtime.TVMTensorCopyFromBytes")(tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes)
+        if slot is not None and self.on_gpu:
+            if not array.flags.writeable:  # DLPack cannot export a read-only numpy array
+                array = array.copy()
+            # Queued on the stream, not waited for: TVMTensorCopyFromBytes synchronizes the stream
+            # after its copy, so every per-step input (token ids, a grammar's mask) waited for the
+            # step the device was still running. From pageable host memory cudaMemcpyAsync stages
+            # the bytes before it returns, so `array` may change or die at once; the copy runs in
+            # stream order, after the kernels that still read the slot's previous contents.
+            source = global_func("runtime.TVMTensorCreateView")(
+                self.ffi.from_dlpack(array), self.ffi.Shape(list(array.shape)), dtype, 0)
+            global_func("runtime.TVMTensorCopyFromTo")(source, tensor)
+        else:
+            global_func("runtime.TVMTensorCopyFromBytes")(tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes)
         return tensor
 
     def _staged(self, slot: str, shape: tuple[int, ...], dtype: str, size: int) -> Any:
