@@ -109,6 +109,7 @@ class CompiledModel:
         self.device_index = CUDA_DEVICE_INDEX if self.device_type == "cuda" else 0
         self.device = self.ffi.device(self.device_type, self.device_index)
         self._staging: dict[tuple[str, str], tuple[Any, int]] = {}
+        self._host_slots: dict[str, tuple[int, Any, np.ndarray]] = {}  # upload_ints on the CPU
         if self.manifest.get("gemm") == "cublas":
             load_cublas()  # refuse here, by name, rather than at the first prefill
         check_library_runs_here(self.folder / LIBRARY_NAME)  # never dlopen another machine's code
@@ -171,6 +172,29 @@ class CompiledModel:
             global_func("runtime.TVMTensorCopyFromTo")(source, tensor)
         else:
             global_func("runtime.TVMTensorCopyFromBytes")(tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes)
+        return tensor
+
+    def upload_ints(self, values: list[int], slot: str) -> Any:
+        """`values` as a 1-D int32 tensor on the model's device, for a per-step input (token
+        ids, logit positions), as upload(np.asarray(values, np.int32), slot=slot) gives it.
+
+        On the CPU the slot keeps one tensor per length with a numpy view of its memory, and
+        the values are written through the view: no allocation, dtype string, ascontiguousarray
+        or copy call per step (a one-token decode step re-uses the same tensor every time). The
+        slot's previous tensor is overwritten, so, as for upload's slots, it must be dead by
+        then: it is consumed by the call it is made for (CPU calls return when done)."""
+        if self.on_gpu:
+            return self.upload(np.asarray(values, dtype=np.int32), slot=slot)
+        n = len(values)
+        held = self._host_slots.get(slot)
+        if held is None or held[0] != n:
+            tensor = global_func("runtime.TVMTensorAllocWithScope")(self.ffi.Shape([n]), "int32", self.device, None)
+            held = self._host_slots[slot] = (n, tensor, np.from_dlpack(tensor))
+        _, tensor, view = held
+        if n == 1:
+            view[0] = values[0]
+        else:
+            view[:] = values
         return tensor
 
     def _staged(self, slot: str, shape: tuple[int, ...], dtype: str, size: int) -> Any:

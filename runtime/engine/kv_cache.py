@@ -84,6 +84,9 @@ class PagedKVCache:
             "kv_state_begin_forward", "kv_state_end_forward", "kv_state_popn", "attention_kv_cache_get_num_available_pages",
             "attention_kv_cache_enable_sliding_window_for_seq")}
         self._shape = shape
+        self._begin, self._end = self._f["kv_state_begin_forward"], self._f["kv_state_end_forward"]
+        self._last_key: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # begin_forward's
+        self._last_shapes: tuple[Any, Any] = ()
         self.max_num_seqs = max_num_seqs  # TVM sizes a step's arrays by it: no step may run more rows
         # TVM may round the page count up; the mirror starts from what TVM reports.
         self.blocks = KVBlockManager(self.tvm_free_blocks(), block_size)
@@ -122,10 +125,14 @@ class PagedKVCache:
     def begin_forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
         for seq_id, n in zip(seq_ids, lengths):
             self.blocks.append(seq_id, n)
-        self._f["kv_state_begin_forward"](self.handle, self._shape(list(seq_ids)), self._shape(list(lengths)))
+        # The last step's Shapes when the batch is the same (decode steps of the same sequences).
+        key = (tuple(seq_ids), tuple(lengths))
+        if key != self._last_key:
+            self._last_key, self._last_shapes = key, (self._shape(list(key[0])), self._shape(list(key[1])))
+        self._begin(self.handle, *self._last_shapes)
 
     def end_forward(self) -> None:
-        self._f["kv_state_end_forward"](self.handle)
+        self._end(self.handle)
 
     def in_sync(self) -> bool:
         """Whether the mirror agrees with TVM's own count (checked by the tests)."""

@@ -41,7 +41,8 @@ class OutputProcessor:
         return self._limits(request)
 
     def _limits(self, request: Request) -> tuple[str | None, int | None]:
-        if any(getattr(p, "is_terminated", None) and p.is_terminated() for p in request.sampler.logits_processors):
+        processors = request.sampler.logits_processors
+        if processors and any(getattr(p, "is_terminated", None) and p.is_terminated() for p in processors):
             # A grammar that is complete allows nothing but the end token: stop here, also under
             # min_tokens or ignore_eos, where drawing the end token is not possible or not an end.
             return "stop", None

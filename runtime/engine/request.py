@@ -55,6 +55,16 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def token_slice(self, start: int, n: int) -> tuple[int, ...]:
+        """tuple(all_ids[start:start + n]) without building all_ids (a decode step's one token
+        would otherwise copy the whole context)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return tuple(self.output_ids[start - p:start - p + n])
+        if start + n <= p:
+            return tuple(self.prompt_ids[start:start + n])
+        return tuple(self.prompt_ids[start:]) + tuple(self.output_ids[:start + n - p])
+
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED

@@ -36,18 +36,29 @@ class StepLogits:
 
     def __init__(self, model: Any, tensor: Any, vocab_size: int, owners: list[int]):
         self.model, self.tensor, self.vocab_size = model, tensor, vocab_size
-        self.owners = np.asarray(owners)
+        self._owner_list = owners
+        self._owners: np.ndarray | None = None  # the array, made when first asked for
         self._host: np.ndarray | None = None
+
+    @property
+    def owners(self) -> np.ndarray:
+        if self._owners is None:
+            self._owners = np.asarray(self._owner_list)
+        return self._owners
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._owner_list)
 
     def rows_are(self, items: list[int]) -> bool:
         """Whether the rows are exactly these sequences' rows, one each, in this order (then
         the tensor itself can be sampled on the device)."""
-        return self.owners.tolist() == list(items)
+        return self._owner_list == list(items)
 
     def host(self) -> np.ndarray:
         """Every row on the host, [n, V] (copied from the device once)."""
         if self._host is None:
-            self._host = self.model.to_numpy(self.tensor).reshape(len(self.owners), self.vocab_size)
+            self._host = self.model.to_numpy(self.tensor).reshape(len(self._owner_list), self.vocab_size)
         return self._host
 
     def last_rows(self, items: list[int]) -> np.ndarray:
@@ -59,7 +70,7 @@ class StepLogits:
 
     def rows(self, item: int) -> np.ndarray | None:
         """A sequence's rows on the host, [k, V], or None when the step computed none for it."""
-        if not (self.owners == item).any():
+        if item not in self._owner_list:
             return None
         return self.host()[self.owners == item]
 
@@ -96,10 +107,14 @@ class ModelRunner:
         self.kv = kv
         self.vocab_size = model.vocab_size
         self._create_view = global_func("runtime.TVMTensorCreateView")
+        # The entry points return (logits, kv cache) as a tvm_ffi Array: its first item in one
+        # call (Array[0] makes two, len and get, behind Python index checks).
+        self._first = global_func("ffi.ArrayGetItem")
         self.device_sampler = self._make_device_sampler() if device_sampling else None
         # Host seconds spent in each half of execute: launching the model (on a GPU the
         # kernels are queued, not waited for) and sampling (on a GPU: the wait for the step).
         self.seconds = {"forward": 0.0, "sample": 0.0}
+        self._shapes: dict[tuple[int, ...], Any] = {}  # _shape's
         self.decode_buckets = DecodeBuckets.for_model(model, kv)  # None: no captured batch_decode
         self.verify_graph_tokens = captured_verify_tokens(model)  # 0: no captured batch_verify
 
@@ -141,7 +156,7 @@ class ModelRunner:
         draw = self.device_sampler.launch(logits.tensor, prepared) if prepared is not None else None
         argmax_rows = None
         if prepared is None and to_sample and self._greedy_rows_on_device(step, logits, samplers):
-            argmax_rows = self.device_sampler.launch(logits.tensor, PreparedDraw(len(logits.owners), ARGMAX, ()))
+            argmax_rows = self.device_sampler.launch(logits.tensor, PreparedDraw(logits.num_rows, ARGMAX, ()))
         self.seconds["forward"] += time.perf_counter() - t0
         return InFlightStep(step, logits, to_sample, samplers, prepared is not None, draw, argmax_rows)
 
@@ -166,7 +181,7 @@ class ModelRunner:
             raise VtoolError("argmax_rows needs the device sampler (a GPU library with sampling functions)")
         t0 = time.perf_counter()
         logits = self._forward(step)
-        launched = self.device_sampler.launch(logits.tensor, PreparedDraw(len(logits.owners), ARGMAX, ()))
+        launched = self.device_sampler.launch(logits.tensor, PreparedDraw(logits.num_rows, ARGMAX, ()))
         self.seconds["forward"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         tokens, _ = self.device_sampler.collect(launched)
@@ -192,7 +207,9 @@ class ModelRunner:
                     plain = [i for i in flight.to_sample if not sequences[i].draft_ids]
                     # The grammar rows' masks in one parallel call, before the logits come to
                     # the host (on a GPU, while the step may still run); sample_batch uses them.
-                    prefill_grammars([sequences[i].sampler.logits_processors for i in plain])
+                    rows = [sequences[i].sampler.logits_processors for i in plain]
+                    if any(rows):
+                        prefill_grammars(rows)
                     drawn = sample_batch(flight.logits.last_rows(plain), [sequences[i].sampler for i in plain]) \
                         if plain else []
                     for i in flight.to_sample:
@@ -244,27 +261,41 @@ class ModelRunner:
             return CAPTURED_VERIFY_ENTRY
         return "batch_verify"
 
+    def _shape(self, *dims: int) -> Any:
+        """The tvm_ffi Shape of these dimensions, made once (a Shape costs microseconds)."""
+        shape = self._shapes.get(dims)
+        if shape is None:
+            if len(self._shapes) >= 256:  # prefill shapes follow the packed token count
+                self._shapes.clear()
+            shape = self._shapes[dims] = self.model.ffi.Shape(list(dims))
+        return shape
+
     def _forward(self, step: SchedulerOutput) -> StepLogits:
         """Run the batch; the logits of the rows the sequences want, left on the device."""
         m = self.model
         sequences = step.sequences
-        if step.all_decode and self.decode_buckets is not None:  # CUDA graphs, padded (decode_buckets.py)
+        all_decode = step.all_decode
+        if all_decode and self.decode_buckets is not None:  # CUDA graphs, padded (decode_buckets.py)
             padded = self.decode_buckets.forward(step)
             if padded is not None:
                 owners = [i if s.num_logit_rows else -1 for i, s in enumerate(sequences)]
                 return StepLogits(m, padded, self.vocab_size, owners)
-        tokens = [t for s in sequences for t in s.token_ids]
+        if all_decode:
+            tokens = [s.token_ids[0] for s in sequences]
+            lengths = [1] * len(sequences)
+        else:
+            tokens = [t for s in sequences for t in s.token_ids]
+            lengths = [s.num_tokens for s in sequences]
         seq_ids = [s.seq_id for s in sequences]
-        lengths = [s.num_tokens for s in sequences]
-        flat = m.function("embed")(m.upload(np.asarray(tokens, dtype=np.int32), slot="ids"), m.params)
+        flat = m.function("embed")(m.upload_ints(tokens, "ids"), m.params)
         self.kv.begin_forward(seq_ids, lengths)
         try:
-            if step.all_decode:
-                embeds = self._create_view(flat, m.ffi.Shape([len(sequences), 1, m.hidden_size]), m.dtype, 0)
+            if all_decode:
+                embeds = self._create_view(flat, self._shape(len(sequences), 1, m.hidden_size), m.dtype, 0)
                 # One sequence takes the static-shape `decode`: on CUDA it is a captured graph
                 # of GEMV kernels, where batch_decode's symbolic batch runs uncaptured matmuls.
                 entry = "decode" if len(sequences) == 1 else "batch_decode"
-                logits, _ = m.function(entry)(embeds, self.kv.tvm, m.params)
+                logits = self._first(m.function(entry)(embeds, self.kv.tvm, m.params), 0)
                 owners = [i if s.num_logit_rows else -1 for i, s in enumerate(sequences)]
                 return StepLogits(m, logits, self.vocab_size, owners)
             positions: list[int] = []
@@ -278,9 +309,9 @@ class ModelRunner:
                 offset = end
             if not positions:
                 positions, owners = [offset - 1], [-1]  # the entry point needs one; its row is dropped
-            embeds = self._create_view(flat, m.ffi.Shape([1, len(tokens), m.hidden_size]), m.dtype, 0)
-            logits, _ = m.function(self._multi_token_entry(step, len(positions)))(
-                embeds, m.upload(np.asarray(positions, dtype=np.int32), slot="positions"), self.kv.tvm, m.params)
+            embeds = self._create_view(flat, self._shape(1, len(tokens), m.hidden_size), m.dtype, 0)
+            logits = self._first(m.function(self._multi_token_entry(step, len(positions)))(
+                embeds, m.upload_ints(positions, "positions"), self.kv.tvm, m.params), 0)
             return StepLogits(m, logits, self.vocab_size, owners)
         finally:
             self.kv.end_forward()

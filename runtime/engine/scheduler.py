@@ -110,7 +110,8 @@ class Scheduler:
                 n = 1 + min(len(request.draft_ids), budget - 1, (self.config.max_chunk or budget) - 1)
                 if n > 1 and not self._ensure_free(self.kv.blocks.blocks_needed(request.seq_id, n)):
                     n = 1
-            while not self._ensure_free(self.kv.blocks.blocks_needed(request.seq_id, n)):
+            need = self.kv.blocks.blocks_needed(request.seq_id, n)  # preempting others leaves it as it is
+            while not self._ensure_free(need):
                 victim = self._lowest_priority_unscheduled(scheduled)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -119,13 +120,13 @@ class Scheduler:
             if request in self.running:
                 items.append((request, n))
                 scheduled.add(id(request))
-                self._reserved += self.kv.blocks.blocks_needed(request.seq_id, n)
+                self._reserved += need
                 budget -= n
 
         if not preempted:  # as vLLM: no new admissions in a step that had to preempt
             self._admit(items, budget)
-        return SchedulerOutput(tuple(self._scheduled(request, n) for request, n in items),
-                               tuple(r.request_id for r in preempted))
+        return SchedulerOutput(tuple([self._scheduled(request, n) for request, n in items]),
+                               tuple([r.request_id for r in preempted]))
 
     @staticmethod
     def _scheduled(request: Request, n: int) -> ScheduledSequence:
@@ -143,7 +144,7 @@ class Scheduler:
         # prompt_logprobs needs the logits at every prompt position it computes.
         wants_prompt = request.params.prompt_logprobs is not None and request.prompt_logprobs is None
         return ScheduledSequence(
-            request_id=request.request_id, seq_id=request.seq_id, token_ids=tuple(request.all_ids[start:start + n]),
+            request_id=request.request_id, seq_id=request.seq_id, token_ids=request.token_slice(start, n),
             num_computed=start, num_logit_rows=n if wants_prompt else int(completes), sample=completes,
             sampler=request.sampler if completes else None, return_logits=wants_prompt,
             logits_processors=request.sampler.logits_processors)

@@ -35,18 +35,22 @@ class TextStage:
         """The StepOutput for one CoreOutput; finished with reason "stop" and the string as
         stop_reason when a stop string completes (out.finish_reason was None then)."""
         finish, stop_reason = out.finish_reason, out.stop_reason
-        text = ""
-        last = len(out.new_token_ids) - 1
-        for i, token in enumerate(out.new_token_ids):
-            self.num_output_tokens += 1
-            if out.stop_token and i == last:
-                continue  # a stop token's text is never shown
-            text += self.detokenizer.push(token)
+        tokens = out.new_token_ids
+        push = self.detokenizer.push
+        self.num_output_tokens += len(tokens)
+        if len(tokens) == 1 and not out.stop_token:  # a decode step's one token
+            text = push(tokens[0])
+        else:
+            shown = tokens[:-1] if out.stop_token else tokens  # a stop token's text is never shown
+            text = "".join([push(token) for token in shown])
         if finish is not None:
             text += self.detokenizer.flush()
-        delta, matched = self._apply_stop_strings(text, final=finish is not None)
-        if matched is not None:
-            finish, stop_reason = "stop", matched
+        if self.stop_matcher is None:
+            delta = text
+        else:
+            delta, matched = self._apply_stop_strings(text, final=finish is not None)
+            if matched is not None:
+                finish, stop_reason = "stop", matched
         self.finished = finish is not None
         return StepOutput(
             request_id=out.request_id, new_token_ids=out.new_token_ids, new_text=delta,

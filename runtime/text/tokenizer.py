@@ -330,25 +330,36 @@ class IncrementalDetokenizer:
                  prompt_ids: Sequence[int] = ()) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        # The backend's decode, called with the slice itself (Tokenizer.decode would copy it
+        # into another list first): push runs once per generated token.
+        self._backend_decode = tokenizer.backend.decode
         self._ids: list[int] = list(prompt_ids)
         self._prefix = max(len(self._ids) - self.CONTEXT, 0)  # window start (already emitted text)
         self._read = len(self._ids)                            # end of what has been emitted
+        self._before: str | None = None  # the text of ids[prefix:read] while they stay put
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip)
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend_decode(ids, skip_special_tokens=self._skip)
+
+    def _emitted(self) -> str:
+        """The text of the window's already-emitted ids, ids[prefix:read] (decoded once per window:
+        a push that holds text back leaves the window as it was)."""
+        if self._before is None:
+            self._before = self._decode(self._ids[self._prefix:self._read])
+        return self._before
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        before = self._decode(self._ids[self._prefix:self._read])
+        before = self._emitted()
         now = self._decode(self._ids[self._prefix:])
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return ""  # nothing visible yet, or a character still incomplete
-        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix, self._read, self._before = self._read, len(self._ids), None
         return now[len(before):]
 
     def flush(self) -> str:
         """Whatever is held back (at the end of generation); may contain U+FFFD for truly broken bytes."""
-        before = self._decode(self._ids[self._prefix:self._read])
+        before = self._emitted()
         now = self._decode(self._ids[self._prefix:])
-        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix, self._read, self._before = self._read, len(self._ids), None
         return now[len(before):]
