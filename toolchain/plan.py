@@ -38,7 +38,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 # q4_0/q4_1/q8_0 = quantize a float checkpoint's weights at build time (toolchain/quantize.py).
 QUANTIZATIONS = ("auto", "none", "gguf", *SCHEMES)
 # --activations: how the matmuls over kept Q8_0/Q4_0/Q4_1/Q5_0 (and Q4_K/Q6_K) weights take their input
-# (schedules/cpu/int8_gemv.py, kquant_gemv.py): rows quantized to Q8_0 (Q8_K for the K-quants, as
+# (schedules/cpu/int8_gemv.py, kquant_gemv.py, kquant_gemm.py): rows quantized to Q8_0 (Q8_K for the K-quants, as
 # llama.cpp) and integer dot products in decode ("decode",
 # what auto picks on integer-dot CPUs) or everywhere ("q8_0", llama.cpp's numerics), or float32.
 ACTIVATIONS = ("auto", "decode", "q8_0", "none")

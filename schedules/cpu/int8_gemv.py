@@ -1,6 +1,7 @@
 """Decode GEMVs over GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) with 8-bit activations and integer dots (x86).
 
-The K-quants (Q4_K, Q5_K, Q6_K) have their own kernels with Q8_K activations: kquant_gemv.py.
+The K-quants (Q4_K, Q5_K, Q6_K) have their own kernels with Q8_K activations: kquant_gemv.py (GEMVs)
+and kquant_gemm.py (GEMMs, register-tiled over rows of x).
 
 The float path (vtool_qmatmul, scheduled by vtool.schedules.cpu.quantized) widens every
 quant to float32 before its multiply-add, so a batch-1 GEMV is bound by that conversion,
@@ -35,7 +36,7 @@ from tvm.script import tirx as T
 
 # The weight layout the kernels are compiled for: the contract module, shared with the runtime's repacker.
 from vtool.runtime.weights.ggml_blocks import BLOCK, TILE_ROWS
-from vtool.schedules.cpu import kquant_gemv
+from vtool.schedules.cpu import kquant_gemm, kquant_gemv
 from vtool.schedules.cpu.kquant_gemv import FORMATS as KQUANT_FORMATS
 from vtool.schedules.cpu.kquant_gemv import fifth_bits as _fifth_bits
 from vtool.schedules.cpu.kquant_gemv import iq4_levels, signed_pairs
@@ -72,7 +73,8 @@ def _kquant_kernel(fmt: str, isa: str, rows: int, cols: int, lead: tuple[int | N
     if all(d == 1 for d in lead):
         return kquant_gemv.gemv_func(fmt, isa, rows, cols, len(lead))
     dims = tuple(d if d is not None else tirx.Var(f"m{i}", "int64") for i, d in enumerate(lead))
-    return kquant_gemv.gemm_func(fmt, isa, rows, cols, dims)
+    # several rows per pass over each weight tile, each row equal to the GEMV's bit for bit (kquant_gemm.py)
+    return kquant_gemm.gemm_func(fmt, isa, rows, cols, dims)
 
 
 @functools.lru_cache(maxsize=None)

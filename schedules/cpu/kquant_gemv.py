@@ -31,7 +31,8 @@ are 16-bit multipliers, which vpdpbusd has no slot for); avx2 the same at 256 bi
 layout: vtool.runtime.weights.ggml_blocks's, no repacking beyond it (qweight in Q4_0's nibble
 order, [tile, block, row in tile, bytes]); tiles run in parallel. Rows of x beyond one
 (batched decode, speculative verification) each make one pass over the tile, with the GEMV's
-arithmetic, so each row equals the GEMV of that row bit for bit.
+arithmetic, so each row equals the GEMV of that row bit for bit (gemm_func; the models' GEMMs are
+kquant_gemm.py's, several rows per pass with the same per-row result).
 
 The result is the dot product of gguf-py's dequantized weights with the Q8_K-dequantized
 activations, up to float32 summation order (tests/test_kquant_gemv.py).
