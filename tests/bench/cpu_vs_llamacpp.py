@@ -3,6 +3,14 @@
     python tests/bench/cpu_vs_llamacpp.py [--threads 2] [--rounds 3] [--nice -19] [--only NAME ...]
                                           [--bandwidth-gbs 59.8] [--out results.json]
                                           [--files F.gguf ...] [--baseline-tree DIR]
+                                          [--target x86-avx2 --llamacpp-isa avx2]
+
+--llamacpp-isa: which llama.cpp build is the peer (tests/bench/llamacpp.py ISA_VARIANTS): `native`
+(GGML_NATIVE=ON, the default) or `avx2` (AVX2/FMA/F16C, every AVX-512/AVX-VNNI/AMX option off);
+use `avx2` with `--target x86-avx2` to compare what each does on an AVX2-only CPU on a CPU that
+has more. The JSON records both: "llama_cpp_isa" (with the build's flags and, for avx2, its
+isa_check) and "vtool_target" (the name given, the artifact manifest's target row, its LLVM
+mcpu, the integer-dot ISA vtool picks for it, and the instructions its model.so uses).
 
 --files: measure these GGUF files (named by their stem) instead of the prepared ones (with them
 unless --only is given). --baseline-tree DIR: a second vtool source tree (DIR holds the package
@@ -14,7 +22,10 @@ For each GGUF file that tests/bench/llamacpp.py prepares (SmolLM2-135M Q4_1 = th
 model, SmolLM2 Q8_0, Qwen3-0.6B-shape Q4_1 and Q8_0):
   1. builds vtool's artifact for it (`--quantization gguf`, `--target host`, float32; cached);
   2. per round, alternately: vtool's figures (a subprocess, see below), then llama-bench's
-     pp512 and tg128 (llamacpp.llama_bench, `-r --reps`, llama.cpp's default settings);
+     pp512 and tg128 (llamacpp.llama_bench, `-r --reps`, llama.cpp's default settings; an
+     invocation that fails with them, as pp512 with the AMX weight buffer of a GCC 12 native
+     build does, is run again at once with `--repack 0`, and that setting is kept for the
+     file's later rounds; each figure records its setting);
      every invocation, vtool's included, first waits (bounded) for the other processes to go
      quiet, runs in a scheduling group of its own at --nice, and records the cores' worth of
      CPU others used meanwhile; the best of --rounds rounds is kept for each figure (other load
@@ -173,6 +184,32 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def vtool_target_info(artifact: Path, target: str) -> dict[str, Any]:
+    """What the vtool artifact was built for: the target name given, the manifest's target row,
+    its LLVM mcpu, the integer-dot ISA vtool's x86 family picks for that row
+    (models/int8_activations.py int8_isa: x86-avx2 -> "avx2", vpmaddubsw + vpmaddwd), and counts
+    of the telling instructions in its model.so (objdump, where there is one): zmm registers
+    (AVX-512), vpdpbusd (AVX-512 VNNI / AVX-VNNI), vpmaddubsw (the AVX2 integer dot)."""
+    import shutil
+
+    from vtool.targets.table import lookup
+    from vtool.toolchain.families import family_of
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    spec = lookup(manifest["target"]["name"])
+    info: dict[str, Any] = {"given": target, "manifest_target": manifest["target"]["name"],
+                            "mcpu": manifest["target"].get("tvm", {}).get("mcpu"),
+                            "int8_isa": family_of(spec).int8_isa(spec), "activations": manifest.get("activations")}
+    objdump = shutil.which("objdump")
+    lib = artifact / "model.so"
+    if objdump and lib.exists():
+        dis = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(lib)], capture_output=True, text=True,
+                             check=False).stdout
+        info["model_so_instructions"] = {"zmm": dis.count("%zmm"), "vpdpbusd": dis.count("vpdpbusd"),
+                                         "vpmaddubsw": dis.count("vpmaddubsw")}
+    return info
+
+
 def bandwidth_from(args: argparse.Namespace, root: Path) -> tuple[float | None, str]:
     if args.bandwidth_gbs:
         return args.bandwidth_gbs, "--bandwidth-gbs"
@@ -196,7 +233,9 @@ def main() -> None:
     ap.add_argument("--nice", type=int, default=-19, help="as llamacpp.py --nice (negative needs root)")
     ap.add_argument("--quiet-cores", type=float, default=0.3)
     ap.add_argument("--max-wait", type=float, default=120.0)
-    ap.add_argument("--target", default="host")
+    ap.add_argument("--target", default="host", help="vtool's target (x86-avx2 with --llamacpp-isa avx2)")
+    ap.add_argument("--llamacpp-isa", default="native", help="the llama.cpp build measured: native (GGML_NATIVE=ON) "
+                    "or avx2 (AVX2/FMA/F16C only; built on first use, at nice 10); see llamacpp.py ISA_VARIANTS")
     ap.add_argument("--activations", nargs="+", default=["auto"], choices=["auto", "decode", "q8_0", "none"],
                     help="vtool builds to measure per file: the first is the table's, the others are printed "
                          "below it (same rounds)")
@@ -220,9 +259,11 @@ def main() -> None:
 
     import llamacpp
 
+    if a.llamacpp_isa not in llamacpp.ISAS:
+        ap.error(f"--llamacpp-isa: one of {', '.join(llamacpp.ISAS)}")
     root = llamacpp.llamacpp_root()
-    info = llamacpp.build(root, os.cpu_count() or 2)
-    binary = root / "build" / "bin" / "llama-bench"
+    info = llamacpp.build(root, os.cpu_count() or 2, a.llamacpp_isa, nice=10)
+    binary = llamacpp.bench_binary(root, a.llamacpp_isa)
     models = llamacpp.prepare_models(root, a.only) if a.only or not a.files else {}
     for f in a.files or []:
         models[f.stem] = {"path": str(f.resolve()), "how": "given with --files",
@@ -233,16 +274,25 @@ def main() -> None:
     report: dict[str, Any] = {
         "what": "vtool vs llama-bench, pp512 / tg128 t/s, same GGUF, same threads, own sched group at --nice",
         "threads": a.threads, "reps": a.reps, "rounds": a.rounds, "nice": a.nice,
-        "llama_cpp": info["llama_cpp_commit"], "machine": {"cpu": llamacpp.cpu_name(), "cores": os.cpu_count()},
+        "llama_cpp": info["llama_cpp_commit"], "llama_cpp_isa": a.llamacpp_isa,
+        "llama_cpp_build": {k: info.get(k) for k in ("isa", "configure", "compiler", "isa_check") if k in info},
+        "llama_bench": str(binary.relative_to(root)), "vtool_target": {"given": a.target},
+        "machine": {"cpu": llamacpp.cpu_name(), "cores": os.cpu_count()},
         "bandwidth_gbs": bandwidth, "bandwidth_source": bw_source,
         "vtool_figures": "pp512: `prefill` entry; tg128: `decode` entry + host argmax; tg128_engine: Engine.step "
                          "(greedy host sampler, detokenizer)", "models": {}}
     for name, m in models.items():
         artifact = build_vtool(m["path"], a.target, a.activations[0])
+        target_info = vtool_target_info(artifact, a.target)
+        report["vtool_target"] = {k: v for k, v in target_info.items() if k != "model_so_instructions"}
+        if a.llamacpp_isa == "avx2" and target_info["int8_isa"] not in ("avx2", None):
+            log(f"warning: llama.cpp's avx2 build against vtool's {target_info['manifest_target']} "
+                f"({target_info['int8_isa']} kernels); pass --target x86-avx2 for the like-for-like figure")
         others = {mode: build_vtool(m["path"], a.target, mode) for mode in a.activations[1:]}
         if baseline_tree:
             others["baseline"] = build_vtool(m["path"], a.target, a.activations[0], baseline_tree)
-        entry: dict[str, Any] = {**m, "vtool_artifact": str(artifact), "vtool_runs": [],
+        repack: dict[str, bool | None] = {"pp512": None, "tg128": None}  # None: llama.cpp's default
+        entry: dict[str, Any] = {**m, "vtool_artifact": str(artifact), "vtool_target": target_info, "vtool_runs": [],
                                  "activations": a.activations[0], "llama_runs": {"pp512": [], "tg128": []},
                                  "other_activations": {mode: [] for mode in others}}
         for r in range(a.rounds):
@@ -264,11 +314,16 @@ def main() -> None:
             if a.vtool_only:
                 continue
             for label, test in (("pp512", ["-p", str(N_PROMPT), "-n", "0"]), ("tg128", ["-p", "0", "-n", str(N_GEN)])):
-                lr = llamacpp.llama_bench(binary, m["path"], test, a.threads, a.reps, None, quiet, a.nice)
-                entry["llama_runs"][label].append(lr)
-                log(f"{name} round {r + 1}: llama.cpp {label} "
-                    + (f"{lr['rows'][0]['avg_ts']:.1f}" if lr["rows"] else "FAILED")
-                    + f" (other load {lr['other_load_cores_during']})")
+                while True:
+                    lr = llamacpp.llama_bench(binary, m["path"], test, a.threads, a.reps, repack[label], quiet, a.nice)
+                    lr["setting"] = "default (repack on)" if repack[label] is None else "--repack 0"
+                    entry["llama_runs"][label].append(lr)
+                    log(f"{name} round {r + 1}: llama.cpp {label} [{lr['setting']}] "
+                        + (f"{lr['rows'][0]['avg_ts']:.1f}" if lr["rows"] else f"FAILED (exit {lr['returncode']})")
+                        + f" (other load {lr['other_load_cores_during']})")
+                    if lr["rows"] or repack[label] is not None:
+                        break
+                    repack[label] = False  # llama.cpp's default failed: --repack 0 from here on
         best: dict[str, Any] = {}
         for key in ("pp512", "tg128", "tg128_engine"):
             vals = [(mean(run["result"][key]), run) for run in entry["vtool_runs"] if run["result"] and key in run["result"]]
@@ -286,7 +341,8 @@ def main() -> None:
             if vals:
                 v, lr = max(vals, key=lambda x: x[0])
                 best[f"llama_{key}"] = {"t_s": round(v, 2), "stddev": round(lr["rows"][0]["stddev_ts"], 2),
-                                        "command": lr["command"], "other_load_cores_during": lr["other_load_cores_during"]}
+                                        "command": lr["command"], "setting": lr.get("setting"),
+                                        "other_load_cores_during": lr["other_load_cores_during"]}
         for key in ("pp512", "tg128", "tg128_engine"):
             lk = "llama_" + ("tg128" if key == "tg128_engine" else key)
             if f"vtool_{key}" in best and lk in best:
@@ -298,10 +354,12 @@ def main() -> None:
             best["tg_roofline_t_s"] = round(bandwidth * 1e9 / m["decode_weight_bytes_per_token"], 1)
         entry["best"] = best
         report["models"][name] = entry
-        out = a.out or root / "cpu_vs_llamacpp.json"
+        out = a.out or root / ("cpu_vs_llamacpp.json" if a.llamacpp_isa == "native" else
+                               f"cpu_vs_llamacpp-{a.llamacpp_isa}.json")
         out.write_text(json.dumps(report, indent=2) + "\n")  # after every model: a partial run is kept
 
-    print(f"vtool vs llama.cpp {info['llama_cpp_commit'][:10]}, -t {a.threads}, best of {a.rounds} rounds x "
+    print(f"vtool ({report['vtool_target'].get('manifest_target', a.target)}) vs llama.cpp "
+          f"{info['llama_cpp_commit'][:10]} ({a.llamacpp_isa} build), -t {a.threads}, best of {a.rounds} rounds x "
           f"{a.reps} reps, nice {a.nice}; bandwidth {bandwidth} GB/s ({bw_source}); JSON: {out}")
     hdr = (f"{'model':<18} {'MB/tok':>6} {'roof':>6} | {'pp512 vt':>8} {'llama':>7} {'ratio':>5} | "
            f"{'tg128 vt':>8} {'engine':>6} {'llama':>6} {'ratio':>5} {'eng/l':>5} {'%roof':>5}")
@@ -323,6 +381,11 @@ def main() -> None:
                   f" ({b.get(f'ratio@{mode}_pp512', float('nan')):.2f}x), tg128 "
                   f"{b.get(f'vtool@{mode}_tg128', {}).get('t_s', float('nan')):.1f}"
                   f" ({b.get(f'ratio@{mode}_tg128', float('nan')):.2f}x)")
+    for name, e in report["models"].items():
+        for key in ("pp512", "tg128"):
+            setting = e["best"].get(f"llama_{key}", {}).get("setting")
+            if setting and setting != "default (repack on)":
+                print(f"{name:<18} llama.cpp {key} ran with {setting} (llama.cpp's default failed: see llama_runs)")
     print("ratio = vtool / llama.cpp (t/s); roof = decode roofline t/s (bandwidth / weight bytes per token); "
           "%roof = vtool tg128 / roofline")
 

@@ -1,12 +1,15 @@
 """The CPU peer figure for issue #5: llama.cpp's own `llama-bench` on the same GGUF files vtool runs.
 
-    python tests/bench/llamacpp.py [--threads 2] [--out results.json] [--only NAME ...]
+    python tests/bench/llamacpp.py [--threads 2] [--out results.json] [--only NAME ...] [--isa native|avx2]
 
 What it does, all cached and idempotent:
   1. builds `llama-bench` and `llama-quantize` from the llama.cpp tree vendored in the PyPI sdist
      of llama-cpp-python (pinned below, sha256-checked; fetched with `pip download --no-binary`),
      with cmake, Release, GGML_NATIVE=ON, in $VTOOL_LLAMACPP_DIR (else <vtool cache>/llamacpp/<version>);
-     no llama.cpp code ever enters the repository;
+     no llama.cpp code ever enters the repository. `--isa avx2` builds and measures a second
+     variant instead, in build-avx2/ next to build/: GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C on, every
+     AVX-512, AVX-VNNI and AMX option off (ISA_VARIANTS; its record holds isa_check: ggml's CPU
+     feature list, no AVX512*, and no zmm or tile register in llama-bench's disassembly);
   2. prepares the GGUF files to measure:
        * smollm2-135m-q4_1: the default model exactly as vtool fetches it (runtime/weights/default_model.py);
        * smollm2-135m-q8_0: the same weights re-quantized to Q8_0 (see `make_smollm2_q8_0`);
@@ -15,8 +18,13 @@ What it does, all cached and idempotent:
          llama.cpp's ggml-vocab-qwen2.gguf in the same sdist (the Qwen2 gpt2-style BPE, whose
          vocab and merges Qwen3 shares, padded to 151936 entries like the real model);
   3. runs `llama-bench -p 512 -n 128 -t T -r 3 -o json` on each, first with llama.cpp's defaults
-     (CPU weight repacking on); if that run fails (a crash was seen with repacking on this
-     machine) it is run again with `--repack 0`. Which setting produced each figure is recorded.
+     (CPU weight repacking on); if that run fails it is run again with `--repack 0`. Which
+     setting produced each figure is recorded. (On an AMX Xeon a native build compiled by GCC 12
+     puts Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_XS weights into ggml's AMX buffer, and every prompt
+     batch through it dies with SIGSEGV: GCC 12's `_tile_loadconfig` hands `ldtilecfg` an 8-byte
+     memory operand, so the compiler drops the stores of the 64-byte tile config's column and row
+     fields and LDTILECFG raises #GP on the stack garbage left there. Decode (one row) takes the
+     AVX-512 VNNI path of the same buffer and runs. `--repack 0` turns the AMX buffer off.)
      pp512 and tg128 are separate invocations (`-p 512 -n 0`, `-p 0 -n 128`) so that each figure
      has its own setting. The machine may be shared: each invocation first waits (bounded) for
      other processes to go quiet, records the cores' worth of CPU they used while it ran, and
@@ -80,6 +88,25 @@ CMAKE_FLAGS = [
     "-DLLAMA_OPENSSL=OFF",
 ]
 TARGETS = ["llama-bench", "llama-quantize"]
+# Build variants (--isa), each in its own folder under the llama.cpp root, from the same source:
+#   native  build/       GGML_NATIVE=ON (-march=native: on an AMX Xeon that includes AVX-512, VNNI
+#                        and the AMX kernels); the default, and the folder llama-server is built in;
+#   avx2    build-avx2/  GGML_NATIVE=OFF with AVX/AVX2/FMA/F16C (and SSE4.2, BMI2) on and every
+#                        AVX-512, AVX-VNNI and AMX option off: what llama.cpp runs on an AVX2-only CPU
+#                        (Haswell..Zen 3), for comparing against vtool's `--target x86-avx2` on a
+#                        CPU that has more. llama-bench prints no system info, so this variant also
+#                        builds llama-completion (same flags, same ggml library) to read ggml's CPU
+#                        feature list from (isa_check).
+ISA_VARIANTS: dict[str, dict[str, Any]] = {
+    "native": {"folder": "build", "cmake": ["-DGGML_NATIVE=ON"], "targets": TARGETS},
+    "avx2": {"folder": "build-avx2",
+             "cmake": ["-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                       "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF",
+                       "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+                       "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"],
+             "targets": TARGETS + ["llama-completion"]},
+}
+ISAS = tuple(ISA_VARIANTS)
 # llama-server (tests/test_bench_llama_server.py, serve_vs_llama_server.py): the same build folder,
 # configured again with the server on; the web UI is neither built (npm) nor downloaded (HF bucket),
 # so the build needs no network. These options add targets only: the llama-bench objects stay.
@@ -168,26 +195,51 @@ def find_cmake(root: Path) -> str:
     return str(cmake)
 
 
-def build(root: Path, jobs: int) -> dict[str, Any]:
-    """Builds the targets if not built yet; returns the build record (commit, flags, binaries)."""
-    record_path = root / "build.json"
-    bin_dir = root / "build" / "bin"
-    if record_path.exists() and all((bin_dir / t).exists() for t in TARGETS):
+def isa_flags(isa: str) -> list[str]:
+    """The cmake flags of a build variant: CMAKE_FLAGS with its GGML_NATIVE replaced by the variant's."""
+    return [f for f in CMAKE_FLAGS if not f.startswith("-DGGML_NATIVE=")] + ISA_VARIANTS[isa]["cmake"]
+
+
+def build_dir(root: Path, isa: str = "native") -> Path:
+    return root / ISA_VARIANTS[isa]["folder"]
+
+
+def bench_binary(root: Path, isa: str = "native") -> Path:
+    return build_dir(root, isa) / "bin" / "llama-bench"
+
+
+def _record_name(isa: str, stem: str) -> str:
+    return f"{stem}.json" if isa == "native" else f"{stem}-{isa}.json"
+
+
+def build(root: Path, jobs: int, isa: str = "native", nice: int = 0) -> dict[str, Any]:
+    """Builds the variant's targets if not built yet (at `nice`); returns the build record
+    (commit, flags, binaries; for non-native variants also isa_check's result)."""
+    if isa not in ISA_VARIANTS:
+        raise BenchError(f"unknown llama.cpp ISA variant {isa!r}; known: {', '.join(ISAS)}")
+    variant = ISA_VARIANTS[isa]
+    folder = build_dir(root, isa)
+    record_path = root / _record_name(isa, "build")
+    bin_dir = folder / "bin"
+    if record_path.exists() and all((bin_dir / t).exists() for t in variant["targets"]):
         return json.loads(record_path.read_text())
     llama = fetch_source(root)
     cmake = find_cmake(root)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    configure = [cmake, "-S", llama, "-B", root / "build", *generator, *CMAKE_FLAGS]
-    compile_ = [cmake, "--build", root / "build", "--config", "Release", "-j", str(jobs),
-                "--target", *TARGETS]
+    configure = [cmake, "-S", llama, "-B", folder, *generator, *isa_flags(isa)]
+    compile_ = [cmake, "--build", folder, "--config", "Release", "-j", str(jobs),
+                "--target", *variant["targets"]]
+    log_path = root / ("build-log.txt" if isa == "native" else f"build-{isa}-log.txt")
     t0 = time.perf_counter()
     for cmd in (configure, compile_):
-        done = _run(cmd, capture_output=True)
-        (root / "build-log.txt").open("a").write(done.stdout + done.stderr)
+        done = _run(cmd, capture_output=True, preexec_fn=(lambda: os.nice(nice)) if nice > 0 else None)
+        with log_path.open("a") as f:
+            f.write(done.stdout + done.stderr)
         if done.returncode != 0:
             raise BenchError(f"{' '.join(map(str, cmd))} failed (exit {done.returncode}); "
-                             f"see {root / 'build-log.txt'}:\n{done.stderr.strip()[-1500:]}")
+                             f"see {log_path}:\n{done.stderr.strip()[-1500:]}")
     record = {
+        "isa": isa,
         "llama_cpp_python_sdist": LCP_SDIST,
         "sdist_sha256": LCP_SDIST_SHA256,
         "llama_cpp_commit": llama_cpp_commit(root),
@@ -197,8 +249,50 @@ def build(root: Path, jobs: int) -> dict[str, Any]:
         "compiler": subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.splitlines()[0],
         "build_seconds": round(time.perf_counter() - t0, 1),
     }
+    if isa != "native":
+        record["isa_check"] = isa_check(root, isa)
+        if not record["isa_check"]["ok"]:
+            raise BenchError(f"the {isa} build uses instructions it should not: {record['isa_check']}")
     record_path.write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+# ggml CPU features (llama_print_system_info's "CPU : ..." list) no AVX2-only CPU has
+_BEYOND_AVX2 = ("AVX512", "AVX_VNNI", "AMX")
+
+
+def isa_check(root: Path, isa: str) -> dict[str, Any]:
+    """What a variant's binaries use: ggml's CPU feature list as llama-completion of the same build
+    prints it (`system_info: ... CPU : SSE3 = 1 | AVX2 = 1 | ...`; ggml lists only the features it
+    was compiled with, so an absent AVX512 is AVX512 = 0), a 1-token run of the default model, and
+    the number of instructions naming a zmm register (AVX-512) or a tile register (AMX) in the
+    llama-bench binary's disassembly (objdump, where there is one). ok: none of either."""
+    folder = build_dir(root, isa)
+    out: dict[str, Any] = {}
+    completion = folder / "bin" / "llama-completion"
+    if completion.exists():
+        cmd = [str(completion), "-m", str(default_model_path()), "-p", "Hi", "-n", "1", "-t", "2",
+               "--no-warmup", "-no-cnv"]
+        done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600, check=False)
+        line = next((ln.strip() for ln in (done.stdout + done.stderr).splitlines() if "system_info:" in ln), "")
+        features = {}
+        if "CPU :" in line:
+            for part in line.split("CPU :", 1)[1].split("|"):
+                if "=" in part:
+                    k, v = part.split("=", 1)
+                    features[k.strip()] = v.strip()
+        out.update({"system_info_command": " ".join(cmd), "system_info": line, "cpu_features": features,
+                    "AVX512": features.get("AVX512", "0"),
+                    "features_beyond_avx2": sorted(k for k in features if k.startswith(_BEYOND_AVX2))})
+    objdump = shutil.which("objdump")
+    if objdump:
+        dis = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(folder / "bin" / "llama-bench")],
+                             capture_output=True, text=True, check=False).stdout
+        out["llama_bench_zmm_instructions"] = dis.count("%zmm")
+        out["llama_bench_tile_instructions"] = sum(dis.count(f"%tmm{i}") for i in range(8)) + dis.count("ldtilecfg")
+    out["ok"] = (bool(out.get("cpu_features")) and not out["features_beyond_avx2"]
+                 and not out.get("llama_bench_zmm_instructions") and not out.get("llama_bench_tile_instructions"))
+    return out
 
 
 def build_tools_missing() -> list[str]:
@@ -564,13 +658,17 @@ def llama_bench(binary: Path, model: str, test: list[str], threads: int, reps: i
 
 def repack_check(binary: Path, model: str) -> dict[str, Any]:
     """Whether llama.cpp's CPU weight repacking applies to this file on this CPU at all: one
-    verbose 1-token run, keeping the loader's lines about the CPU_REPACK buffer type. Where
-    no tensor can use it, `--repack 0` and the default run the same kernels."""
+    verbose 1-token run, keeping the loader's lines about the CPU_REPACK buffer type and the AMX
+    one (a native build on an AMX CPU repacks Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_XS weights into
+    it; `--repack 0` turns both off). Where no tensor uses either, `--repack 0` and the default
+    run the same kernels."""
     cmd = [str(binary), "-m", model, "-p", "0", "-n", "1", "-r", "1", "--no-warmup", "-v"]
     done = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln.strip() for ln in (done.stdout + done.stderr).splitlines() if "REPACK" in ln]
-    return {"command": " ".join(cmd), "returncode": done.returncode, "lines": lines,
-            "applies": any("CPU_REPACK model buffer size" in ln for ln in lines)}
+    lines = [ln.strip() for ln in (done.stdout + done.stderr).splitlines()
+             if "REPACK" in ln or "AMX model buffer size" in ln]
+    amx = any("AMX model buffer size" in ln for ln in lines)
+    return {"command": " ".join(cmd), "returncode": done.returncode, "lines": lines, "amx": amx,
+            "applies": amx or any("CPU_REPACK model buffer size" in ln for ln in lines)}
 
 
 def bench_file(binary: Path, model: str, threads: int, reps: int, rounds: int, no_repack_too: bool,
@@ -617,6 +715,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compile jobs")
     ap.add_argument("--only", nargs="*", help="model names to measure (default: all)")
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--isa", choices=ISAS, default="native",
+                    help="which llama.cpp build to build and measure: native (GGML_NATIVE=ON, build/) or avx2 "
+                         "(AVX2/FMA/F16C, every AVX-512/AVX-VNNI/AMX option off, build-avx2/)")
+    ap.add_argument("--build-nice", type=int, default=10, help="nice value of the compile (0: none)")
     ap.add_argument("--build-server", action="store_true",
                     help="also build llama-server (build_llama_server) and print its record")
     ap.add_argument("--no-repack-too", action="store_true",
@@ -632,22 +734,22 @@ def main() -> None:
                          "is taken away; llama-bench's own --prio uses SCHED_FIFO on Linux, not used here")
     ap.add_argument("--bandwidth-gbs", type=float,
                     help="memory read bandwidth (tests/bench/membw.py) for the decode roofline")
-    ap.add_argument("--out", type=Path, help="JSON file (default: <cache>/llamacpp/<ver>/results.json)")
+    ap.add_argument("--out", type=Path, help="JSON file (default: <cache>/llamacpp/<ver>/results[-ISA].json)")
     a = ap.parse_args()
 
     root = llamacpp_root()
-    info = build(root, a.jobs)
-    log(f"llama.cpp {info['llama_cpp_commit']} built in {root / 'build'}")
+    info = build(root, a.jobs, a.isa, a.build_nice)
+    log(f"llama.cpp {info['llama_cpp_commit']} ({a.isa}) built in {build_dir(root, a.isa)}")
     if a.build_server:
         log(f"llama-server: {build_llama_server(root, a.jobs)}")
     if a.build_only:
         print(json.dumps({**info, "server": llama_server_record(root)} if a.build_server else info, indent=2))
         return
-    binary = root / "build" / "bin" / "llama-bench"
+    binary = bench_binary(root, a.isa)
     models = prepare_models(root, a.only)
     version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
     report: dict[str, Any] = {
-        "what": "llama-bench pp512 / tg128, t/s",
+        "what": "llama-bench pp512 / tg128, t/s", "isa": a.isa,
         "build": {**info, "llama_bench_version": (version.stdout + version.stderr).strip()},
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(),
                     "python": sys.version.split()[0]},
@@ -661,10 +763,10 @@ def main() -> None:
         if a.bandwidth_gbs:
             entry["tg_roofline_t_s"] = round(a.bandwidth_gbs * 1e9 / m["decode_weight_bytes_per_token"], 1)
         report["models"][name] = entry
-    out = a.out or root / "results.json"
+    out = a.out or root / _record_name(a.isa, "results")
     out.write_text(json.dumps(report, indent=2) + "\n")
 
-    print(f"llama.cpp {info['llama_cpp_commit']} (llama-cpp-python {LCP_VERSION} sdist), "
+    print(f"llama.cpp {info['llama_cpp_commit']} (llama-cpp-python {LCP_VERSION} sdist, {a.isa} build), "
           f"-t {a.threads} -r {a.reps}; JSON: {out}")
     print(f"{'model':<20} {'test':<6} {'t/s':>9} {'+-':>6}  setting             other  MB/token  roofline")
     for name, e in report["models"].items():
