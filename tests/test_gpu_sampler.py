@@ -67,6 +67,7 @@ class Library:
 
     upload = CompiledModel.upload
     _staged = CompiledModel._staged
+    _pinned_source = CompiledModel._pinned_source
     to_numpy = CompiledModel.to_numpy
     on_gpu = CompiledModel.on_gpu
 
@@ -75,6 +76,7 @@ class Library:
         self.device_type, self.device_index = device_type, 0
         self.device = self.ffi.device(device_type, 0)
         self._staging: dict = {}
+        self._pinned, self._pinned_turn, self._pinned_ok = {}, {}, True
         self.library = self.ffi.load_module(str(path))
         self.vm = self.library["vm_load_executable"]()
         if device_type == "cpu":
@@ -773,6 +775,27 @@ def test_gpu_same_tokens_as_host(gpu_sampler):
             batches += 1
     print(f"\n[gpu vocab {v}] {near} near-tie difference(s) in {batches} batches")
     assert near <= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_slot_uploads_through_page_locked_buffers(gpu_sampler):
+    """Per-step uploads of PINNED_MIN_BYTES or more go through two page-locked buffers in turn
+    (a grammar mask at a 128k vocabulary): every upload arrives whole, in any size order, while
+    the source array changes at once after the call, and small ones still copy from pageable
+    memory."""
+    from vtool.runtime.artifact.library import PINNED_MIN_BYTES
+
+    m = gpu_sampler.model
+    rng = np.random.default_rng(21)
+    sizes = [PINNED_MIN_BYTES // 4, 32 * 4009, 7, 5 * 4009, 32 * 4009, PINNED_MIN_BYTES // 4 - 1]
+    for size in sizes * 2:
+        array = rng.integers(-2**31, 2**31, size, dtype=np.int64).astype(np.int32)
+        want = array.copy()
+        tensor = m.upload(array, "int32", slot="sampler.bitmask")
+        array[:] = 0  # the copy must already hold its own bytes
+        np.testing.assert_array_equal(m.to_numpy(tensor), want)
+    assert m._pinned_ok and m._pinned, "page-locked buffers were not used"
 
 
 @pytest.mark.gpu

@@ -284,11 +284,18 @@ def test_device_grammar_rows_match_host(smol, cpu_sampler):
 
 # --- the engine ----------------------------------------------------------------------------------
 
-def engine_run(tiny_session, compiler, device_sampler):  # noqa: ANN001, ANN201
+def engine_run(tiny_session, compiler, device_sampler, overlap: bool = False,  # noqa: ANN001, ANN201
+               queued: list | None = None):
+    """overlap: steps overlap as on a GPU (collect N, launch N+1, build N's outputs, then queue
+    N+1's masked draw); `queued` collects, per queue_draw call, whether a draw was pending."""
     from vtool.runtime.engine.engine import Engine, EngineConfig
 
     engine = Engine(tiny_session, EngineConfig(grammar_jump_forward=False))
     engine.runner.device_sampler = device_sampler
+    engine._overlap = overlap
+    if queued is not None:
+        real_queue = engine.runner.queue_draw
+        engine.runner.queue_draw = lambda flight: queued.append(flight.pending_draw is not None) or real_queue(flight)
     masked = []
     if device_sampler is not None:
         real = device_sampler.prepare_batch
@@ -326,6 +333,11 @@ def test_engine_samples_grammar_batches_on_the_device(tiny_session, cpu_sampler)
     device, masked = engine_run(tiny_session, compiler, cpu_sampler)
     assert device == host
     assert any(masked)  # grammar batches went to the device, with masks
+    # Overlapped steps: a masked draw waits, pending, until the previous step's outputs are built.
+    queued: list[bool] = []
+    overlapped, _ = engine_run(tiny_session, compiler, cpu_sampler, overlap=True, queued=queued)
+    assert overlapped == host
+    assert sum(queued) >= 2  # pending draws were queued (by step_core or, at the latest, finish)
     jsonschema.validate(json.loads(tokenizer.decode(device["tool"])), TOOL_SCHEMA)
     assert tokenizer.decode(device["choice"]) in ("left", "right")
     # A library built before the mask functions: the grammar batches stay on the host.

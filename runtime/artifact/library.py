@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.metadata
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -31,10 +32,16 @@ from vtool.runtime.weights.weights_file import WeightsFile, check_source
 
 _DL_CPU = 1
 _DL_CUDA = 2
+_DL_CUDA_HOST = 3  # page-locked host memory (cudaMallocHost)
+# A per-step upload at least this large goes through page-locked memory: from pageable memory
+# cudaMemcpyAsync stages through a small driver buffer and, past it, waits for the stream (a
+# batch's grammar mask, 500 KB at a 128k vocabulary and 32 rows, waited for the model step).
+PINNED_MIN_BYTES = 64 * 1024
 _NAIVE_ALLOCATOR = 1
 _POOLED_ALLOCATOR = 2
 # Target family -> (tvm_ffi device type, DLPack device type).
 DEVICES = {"x86": ("cpu", _DL_CPU), "arm": ("cpu", _DL_CPU), "cuda": ("cuda", _DL_CUDA)}
+log = logging.getLogger(__name__)
 CUDA_DEVICE_INDEX = 0  # the first visible GPU (CUDA_VISIBLE_DEVICES picks which)
 
 
@@ -110,6 +117,10 @@ class CompiledModel:
         self.device = self.ffi.device(self.device_type, self.device_index)
         self._staging: dict[tuple[str, str], tuple[Any, int]] = {}
         self._host_slots: dict[str, tuple[int, Any, np.ndarray]] = {}  # upload_ints on the CPU
+        # slot -> page-locked host buffers (tensor, numpy view), used in turn (_pinned_source)
+        self._pinned: dict[tuple[str, str], list[tuple[Any, np.ndarray]]] = {}
+        self._pinned_turn: dict[tuple[str, str], int] = {}
+        self._pinned_ok = True  # False once page-locked memory could not be had: pageable copies
         if self.manifest.get("gemm") == "cublas":
             load_cublas()  # refuse here, by name, rather than at the first prefill
         check_library_runs_here(self.folder / LIBRARY_NAME)  # never dlopen another machine's code
@@ -160,15 +171,18 @@ class CompiledModel:
             tensor = global_func("runtime.TVMTensorAllocWithScope")(
                 self.ffi.Shape(array.shape), dtype, self.device, None)
         if slot is not None and self.on_gpu:
-            if not array.flags.writeable:  # DLPack cannot export a read-only numpy array
-                array = array.copy()
             # Queued on the stream, not waited for: TVMTensorCopyFromBytes synchronizes the stream
             # after its copy, so every per-step input (token ids, a grammar's mask) waited for the
             # step the device was still running. From pageable host memory cudaMemcpyAsync stages
-            # the bytes before it returns, so `array` may change or die at once; the copy runs in
-            # stream order, after the kernels that still read the slot's previous contents.
-            source = global_func("runtime.TVMTensorCreateView")(
-                self.ffi.from_dlpack(array), self.ffi.Shape(list(array.shape)), dtype, 0)
+            # small copies before it returns, so `array` may change or die at once; the copy runs
+            # in stream order, after the kernels that still read the slot's previous contents.
+            # Large ones are copied into page-locked memory first (_pinned_source).
+            source = self._pinned_source(slot, array, dtype) if array.nbytes >= PINNED_MIN_BYTES else None
+            if source is None:
+                if not array.flags.writeable:  # DLPack cannot export a read-only numpy array
+                    array = array.copy()
+                source = global_func("runtime.TVMTensorCreateView")(
+                    self.ffi.from_dlpack(array), self.ffi.Shape(list(array.shape)), dtype, 0)
             global_func("runtime.TVMTensorCopyFromTo")(source, tensor)
         else:
             global_func("runtime.TVMTensorCopyFromBytes")(tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes)
@@ -196,6 +210,38 @@ class CompiledModel:
         else:
             view[:] = values
         return tensor
+
+    def _pinned_source(self, slot: str, array: np.ndarray, dtype: str) -> Any:
+        """`array` copied into one of the slot's two page-locked host buffers, as a tensor of its
+        shape (None: page-locked memory is not available; the caller copies from pageable memory).
+
+        The buffers take turns: a buffer is written again two uploads of the slot later, and
+        every caller of a slot waits for the work that read its previous upload before the
+        next one (the engine collects each step before it launches the one after next)."""
+        if not self._pinned_ok:
+            return None
+        key = (slot, dtype)
+        size, nbytes = array.size, array.nbytes
+        held = self._pinned.get(key)
+        if held is None or held[0][1].nbytes < nbytes:
+            capacity = max(64, 1 << max(0, size - 1).bit_length())
+            try:
+                host = self.ffi.device(_DL_CUDA_HOST, 0)
+                held = []
+                for _ in range(2):
+                    tensor = global_func("runtime.TVMTensorAllocWithScope")(
+                        self.ffi.Shape([capacity]), dtype, host, None)
+                    held.append((tensor, np.from_dlpack(tensor)))
+            except Exception as err:  # noqa: BLE001 - no page-locked memory here: pageable copies work
+                log.info("per-step uploads from pageable memory: page-locked buffers failed (%s)", err)
+                self._pinned_ok = False
+                return None
+            self._pinned[key] = held
+        turn = self._pinned_turn.get(key, 0)
+        self._pinned_turn[key] = turn ^ 1
+        tensor, view = held[turn]
+        view.view(np.uint8)[:nbytes] = array.reshape(-1).view(np.uint8)
+        return global_func("runtime.TVMTensorCreateView")(tensor, self.ffi.Shape(list(array.shape)), dtype, 0)
 
     def _staged(self, slot: str, shape: tuple[int, ...], dtype: str, size: int) -> Any:
         buffer, capacity = self._staging.get((slot, dtype), (None, 0))

@@ -340,6 +340,8 @@ class Engine:
         t0 = time.perf_counter()
         outputs = [out for taken, now in collected for out in self._emit(taken, now)]
         self.counters.output_seconds += time.perf_counter() - t0
+        if self._in_flight is not None:
+            self.runner.queue_draw(self._in_flight.flight)  # a grammar step's draw, its mask filled meanwhile
         if self._failed:
             outputs, self._failed = outputs + self._failed, []
         if not collected and self.grammar.has_pending and not self.scheduler.has_work():

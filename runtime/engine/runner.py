@@ -96,6 +96,8 @@ class InFlightStep:
     draw: Any = None
     # a greedy verification step's argmax of every row, drawn on the device (_greedy_rows_on_device)
     argmax_rows: Any = None
+    # a draw whose grammar mask is still being filled: queue_draw() queues it (finish() at the latest)
+    pending_draw: PreparedDraw | None = None
 
 
 class ModelRunner:
@@ -153,12 +155,28 @@ class ModelRunner:
             # a grammar mask is filled on a worker while the model step is queued
             prepared = self.device_sampler.prepare_batch(samplers, defer_mask=True)
         logits = self._forward(step)
-        draw = self.device_sampler.launch(logits.tensor, prepared) if prepared is not None else None
+        draw = pending = None
+        if prepared is not None and prepared.mask_job is not None:
+            pending = prepared  # queue_draw: after the caller's host work, while the model step runs
+        elif prepared is not None:
+            draw = self.device_sampler.launch(logits.tensor, prepared)
         argmax_rows = None
         if prepared is None and to_sample and self._greedy_rows_on_device(step, logits, samplers):
             argmax_rows = self.device_sampler.launch(logits.tensor, PreparedDraw(logits.num_rows, ARGMAX, ()))
         self.seconds["forward"] += time.perf_counter() - t0
-        return InFlightStep(step, logits, to_sample, samplers, prepared is not None, draw, argmax_rows)
+        return InFlightStep(step, logits, to_sample, samplers, prepared is not None, draw, argmax_rows, pending)
+
+    def queue_draw(self, flight: InFlightStep) -> None:
+        """Queue a launched step's draw if it waits for a grammar mask (launch() left it
+        pending). The mask is filled on a worker while the model step runs; the engine calls
+        this after its host work for the previous step (building outputs), so that work does
+        not wait behind the fill and the mask's copy, which queues after the model step."""
+        if flight.pending_draw is None:
+            return
+        t0 = time.perf_counter()
+        prepared, flight.pending_draw = flight.pending_draw, None
+        flight.draw = self.device_sampler.launch(flight.logits.tensor, prepared)
+        self.seconds["forward"] += time.perf_counter() - t0
 
     def _greedy_rows_on_device(self, step: SchedulerOutput, logits: StepLogits, samplers: list[Any]) -> bool:
         """Whether a step with speculative verification can take every row's argmax on the
@@ -190,6 +208,7 @@ class ModelRunner:
 
     def finish(self, flight: InFlightStep) -> ModelRunnerOutput:
         """Wait for a launched step and sample what the device did not: the results."""
+        self.queue_draw(flight)
         t0 = time.perf_counter()
         try:
             sequences = flight.step.sequences
