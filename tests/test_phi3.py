@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hf_gguf import write_hf_as_gguf
-from hf_oracle import greedy
+from hf_oracle import greedy, q8_0_activations
 from vtool.models.config import ConfigError, parse_hf_config
 from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.engine.generate import Generator
@@ -59,15 +59,26 @@ def test_a_phi3_gguf_gives_transformers_logits_and_tokens(phi3, tmp_path):
 
 def test_q8_0_blocks_of_the_fused_tensors_stay_in_blocks(phi3, tmp_path):
     """Each fused matrix is one Q8_0 block matrix, kept as such; its logits stay near the float
-    model's (Q8_0 weights and activations: the bound is loose, the tokens mostly agree)."""
-    folder, (ref_prompt, ref_tokens, _), _hf = phi3
+    model's (Q8_0 weights and activations: the bound is loose, the tokens mostly agree). The bound
+    is 10% of the largest logit for the weights' rounding (measured: 0.74 of 10.5 with float
+    prompts), plus, where the build quantizes the prompt rows too (`--activations auto` on an
+    integer-dot CPU, issue 16), that rounding's own effect on the float model's prompt logits
+    (transformers with Q8_0 Linear inputs against without, hf_oracle.q8_0_activations; measured
+    0.59, and 1.09 in all with both roundings)."""
+    folder, (ref_prompt, ref_tokens, _), hf = phi3
     path = write_phi3_gguf(folder, tmp_path / "phi3-q8.gguf", gguf.GGMLQuantizationType.Q8_0)
     artifact = build_artifact(path, "host", "float32", quantization="gguf")
-    kept = json.loads((artifact / "manifest.json").read_text())["quantized_weights"]["kept"]
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    kept = manifest["quantized_weights"]["kept"]
     assert kept.get("Q8_0", 0) >= 4 * 2  # qkv, o, gate|up, down in both layers (and the embeddings)
     gen = Generator(CompiledModel(artifact, open_checkpoint(path)), max_model_len=256)
     err = float(np.abs(gen.prompt_logits(PROMPT) - ref_prompt).max())
-    assert err < 0.1 * float(np.abs(ref_prompt).max()), err
+    bound = 0.1 * float(np.abs(ref_prompt).max())
+    if manifest["activations"] == "q8_0":
+        with q8_0_activations(hf, rows="all"):
+            quantized, _, _ = greedy(hf, PROMPT, 1)
+        bound += float(np.abs(quantized - ref_prompt).max())
+    assert err < bound, (err, bound)
     tokens = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8)).token_ids
     assert tokens[:2] == ref_tokens[:2]
 

@@ -6,9 +6,11 @@ from tests/support/quant_gguf.py's encoders) have hidden and intermediate sizes 
 of 256, the K-quants' block.
 
 Tolerance: logits within 1e-4 of transformers (as the float32 parity tests): the weights
-are dequantized exactly in both, only summation order differs. Where vtool's decode GEMVs
-quantize the activation row (schedules/cpu/int8_gemv.py), the oracle quantizes the same inputs
-with gguf-py's Q8_0 quantizer.
+are dequantized exactly in both, only summation order differs. Where vtool's matmuls quantize
+the activation rows (schedules/cpu/int8_gemv.py, kquant_gemv.py, kquant_gemm.py: prompts and
+decode under the default `--activations auto` on an integer-dot CPU), the oracle quantizes the
+same inputs with gguf-py's Q8_0 quantizer (llama.cpp's Q8_K one for the K-quants), and the bound
+is that quantization's own effect on the logits (_bound).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 import tvm
 
 from hf_oracle import greedy, q8_0_activations, q8_k_activations
-from quant_gguf import K_SHAPE, SHAPE, Q, gguf_name, write_tiny_gguf
+from quant_gguf import VARIANTS, Q, gguf_name, write_tiny_gguf
 from vtool import VtoolError
 from vtool.models.int8_activations import INT8_FORMATS, Q8_K_FORMATS
 from vtool.models.int8_activations import isa_for_target as int8_isa_for
@@ -39,38 +41,6 @@ TOLERANCE = 1e-4
 STEPS = 16
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 11, 64, 5, 200, 31]
 
-# name -> (type of each 2-D tensor by GGUF name, tied embedding, what the manifest must keep, shape)
-VARIANTS = {
-    "q8_0": (lambda name: Q.Q8_0, True, {"Q8_0": 9}, SHAPE),
-    "q4_0": (lambda name: Q.Q8_0 if name == "token_embd.weight" else Q.Q4_0, False, {"Q4_0": 9, "Q8_0": 1}, SHAPE),
-    # SmolLM2's mix: Q4_1 layers, Q8_0 tied embedding
-    "q4_1": (lambda name: Q.Q8_0 if name == "token_embd.weight" else Q.Q4_1, True, {"Q4_1": 8, "Q8_0": 1}, SHAPE),
-    # v and up in another format than q/k and gate: the fused q|k|v and gate|up keep each part in
-    # its own blocks (Q4_1 matmuls for q|k and gate, Q8_0 ones for v and up: SplitQuantizedLinear)
-    "mixed": (lambda name: Q.Q8_0 if ".attn_v." in name or ".ffn_up." in name
-              else Q.Q4_1 if name != "output.weight" else Q.Q4_0,
-              False, {"Q4_1": 9, "Q8_0": 4, "Q4_0": 1}, SHAPE),
-    # several formats, as real Q4_K_M files mix them: a Q5_0 tied embedding (Qwen2.5-Coder's;
-    # its gather and the lm_head's integer GEMV), Q5_1 feed-forward, Q4_1 attention
-    "q5_mix": (lambda name: Q.Q5_0 if name == "token_embd.weight" else Q.Q5_1 if ".ffn_" in name else Q.Q4_1,
-               True, {"Q4_1": 4, "Q5_1": 4, "Q5_0": 1}, SHAPE),
-    # Q5_1 everywhere, the tied embedding included
-    "q5_1": (lambda name: Q.Q5_1, True, {"Q5_1": 9}, SHAPE),
-    # Q4_K layers, Q6_K tied embedding (its gather and the lm_head GEMV)
-    "q4_k": (lambda name: Q.Q6_K if name == "token_embd.weight" else Q.Q4_K, True, {"Q4_K": 8, "Q6_K": 1}, K_SHAPE),
-    # Q5_K everywhere, the tied embedding included (and Q3_K, Q2_K)
-    "q5_k": (lambda name: Q.Q5_K, True, {"Q5_K": 9}, K_SHAPE),
-    "q3_k": (lambda name: Q.Q3_K, True, {"Q3_K": 9}, K_SHAPE),
-    "q2_k": (lambda name: Q.Q2_K, True, {"Q2_K": 9}, K_SHAPE),
-    # the non-linear 4-bit types: IQ4_NL (Q8_0 activations), IQ4_XS (Q8_K), the output matrix Q8_0 / Q6_K
-    "iq4_nl": (lambda name: Q.Q8_0 if name == "output.weight" else Q.IQ4_NL, False, {"IQ4_NL": 9, "Q8_0": 1}, SHAPE),
-    "iq4_xs": (lambda name: Q.Q6_K if name == "output.weight" else Q.IQ4_XS, False, {"IQ4_XS": 9, "Q6_K": 1},
-               K_SHAPE),
-    # llama.cpp's Q4_K_M mix: v, down and the output in Q6_K, the rest Q4_K (q|k and v: two matmuls)
-    "q4_k_m": (lambda name: Q.Q6_K if ".attn_v." in name or ".ffn_down." in name or name == "output.weight"
-               else Q.Q4_K,
-               False, {"Q4_K": 7, "Q6_K": 5}, K_SHAPE),
-}
 SPLIT_QKV = {"mixed": ("Q4_1", "Q8_0"), "q4_k_m": ("Q4_K", "Q6_K")}  # fused q|k|v: (q and k, v) formats
 
 
@@ -161,59 +131,104 @@ def _bound(name: str, only: Callable[[str], bool], q8: list[np.ndarray], plain: 
     return noise
 
 
-def test_greedy_and_logits_match_transformers(variant):
-    """Decode against transformers computing what vtool computes: where vtool's decode
-    matmuls quantize activation rows to Q8_0 (`--activations auto`), the oracle's Linear
-    inputs in its decode steps go through gguf-py's Q8_0 quantizer
-    (hf_oracle.q8_0_activations); where they quantize to Q8_K (kept Q4_K/Q6_K), through
-    llama.cpp's Q8_K quantizer (hf_oracle.q8_k_activations)."""
-    name, path, _, gen, _ = variant
+def _rows(artifact: Path) -> str:
+    """Where the build quantizes activation rows, as hf_oracle's `rows`: "all" under `q8_0` (what
+    `--activations auto` resolves to on an integer-dot CPU: prompts too), "decode" under `decode`."""
+    return "all" if json.loads((artifact / "manifest.json").read_text())["activations"] == "q8_0" else "decode"
+
+
+def _oracles(name: str, path: Path, rows: str):
+    """transformers on the file: its plain greedy run (prompt logits, tokens, step logits), and
+    the same computing what vtool computes: where vtool's matmuls quantize activation rows to
+    Q8_0, the oracle's Linear inputs (in every call for rows="all", in its decode steps for
+    "decode") go through gguf-py's Q8_0 quantizer (hf_oracle.q8_0_activations); where they
+    quantize to Q8_K (kept K-quants, IQ4_XS), through llama.cpp's Q8_K quantizer
+    (hf_oracle.q8_k_activations). Also `only`: which modules quantize."""
     model = _hf_model(path)
     only_q8_0, only_q8_k = _int8_gemv_modules(name), _int8_gemv_modules(name, Q8_K_FORMATS)
 
     def only(module: str) -> bool:
         return only_q8_0(module) or only_q8_k(module)
 
-    _, _, plain_logits = greedy(model, PROMPT, STEPS)
-    with q8_0_activations(model, only=only_q8_0, rows="decode"), q8_k_activations(model, only=only_q8_k,
-                                                                                   rows="decode"):
-        _, ref_tokens, ref_logits = greedy(model, PROMPT, STEPS)
+    plain = greedy(model, PROMPT, STEPS)
+    with q8_0_activations(model, only=only_q8_0, rows=rows), q8_k_activations(model, only=only_q8_k, rows=rows):
+        quantized = greedy(model, PROMPT, STEPS)
+    return plain, quantized, only
+
+
+def test_greedy_and_logits_match_transformers(variant):
+    """Decode against transformers computing what vtool computes (_oracles), with the default
+    `--activations auto`."""
+    name, path, artifact, gen, _ = variant
+    rows = _rows(artifact)
+    (_, _, plain_logits), (_, ref_tokens, ref_logits), only = _oracles(name, path, rows)
     assert len(set(ref_tokens)) > 4, f"{name}: the reference is degenerate, the check would be weak"
     seen: list[np.ndarray] = []
     result = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append)
-    assert result.token_ids == ref_tokens, f"{name}: greedy tokens diverge"
-    worst = max(float(np.abs(a - b).max()) for a, b in zip(seen, ref_logits))
-    bound = _bound(name, only, ref_logits[1:], plain_logits[1:])  # the first comes from the float prompt
+    if rows == "all":  # the first logits come from the quantized prompt too
+        bound = _bound(name, only, ref_logits, plain_logits)
+    else:  # the first come from the float prompt
+        bound = _bound(name, only, ref_logits[1:], plain_logits[1:])
+    agree = next((i for i, (a, b) in enumerate(zip(result.token_ids, ref_tokens)) if a != b), STEPS)
+    if agree < STEPS and rows == "all":
+        # With every prompt row quantized, a last-bit difference upstream (summation order) moves
+        # some element across a rounding step in one of the prompt's rows, and the logits with it
+        # (within the bound below; with decode rows only, the float prompt, they met to 1e-6). So
+        # the tokens are held to the oracle's until its own near-tie, as test_quant_smollm2.py
+        # holds the real model's: measured, the tiny Q5_K model's second token, where the
+        # oracle's top two are 0.015 apart and vtool's logits 0.055 from it.
+        top2 = np.sort(ref_logits[agree])[-2:]
+        margin = float(top2[1] - top2[0])
+        assert margin < bound, (f"{name}: greedy tokens leave the oracle's at step {agree} where its margin is "
+                                f"{margin:.4f} (the rounding's own effect: {bound:.4f})")
+    else:
+        assert result.token_ids == ref_tokens, f"{name}: greedy tokens diverge"
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(seen[:agree + 1], ref_logits))
     assert worst < bound, f"{name}: decode logits differ by {worst} (bound {bound})"
 
 
 def test_prompt_logits_match_transformers(variant):
-    """Every prompt position at once: the GEMM (prefill) kernels, float activations by default."""
-    name, path, _, gen, _ = variant
-    ref, _, _ = greedy(_hf_model(path), PROMPT, 1)
-    worst = float(np.abs(gen.prompt_logits(PROMPT) - ref).max())
-    assert worst < TOLERANCE, f"{name}: prompt logits differ by {worst}"
+    """Every prompt position at once: the GEMM (prefill) kernels. Under `--activations auto` on an
+    integer-dot CPU (`q8_0`) against the quantizing oracle, within the quantization's own effect
+    (_bound: 1e-4 where nothing is quantized); float prompts (`decode`, or no integer-dot tier)
+    within 1e-4 of plain transformers."""
+    name, path, artifact, gen, _ = variant
+    rows = _rows(artifact)
+    (plain, _, plain_steps), (ref, _, ref_steps), only = _oracles(name, path, rows)
+    got = gen.prompt_logits(PROMPT)
+    if rows == "decode":
+        worst = float(np.abs(got - plain).max())
+        assert worst < TOLERANCE, f"{name}: prompt logits differ by {worst}"
+        return
+    bound = _bound(name, only, [ref, *ref_steps], [plain, *plain_steps])
+    worst = float(np.abs(got - ref).max())
+    assert worst < bound, f"{name}: prompt logits differ by {worst} from the quantizing oracle (bound {bound})"
 
 
 @pytest.mark.slow
-def test_q8_0_activations_everywhere_match_the_q8_0_oracle(tmp_path):
-    """`--activations q8_0` (llama.cpp's numerics): the prompt GEMMs quantize their rows too."""
+@pytest.mark.parametrize("activations", ["q8_0", "decode"])
+def test_explicit_activations_match_their_oracle(tmp_path, activations):
+    """`--activations q8_0` (llama.cpp's numerics: the prompt GEMMs quantize their rows too) and
+    `decode` (prompts float32, decode rows quantized: what auto was before issue 16), each against
+    its oracle."""
     if int8_isa_for(tvm.target.Target(buildable("host").tvm)) is None:
-        pytest.skip("this CPU has no integer-dot tier: --activations q8_0 is refused here")
+        pytest.skip(f"this CPU has no integer-dot tier: --activations {activations} is refused here")
     qtype_of, tie, _, shape = VARIANTS["q4_1"]
     path = write_tiny_gguf(tmp_path / "m.gguf", qtype_of, tie=tie, shape=shape)
     ckpt = open_checkpoint(path)
-    artifact = build_artifact(path, "host", "float32", checkpoint=ckpt, quantization="gguf", activations="q8_0")
-    assert json.loads((artifact / "manifest.json").read_text())["activations"] == "q8_0"
+    artifact = build_artifact(path, "host", "float32", checkpoint=ckpt, quantization="gguf", activations=activations)
+    assert json.loads((artifact / "manifest.json").read_text())["activations"] == activations
     gen = Generator(CompiledModel(artifact, ckpt), max_model_len=128)
-    model = _hf_model(path)
-    only = _int8_gemv_modules("q4_1")
-    plain, _, plain_steps = greedy(model, PROMPT, STEPS)
-    with q8_0_activations(model, only=only, rows="all"):
-        ref, ref_tokens, ref_steps = greedy(model, PROMPT, STEPS)
-    bound = _bound("q4_1", only, [ref, *ref_steps], [plain, *plain_steps])
-    worst = float(np.abs(gen.prompt_logits(PROMPT) - ref).max())
-    assert worst < bound, f"prompt logits differ by {worst} (bound {bound})"
+    rows = _rows(artifact)
+    (plain, _, plain_steps), (ref, ref_tokens, ref_steps), only = _oracles("q4_1", path, rows)
+    got = gen.prompt_logits(PROMPT)
+    if rows == "all":
+        bound = _bound("q4_1", only, [ref, *ref_steps], [plain, *plain_steps])
+        worst = float(np.abs(got - ref).max())
+        assert worst < bound, f"prompt logits differ by {worst} (bound {bound})"
+    else:
+        worst = float(np.abs(got - plain).max())
+        assert worst < TOLERANCE, f"float prompt logits differ by {worst}"
     result = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=STEPS))
     assert result.token_ids == ref_tokens
 

@@ -37,10 +37,11 @@ DTYPES = ("float32", "float16", "bfloat16")
 # none = every weight dequantized to the dtype at load; gguf = keep the file's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K blocks.
 # q4_0/q4_1/q8_0 = quantize a float checkpoint's weights at build time (toolchain/quantize.py).
 QUANTIZATIONS = ("auto", "none", "gguf", *SCHEMES)
-# --activations: how the matmuls over kept Q8_0/Q4_0/Q4_1/Q5_0 (and Q4_K/Q6_K) weights take their input
-# (schedules/cpu/int8_gemv.py, kquant_gemv.py, kquant_gemm.py): rows quantized to Q8_0 (Q8_K for the K-quants, as
-# llama.cpp) and integer dot products in decode ("decode",
-# what auto picks on integer-dot CPUs) or everywhere ("q8_0", llama.cpp's numerics), or float32.
+# --activations: how the matmuls over weights kept in a format with integer-dot kernels
+# (models/int8_activations.py DOT_FORMATS; schedules/cpu/int8_gemv.py, kquant_gemv.py, kquant_gemm.py) take their
+# input: rows quantized to Q8_0 (Q8_K for the K-quants, as llama.cpp) and integer dot products everywhere ("q8_0",
+# llama.cpp's numerics: what auto picks on integer-dot CPUs, as every such format's prompt GEMM is faster than the
+# float one) or in decode only ("decode": prompts stay float32), or float32 everywhere ("none").
 ACTIVATIONS = ("auto", "decode", "q8_0", "none")
 # --cuda-graph-sizes: "auto" = the family's list (toolchain/families.py; none off CUDA), "none" =
 # batch_decode stays uncaptured, or batch sizes "1,2,4,8,...": batched decode runs in CUDA graphs
@@ -359,7 +360,9 @@ def resolve_activations(requested: str, target_spec: TargetSpec, kept: Mapping[s
     if requested == "none" or (requested == "auto" and not usable):
         return "none"
     if requested == "auto":
-        return "decode"
+        # prompts too: the integer GEMMs beat dequantize + float GEMM for every DOT format (issue 16,
+        # docs/BENCHMARKS.md); "decode" (float prompts) stays an explicit choice
+        return "q8_0"
     if isa is None:
         raise VtoolError(f"--activations {requested} needs an x86 target with integer dot products (AVX2 or "
                          f"AVX-512 VNNI); {target_spec.name} has none: use --activations none")
