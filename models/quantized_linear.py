@@ -35,6 +35,7 @@ CHUNK = 16  # weights per vtool_dequant chunk: half a block
 DEQUANT_BLOCK = "vtool_dequant"
 MATMUL_BLOCK = "vtool_qmatmul"
 TAKE_BLOCK = "vtool_qtake"
+DEQUANT_WHOLE_BLOCK = "vtool_dequantize"
 
 
 def _nibble(qweight: te.Tensor, t, b, r, c, j) -> tirx.PrimExpr:
@@ -137,6 +138,14 @@ def take_te(fmt: str, dtype: str, ids: te.Tensor, *w: te.Tensor) -> te.Tensor:
         name=TAKE_BLOCK)
 
 
+def dequantize_te(fmt: str, dtype: str, *w: te.Tensor) -> te.Tensor:
+    """The whole quantized [N, K] weight dequantized to `dtype`: [N, K]."""
+    n = w[0].shape[0] * TILE_ROWS
+    k = int(w[0].shape[1]) * FORMATS[fmt].qweight_group
+    return te.compute((n, k), lambda r, col: _weight(fmt, list(w), r, col // CHUNK, col % CHUNK).astype(dtype),
+                      name=DEQUANT_WHOLE_BLOCK)
+
+
 class Int8Kernels(Protocol):
     """Integer-dot matmuls over kept blocks with Q8_0 activation rows, for the formats in
     `formats`. The toolchain hands them in (vtool.schedules.cpu.int8_gemv.Int8GemvKernels):
@@ -167,6 +176,10 @@ class _QuantizedWeight(nn.Module):
     # every matmul on the float path.
     int8_kernels: Int8Kernels | None = None
     int8_rows: str = "decode"
+    # Prompts (and other matmuls over more than decode's one row per sequence) dequantize the
+    # weight into a temporary of the compute dtype and take the float matmul (on CUDA: tensor
+    # cores, cuBLAS), set by dequantize_prompts; decode rows keep the in-register GEMV.
+    dequantize_prompts: bool = False
 
     def _matmul(self, x: Tensor, prompt: bool = False) -> Tensor:
         """x [..., cols] -> [..., rows] float32. `prompt`: x comes from a prompt (prefill),
@@ -182,6 +195,10 @@ class _QuantizedWeight(nn.Module):
             func = kernels.matmul(self.fmt, self.rows, self.cols, dims)
             return op.tensor_ir_op(func, f"{self.fmt.lower()}_int8_matmul", [x, *self._parts()],
                                    Tensor.placeholder([*lead, self.rows], "float32"))
+        if self.dequantize_prompts and not decode_rows:
+            w = op.tensor_expr_op(functools.partial(dequantize_te, self.fmt, x.dtype), f"{self.fmt.lower()}_dequantize",
+                                  self._parts())
+            return op.matmul(x, op.permute_dims(w), out_dtype="float32")  # as a dense Linear's
         return op.tensor_expr_op(functools.partial(matmul_te, self.fmt), f"{self.fmt.lower()}_matmul",
                                  [x, *self._parts()])
 
@@ -195,6 +212,17 @@ def use_int8_gemv(model: nn.Module, kernels: Int8Kernels | None, rows: str = "de
         if isinstance(module, _QuantizedWeight):
             module.int8_kernels, module.int8_rows = kernels, rows
             count += kernels is not None and module.fmt in kernels.formats
+    return count
+
+
+def dequantize_prompts(model: nn.Module) -> int:
+    """Make the quantized layers of `model` dequantize their weight for matmuls over prompts
+    (see _QuantizedWeight.dequantize_prompts). Returns how many layers."""
+    count = 0
+    for module in _modules(model):
+        if isinstance(module, _QuantizedWeight):
+            module.dequantize_prompts = True
+            count += 1
     return count
 
 

@@ -111,7 +111,8 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
     from vtool.toolchain.cuda import check_attention_shape, check_prefill_tiling
     from vtool.toolchain.quantize import SCHEMES, plan_formats
 
-    families = ("x86", "arm")
+    families = ("x86", "arm")  # --quantization auto keeps a GGUF file's blocks
+    quant_families = (*families, "cuda")  # explicit --quantization gguf / q4_0 / q4_1 / q8_0
     if dtype not in ("float32", "float16", "bfloat16"):
         raise VtoolError(f"unsupported dtype {dtype!r}; supported: float32, float16, bfloat16")
     spec = buildable(target)
@@ -131,7 +132,7 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
                              f"time, but {ckpt.path} is a GGUF file, whose blocks are kept as they are: use "
                              "--quantization gguf (or auto); re-quantizing already quantized weights would only add "
                              "error")
-        if spec.family not in families:
+        if spec.family not in quant_families:
             raise VtoolError(f"--quantization {quantization} has kernels for CPU targets only ({', '.join(families)}), "
                              f"not {spec.name} ({spec.family}): there are no quantized CUDA kernels yet; use "
                              "--quantization none")
@@ -144,7 +145,7 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
         if ckpt.format != "gguf":
             raise VtoolError(f"--quantization gguf keeps a GGUF file's quantized blocks, but {ckpt.path} is a "
                              f"{ckpt.format} checkpoint; use --quantization none")
-        if spec.family not in families:
+        if spec.family not in quant_families:
             raise VtoolError(f"--quantization gguf has kernels for x86 CPU targets only, not {spec.name} "
                              f"({spec.family}); use --quantization none there")
         kept, dense = kept_formats(cfg, {n: (t.dtype, t.shape) for n, t in ckpt.tensors().items()})

@@ -265,18 +265,6 @@ def test_refusals(tmp_path):
         build_artifact(f32, "host", quantization="gguf")
 
 
-def test_cuda_target_refused_by_name(tmp_path):
-    from vtool.targets import buildable
-
-    try:
-        buildable("sm_90a")
-    except VtoolError as e:
-        pytest.skip(f"no CUDA build here: {e}")
-    gguf_file = write_tiny_gguf(tmp_path / "a.gguf", VARIANTS["q4_1"][0], tie=True)
-    with pytest.raises(VtoolError, match="kernels for x86 CPU targets only, not sm_90a"):
-        build_artifact(gguf_file, "sm_90a", "bfloat16", quantization="gguf")
-
-
 def test_old_manifest_format_refused(tmp_path):
     from vtool.runtime.artifact.manifest import read_manifest
 

@@ -228,19 +228,6 @@ def test_cli_offers_exactly_the_build_choices():
     assert QUANTIZATION_CHOICES == QUANTIZATIONS
 
 
-def test_cuda_target_refused_by_name(tmp_path):
-    from vtool.targets import buildable
-
-    try:
-        buildable("sm_90a")
-    except VtoolError as e:
-        pytest.skip(f"no CUDA build here: {e}")
-    folder = make_tiny_model("llama-gqa", tmp_path / "st")
-    with pytest.raises(VtoolError, match=r"--quantization q4_1 has kernels for CPU targets only \(x86.*\), not sm_90a \(cuda\): "
-                                         "there are no quantized CUDA kernels yet"):
-        build_artifact(folder, "sm_90a", "bfloat16", quantization="q4_1")
-
-
 def _wide_checkpoint(folder: Path) -> Path:
     """One untied Llama layer with an 8192-token vocabulary, bf16: tensors of megabytes, so
     that a float32 copy of one stands out from the writer's constant buffers."""

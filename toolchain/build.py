@@ -50,6 +50,11 @@ def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Pro
     isa = family_of(target_spec).int8_isa(target_spec)  # integer-dot kernels: handed in (models/ never imports schedules/)
     model = family.module(cfg, dtype, target, formats, int8_activations=activations,
                           int8_kernels=Int8GemvKernels(isa) if isa else None)
+    if formats and family_of(target_spec).name == "cuda":
+        from vtool.models.quantized_linear import dequantize_prompts
+
+        # in-register GEMVs for decode (schedules/cuda/quantized.py); prompts on tensor cores
+        dequantize_prompts(model)
     if attention != "tir":
         from vtool.toolchain.flashinfer_attention import use_attention
 
@@ -131,17 +136,17 @@ def compile_cuda(plan: BuildPlan, library_path: Path, progress: Progress) -> dic
         if cuda.cuda_runtime_loaded():
             return compile_cuda_here(plan.config, plan.target, plan.dtype, library_path, progress, gemm=plan.gemm,
                                      attention=plan.attention, records=plan.records,
-                                     cuda_graph_sizes=plan.cuda_graph_sizes)
+                                     cuda_graph_sizes=plan.cuda_graph_sizes, formats=dict(plan.kept))
     request = {"config": plan.config.to_dict(), "target": plan.target.name, "dtype": plan.dtype,
                "library": str(library_path), "gemm": plan.gemm, "attention": plan.attention, "records": plan.records,
-               "cuda_graph_sizes": list(plan.cuda_graph_sizes)}
+               "cuda_graph_sizes": list(plan.cuda_graph_sizes), "formats": dict(plan.kept)}
     return cuda.run_worker(request, progress)
 
 
 def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
                       progress: Progress, in_subprocess: bool = False, gemm: str = "tir",
                       attention: str = "tir", records: bool = True,
-                      cuda_graph_sizes: tuple[int, ...] = ()) -> dict[str, Any]:
+                      cuda_graph_sizes: tuple[int, ...] = (), formats: dict[str, str] | None = None) -> dict[str, Any]:
     """The CUDA compile proper, in a process whose TVM has its CUDA runtime loaded (the
     worker subprocess, or this one when a real driver is installed)."""
     import tvm
@@ -160,7 +165,8 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
 
         fi = flashinfer_attention.build_objects(dtype, cfg.head_dim, target_spec.archs, progress)
     t0 = time.perf_counter()
-    target, mod, params, entry_points = model_module(cfg, target_spec, dtype, progress, attention=attention)
+    target, mod, params, entry_points = model_module(cfg, target_spec, dtype, progress, formats or None,
+                                                     attention=attention, activations="none")
     graph_sizes = tuple(cuda_graph_sizes)
     entry_points = entry_points + graph_entry_points(graph_sizes, entry_points)  # the *_captured copies (pipeline.py)
     t_export = time.perf_counter() - t0

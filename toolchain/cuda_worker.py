@@ -38,7 +38,8 @@ def main(argv: list[str]) -> int:
                                    request["dtype"], Path(request["library"]), progress, in_subprocess=True,
                                    gemm=request.get("gemm", "tir"), attention=request.get("attention", "tir"),
                                    records=request.get("records", True),
-                                   cuda_graph_sizes=tuple(request.get("cuda_graph_sizes", ())))
+                                   cuda_graph_sizes=tuple(request.get("cuda_graph_sizes", ())),
+                                   formats=request.get("formats") or None)
     except VtoolError as err:
         print("vtool-error: " + str(err).replace("\n", "\\n"), flush=True)
         return 2

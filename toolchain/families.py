@@ -51,6 +51,7 @@ class Family:
     device: str  # the tvm_ffi device type its libraries run on (the runtime's own table must agree)
     # --- which options apply
     quantized_kernels: bool  # weights kept in GGML blocks: --quantization gguf, q4_0, q4_1, q8_0
+    quantized_by_default: bool  # --quantization auto keeps a GGUF file's blocks (else dequantizes them)
     int8_isa: Callable[[TargetSpec], str | None]  # integer-dot ISA for --activations (None: float only)
     gemm: tuple[str, ...]  # --gemm backends, "tir" first
     gemm_auto: Mapping[str, str]  # dtype -> what --gemm auto picks; other dtypes get "tir"
@@ -199,7 +200,7 @@ def _cpu(name: str, label: str, int8_isa: Callable[[TargetSpec], str | None]) ->
     and one set of CPU rules (vector_lanes reads the target's width)."""
     return Family(
         name=name, label=label, device="cpu",
-        quantized_kernels=True, int8_isa=int8_isa, gemm=("tir",), gemm_auto=MappingProxyType({}), attention=("tir",),
+        quantized_kernels=True, quantized_by_default=True, int8_isa=int8_isa, gemm=("tir",), gemm_auto=MappingProxyType({}), attention=("tir",),
         relax_backend="tvm.relax.backend.cpu_generic", model_passes=(), schedules="cpu", opt_level=None,
         pass_config=MappingProxyType({}), graph_batch_sizes=(), extra_modules=_nothing, describe_pipeline=_describe_cpu,
         check_model=_no_check, toolchain=_cpu_toolchain, compile=_cpu_compile,
@@ -208,8 +209,10 @@ def _cpu(name: str, label: str, int8_isa: Callable[[TargetSpec], str | None]) ->
 
 CUDA = Family(
     name="cuda", label="CUDA", device="cuda",
-    # no quantized CUDA kernels yet; Q8_0 activations are an x86 integer-dot scheme
-    quantized_kernels=False, int8_isa=_no_int8_isa,
+    # GGUF blocks dequantized inside the matmuls (schedules/cuda/quantized.py); `auto` still
+    # dequantizes a GGUF file at load (prompts run faster on bf16 tensor cores). Q8_0
+    # activations are an x86 integer-dot scheme.
+    quantized_kernels=True, quantized_by_default=False, int8_isa=_no_int8_isa,
     # bf16/f16 prefill is where tensor cores matter (cuBLAS); float32 keeps TIR so its parity
     # with transformers stays bit-for-bit in reach (toolchain/gemm_offload.py)
     gemm=("tir", "cublas"), gemm_auto=MappingProxyType({"bfloat16": "cublas", "float16": "cublas"}),

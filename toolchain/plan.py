@@ -313,7 +313,7 @@ def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
     if requested in SCHEMES:
         return requested, _scheme_formats(requested, ckpt, cfg, target_spec), {}
     quantized_kernels = family_of(target_spec).quantized_kernels
-    if requested == "auto" and (ckpt.format != "gguf" or not quantized_kernels):
+    if requested == "auto" and (ckpt.format != "gguf" or not family_of(target_spec).quantized_by_default):
         return "none", {}, {}
     if ckpt.format != "gguf":
         raise VtoolError(f"--quantization gguf keeps a GGUF file's quantized blocks, but {ckpt.path} is a "

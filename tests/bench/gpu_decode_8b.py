@@ -1,6 +1,11 @@
 """Llama-3-8B-shaped bf16 decode on one GPU: vtool against transformers, in one run.
 
     python tests/bench/gpu_decode_8b.py --artifact DIR [--checkpoint DIR] [--steps 128]
+    python tests/bench/gpu_decode_8b.py --artifact DIR --checkpoint FILE.gguf    # weights kept in blocks
+
+A .gguf checkpoint (tests/bench/shape_gguf.py writes one of the same shape) is measured with
+its own bytes as the roofline's numerator, and without the transformers peers (they run the
+bf16 checkpoint: run them in the same call with the bf16 artifact).
 
 Random weights (the speed does not depend on them): transformers makes the checkpoint on
 the GPU with a fixed seed and saves it as safetensors, vtool loads that same checkpoint
@@ -69,7 +74,13 @@ def copy_bandwidth() -> float:
     return gbps
 
 
-def weight_bytes_per_step() -> int:
+def weight_bytes_per_step(gguf_file: Path | None = None) -> int:
+    """Bytes of weights a decode step reads: every matrix once (the embedding table one row at a
+    time, so not counted); bf16, or the GGUF file's own blocks."""
+    if gguf_file is not None:
+        import gguf
+
+        return sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_file).tensors if t.name != "token_embd.weight")
     c = CONFIG
     h, i, L, d = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["head_dim"]
     per_layer = h * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d + c["num_attention_heads"] * d * h \
@@ -358,15 +369,18 @@ def main() -> None:
                     help="also time batch_decode steps waited for one by one, with and without the device draw")
     ap.add_argument("--logits-check", action="store_true", help="only compare bf16 logits with the float32 truth")
     args = ap.parse_args()
-    make_checkpoint(args.checkpoint)
+    gguf_file = args.checkpoint if args.checkpoint.suffix == ".gguf" else None  # tests/bench/shape_gguf.py's
+    if gguf_file is None:
+        make_checkpoint(args.checkpoint)
     if args.logits_check:
         logits_check(args.artifact, args.checkpoint)
         return
     bw = copy_bandwidth()
-    record(step="copy_bandwidth", gb_s=round(bw, 1), weight_gb=round(weight_bytes_per_step() / 1e9, 2),
-           roofline_ms=round(weight_bytes_per_step() / bw / 1e6, 3))
+    weight_bytes = weight_bytes_per_step(gguf_file)
+    record(step="copy_bandwidth", gb_s=round(bw, 1), weight_gb=round(weight_bytes / 1e9, 2),
+           roofline_ms=round(weight_bytes / bw / 1e6, 3))
     bench_vtool(args.artifact, args.checkpoint, args.steps, args.profile, args.serving_split)
-    if not args.skip_hf:
+    if not args.skip_hf and gguf_file is None:  # the peers run the bf16 safetensors checkpoint
         bench_transformers(args.checkpoint, args.steps)
     by = {r["step"]: r for r in RESULTS}
     roof = by["copy_bandwidth"]["roofline_ms"]

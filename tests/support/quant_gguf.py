@@ -291,3 +291,39 @@ def write_tiny_gguf(path: Path, qtype_of: Callable[[str], "Q"], tie: bool = True
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# Tiny files in every kept format and in real files' mixes (tests/test_quant_gguf.py on the CPU,
+# tests/test_gpu_quantized.py on CUDA).
+# name -> (type of each 2-D tensor by GGUF name, tied embedding, what the manifest must keep, shape)
+VARIANTS = {
+    "q8_0": (lambda name: Q.Q8_0, True, {"Q8_0": 9}, SHAPE),
+    "q4_0": (lambda name: Q.Q8_0 if name == "token_embd.weight" else Q.Q4_0, False, {"Q4_0": 9, "Q8_0": 1}, SHAPE),
+    # SmolLM2's mix: Q4_1 layers, Q8_0 tied embedding
+    "q4_1": (lambda name: Q.Q8_0 if name == "token_embd.weight" else Q.Q4_1, True, {"Q4_1": 8, "Q8_0": 1}, SHAPE),
+    # v and up in another format than q/k and gate: the fused q|k|v and gate|up keep each part in
+    # its own blocks (Q4_1 matmuls for q|k and gate, Q8_0 ones for v and up: SplitQuantizedLinear)
+    "mixed": (lambda name: Q.Q8_0 if ".attn_v." in name or ".ffn_up." in name
+              else Q.Q4_1 if name != "output.weight" else Q.Q4_0,
+              False, {"Q4_1": 9, "Q8_0": 4, "Q4_0": 1}, SHAPE),
+    # several formats, as real Q4_K_M files mix them: a Q5_0 tied embedding (Qwen2.5-Coder's;
+    # its gather and the lm_head's integer GEMV), Q5_1 feed-forward, Q4_1 attention
+    "q5_mix": (lambda name: Q.Q5_0 if name == "token_embd.weight" else Q.Q5_1 if ".ffn_" in name else Q.Q4_1,
+               True, {"Q4_1": 4, "Q5_1": 4, "Q5_0": 1}, SHAPE),
+    # Q5_1 everywhere, the tied embedding included
+    "q5_1": (lambda name: Q.Q5_1, True, {"Q5_1": 9}, SHAPE),
+    # Q4_K layers, Q6_K tied embedding (its gather and the lm_head GEMV)
+    "q4_k": (lambda name: Q.Q6_K if name == "token_embd.weight" else Q.Q4_K, True, {"Q4_K": 8, "Q6_K": 1}, K_SHAPE),
+    # Q5_K everywhere, the tied embedding included (and Q3_K, Q2_K)
+    "q5_k": (lambda name: Q.Q5_K, True, {"Q5_K": 9}, K_SHAPE),
+    "q3_k": (lambda name: Q.Q3_K, True, {"Q3_K": 9}, K_SHAPE),
+    "q2_k": (lambda name: Q.Q2_K, True, {"Q2_K": 9}, K_SHAPE),
+    # the non-linear 4-bit types: IQ4_NL (Q8_0 activations), IQ4_XS (Q8_K), the output matrix Q8_0 / Q6_K
+    "iq4_nl": (lambda name: Q.Q8_0 if name == "output.weight" else Q.IQ4_NL, False, {"IQ4_NL": 9, "Q8_0": 1}, SHAPE),
+    "iq4_xs": (lambda name: Q.Q6_K if name == "output.weight" else Q.IQ4_XS, False, {"IQ4_XS": 9, "Q6_K": 1},
+               K_SHAPE),
+    # llama.cpp's Q4_K_M mix: v, down and the output in Q6_K, the rest Q4_K (q|k and v: two matmuls)
+    "q4_k_m": (lambda name: Q.Q6_K if ".attn_v." in name or ".ffn_down." in name or name == "output.weight"
+               else Q.Q4_K,
+               False, {"Q4_K": 7, "Q6_K": 5}, K_SHAPE),
+}

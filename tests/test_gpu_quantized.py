@@ -1,0 +1,238 @@
+"""GGUF blocks kept on CUDA (issue 17): weights stay in their Q4_0/Q4_1/Q5_x/Q8_0/K-quant/IQ4
+blocks on the GPU and the matmuls dequantize them in registers (schedules/cuda/quantized.py).
+
+Without a GPU (CI, when nvcc is at hand): `vtool build --target sm_90a` of a tiny GGUF keeps its
+blocks (the manifest's params and quantized_weights say so) and a safetensors checkpoint
+quantized at build time (`--quantization q4_1`) builds; both embed sm_90a SASS.
+
+On a GPU: tiny llama GGUF files of test_quant_gguf.py's variants (every kept format, mixed
+files, a fused q|k|v of two formats) against transformers running the same file through its
+GGUF loader (dequantized to float32) on the GPU: float32 logits within 1e-4 at every prompt
+position and decode step, the same greedy tokens; bfloat16 within test_gpu_parity.py's bound
+(transformers' own bf16 error times BF16_VS_TRUTH); and the batching engine with 3 and 12
+sequences (batched decode through the GEMV and through the tiled matmul) giving each
+sequence's greedy tokens alone.
+
+Artifacts come from VTOOL_GPU_QUANT_ARTIFACTS (a folder written by
+`python tests/test_gpu_quantized.py prebuild DIR` where the compiler is) or are built here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+from quant_gguf import VARIANTS, write_tiny_gguf  # noqa: E402
+
+from vtool import VtoolError  # noqa: E402
+
+ARTIFACTS_ENV = "VTOOL_GPU_QUANT_ARTIFACTS"
+TARGET = "sm_90a"
+# (variant of test_quant_gguf.VARIANTS, dtype): every format kept at least once
+CASES = [("q4_1", "float32"), ("q4_1", "bfloat16"), ("q8_0", "float32"), ("q4_0", "float32"),
+         ("mixed", "float32"), ("q5_mix", "float32"), ("q4_k_m", "float32"), ("q4_k_m", "bfloat16"),
+         ("q5_k", "float32"), ("q3_k", "float32"), ("q2_k", "float32"), ("iq4_nl", "float32"),
+         ("iq4_xs", "float32")]
+STEPS = 16
+PROMPT = [1, 17, 42, 99, 7, 3, 250, 11, 64, 5, 200, 31]
+TOLERANCE = 1e-4
+
+
+def _cuda_buildable() -> None:
+    pytest.importorskip("tvm", reason="the build needs the compiler (apache-tvm)")
+    from vtool.targets import buildable
+
+    try:
+        buildable(TARGET)
+    except VtoolError as e:
+        pytest.skip(f"no CUDA build here: {e}")
+
+
+def _build(name: str, dtype: str, folder: Path) -> tuple[Path, Path]:
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+    from vtool.toolchain.build import build_artifact
+
+    qtype_of, tie, _kept, shape = VARIANTS[name]
+    folder.mkdir(parents=True, exist_ok=True)
+    path = write_tiny_gguf(folder / "m.gguf", qtype_of, tie=tie, shape=shape)
+    artifact = build_artifact(path, TARGET, dtype, checkpoint=open_checkpoint(path), quantization="gguf",
+                              output=folder / f"artifact-{dtype}")
+    return path, artifact
+
+
+# -- without a GPU: the builds ---------------------------------------------------------------
+
+def test_cuda_build_keeps_gguf_blocks(tmp_path):
+    _cuda_buildable()
+    _path, artifact = _build("q4_k_m", "bfloat16", tmp_path / "q4_k_m")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quantization"] == "gguf"
+    assert manifest["quantized_weights"]["kept"] == VARIANTS["q4_k_m"][2]
+    params = {p["name"]: p for p in manifest["params"]}
+    assert params["model.layers.0.mlp.down_proj.qweight"]["dtype"] == "uint8"
+    assert not [n for n, p in params.items() if n.endswith(".weight") and len(p["shape"]) == 2], \
+        "a 2-D weight was dequantized"
+    assert "sm_90a" in manifest["build"]["cuda"]["embedded"]["sass"]
+
+
+def test_cuda_build_quantizes_safetensors(tmp_path):
+    _cuda_buildable()
+    from tiny_models import make_tiny_model
+    from vtool.toolchain.build import build_artifact
+
+    folder = make_tiny_model("llama-gqa", tmp_path / "st")
+    artifact = build_artifact(folder, TARGET, "bfloat16", quantization="q4_1", output=tmp_path / "art")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quantization"] == "q4_1"
+    assert manifest["quantized_weights"]["kept"] == {"Q4_1": 9, "Q8_0": 1}
+    assert (artifact / manifest["weights_file"]["file"]).exists()
+    assert "sm_90a" in manifest["build"]["cuda"]["embedded"]["sass"]
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpu():
+    from test_gpu_parity import probe_gpu
+
+    info, reason = probe_gpu()
+    if info is None:
+        pytest.skip(reason)
+    if (info.major, info.minor) < (9, 0):
+        pytest.skip(f"these artifacts are built for {TARGET}; the GPU is {info.describe()}")
+    return info
+
+
+@pytest.fixture(scope="module")
+def _exact_float32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _case(gpu, name: str, dtype: str, tmp_path_factory) -> tuple[Path, Path]:
+    root = os.environ.get(ARTIFACTS_ENV)
+    if root:
+        folder = Path(root) / name
+        artifact = folder / f"artifact-{dtype}"
+        if not (artifact / "manifest.json").exists():
+            pytest.fail(f"{ARTIFACTS_ENV}={root} has no {name} {dtype} build; rerun the prebuild")
+        return folder / "m.gguf", artifact
+    import importlib.util
+
+    if importlib.util.find_spec("tvm") is None:
+        pytest.skip(f"{ARTIFACTS_ENV} is unset and there is no TVM compiler here")
+    return _build(name, dtype, tmp_path_factory.mktemp(f"{name}-{dtype}"))
+
+
+def _hf(path: Path, dtype: torch.dtype) -> Any:
+    import transformers
+
+    kwargs = {"gguf_file": path.name, "dtype": dtype, "attn_implementation": "eager"}
+    if hasattr(transformers, "GgufConfig"):
+        kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), **kwargs)
+    return model.to("cuda").eval()
+
+
+def _generator(path: Path, artifact: Path) -> Any:
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.runtime.engine.generate import Generator
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+
+    return Generator(CompiledModel(artifact, open_checkpoint(path)), max_model_len=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("name, dtype", CASES)
+def test_matches_transformers_on_the_same_file(gpu, _exact_float32, name, dtype, tmp_path_factory):
+    from test_gpu_parity import (TINY_NEAR_TIE_REF_ERRS, bf16_reference, check_bfloat16, hf_greedy,
+                                 hf_prompt_logits, max_abs)
+    from vtool.runtime.sampling.params import SamplingParams
+
+    path, artifact = _case(gpu, name, dtype, tmp_path_factory)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quantized_weights"]["kept"] == VARIANTS[name][2]
+    gen = _generator(path, artifact)
+    label = f"{name} {dtype}"
+    if dtype == "bfloat16":
+        ref = bf16_reference(_hf(path, torch.float32), _hf(path, torch.bfloat16), PROMPT)
+        check_bfloat16(label, gen, PROMPT, ref, near_tie=TINY_NEAR_TIE_REF_ERRS * ref["ref_err"])
+        return
+    hf = _hf(path, torch.float32)
+    _ref_prompt, ref_tokens, ref_logits = hf_greedy(hf, PROMPT, STEPS)
+    seen: list[np.ndarray] = []
+    result = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append)
+    prompt_err = max_abs(gen.prompt_logits(PROMPT), hf_prompt_logits(hf, PROMPT))
+    decode_err = max(max_abs(a, b) for a, b in zip(seen, ref_logits))
+    print(f"[{label}] max|dlogit| prompt {prompt_err:.2e}, decode {decode_err:.2e}")
+    assert prompt_err <= TOLERANCE and decode_err <= TOLERANCE
+    assert result.token_ids == ref_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [3, 12])
+def test_engine_batches_give_each_sequence_its_own_tokens(gpu, _exact_float32, batch, tmp_path_factory):
+    """Batched decode through the GEMV (3 rows) and through the tiled matmul (12 rows, past
+    quantized.LOW_BATCH): every sequence's greedy tokens equal transformers' for it alone."""
+    from test_gpu_parity import _run_engine, hf_greedy
+    from vtool.runtime.engine.engine import Engine, EngineConfig
+    from vtool.runtime.sampling.params import SamplingParams
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.runtime.engine.generate import Generator
+    from vtool.runtime.session import Session
+    from vtool.runtime.text.tokenizer import Tokenizer
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+
+    path, artifact = _case(gpu, "q4_k_m", "float32", tmp_path_factory)
+    hf = _hf(path, torch.float32)
+    rng = np.random.default_rng(batch)
+    prompts = [[1, *rng.integers(3, 250, int(rng.integers(2, 20))).tolist()] for _ in range(batch)]
+    # open_session takes a GGUF file's tokenizer from the file; the tiny files have none
+    ckpt = open_checkpoint(path)
+    model = CompiledModel(artifact, ckpt)
+    tokenizer = Tokenizer.from_dir(_word_tokenizer(tmp_path_factory.mktemp("tok")).parent, None)
+    session = Session(ckpt, model, tokenizer, [], 128, Generator(model, 128))
+    engine = Engine(session, EngineConfig(max_num_seqs=batch, enable_prefix_caching=False,
+                                          gpu_memory_utilization=0.3))
+    got = _run_engine(engine, prompts, lambda i: SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
+    for i, prompt in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(hf, prompt, STEPS)[1], f"sequence {i} of {batch}"
+
+
+def _word_tokenizer(folder: Path) -> Path:
+    """A word-level tokenizer.json over the tiny vocabulary ("t0", "t1", ...): the engine needs
+    one, the tiny GGUF files carry none."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = VARIANTS["q4_k_m"][3]["vocab"]
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def prebuild(out: Path) -> None:
+    """Every CASES build for TARGET into `out` (<variant>/m.gguf, <variant>/artifact-<dtype>)."""
+    for name, dtype in CASES:
+        path, artifact = _build(name, dtype, out / name)
+        print(f"built {name} {dtype}: {artifact}", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "prebuild":
+        sys.exit("usage: python tests/test_gpu_quantized.py prebuild DIR")
+    prebuild(Path(sys.argv[2]))
