@@ -138,6 +138,33 @@ def test_gemm_rows_equal_the_gemv_any_rows_any_chunk(isa, fmt):
     check()
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemm_panels_give_the_gemv_rows(isa, fmt):
+    """Panels of 2 passes of 4 rows (256 columns = 8 blocks of 32 quantized bytes per row, panels
+    of 8 rows): 33 rows are 4 whole panels and a last one of 1 row; every row equals the GEMV's bit
+    for bit, and the oracle up to float32 summation order."""
+    _runnable(isa)
+    n, k, m = 64, 256, 33
+    rng = np.random.default_rng(17)
+    raw = quantize((rng.standard_normal((n, k)) * rng.uniform(0.01, 0.3, (n, 1))).astype(np.float32),
+                   getattr(Q, fmt))
+    parts = _parts(fmt, raw, k)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
+    gemm = _compile_func(gemm_func(fmt, isa, n, k, (1, tvm.tirx.Var("m", "int64")), rows_per_chunk=4,
+                                   panel_bytes=8 * k), isa)
+    y = tvm.runtime.tensor(np.full((1, m, n), np.nan, np.float32))
+    gemm(tvm.runtime.tensor(x[None]), *parts, y)
+    got = y.numpy()[0]
+    gemv = _compile(fmt, isa, n, k)
+    for row in range(m):
+        one = tvm.runtime.tensor(np.full((1, 1, n), np.nan, np.float32))
+        gemv(tvm.runtime.tensor(x[row].reshape(1, 1, k)), *parts, one)
+        np.testing.assert_array_equal(got[row], one.numpy()[0, 0], err_msg=f"row {row} of {m}")
+    want = _oracle(fmt, raw, x)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * float(np.abs(want).max()))
+
+
 def test_rows_per_chunk_out_of_range_is_refused():
     with pytest.raises(ValueError, match="rows_per_chunk"):
         gemm_func("Q4_1", "avx2", 64, 256, (1, tvm.tirx.Var("m", "int64")), rows_per_chunk=MAX_CHUNK + 1)

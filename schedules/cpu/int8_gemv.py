@@ -107,19 +107,24 @@ DEFAULT_CHUNK = 6
 # the model), 2-core Xeon: 5-row GEMMs 19.1 -> 12.3 ms on AVX-512 VNNI, 44 -> 21 ms on AVX2;
 # the 1-row GEMVs 11.2 -> 9.2 ms and 14.8 -> 10.7 ms.
 PREFETCH_TILES = 2
+# Bytes of quantized x rows per panel of the GEMM (rounded down to whole passes), as
+# kquant_gemm.py's: a panel should stay in the L2 cache while every weight tile passes over it.
+PANEL_BYTES = 1 << 20
 
 
-def gemm_func(fmt: str, isa: str, n: int, k: int, lead: tuple, rows_per_chunk: int = DEFAULT_CHUNK) -> tirx.PrimFunc:
+def gemm_func(fmt: str, isa: str, n: int, k: int, lead: tuple, rows_per_chunk: int = DEFAULT_CHUNK,
+              panel_bytes: int = PANEL_BYTES) -> tirx.PrimFunc:
     """As gemv_func for x of shape `lead` + [k] with symbolic dims (TIR vars) in `lead`:
     every row of x is quantized once, and each weight tile's blocks are loaded once per
     `rows_per_chunk` rows of x (prefill, batched decode, speculative verification); the
     last M % rows_per_chunk rows are one pass of exactly that many. Each row's arithmetic
     is the GEMV's, in the same order, so a row of the GEMM equals the GEMV of that row bit
-    for bit (tests/test_int8_gemv.py holds it)."""
+    for bit (tests/test_int8_gemv.py holds it). Rows go in panels of about `panel_bytes` of
+    quantized rows (whole passes): every tile passes over one panel before the next."""
     _check(fmt, isa, n, k)
     if not 1 <= rows_per_chunk <= MAX_CHUNK:
         raise ValueError(f"rows_per_chunk must be 1..{MAX_CHUNK}, got {rows_per_chunk}")
-    return _build(fmt, isa, n, k, tuple(lead), rows_per_chunk)
+    return _build(fmt, isa, n, k, tuple(lead), rows_per_chunk, panel_bytes)
 
 
 def _check(fmt: str, isa: str, n: int, k: int) -> None:
@@ -129,13 +134,22 @@ def _check(fmt: str, isa: str, n: int, k: int) -> None:
         raise ValueError(f"int8 GEMV needs n % {TILE_ROWS} == 0 and k % {BLOCK} == 0, got [{n}, {k}]")
 
 
-# Prepared activation per 32-weight block, laid out so that each weight vector meets its
-# activations with one plain load (Q4: a vector holds every row's 16 bytes of the block,
-# low nibbles = weights 0..15, high = 16..31).
-_XR_WIDTH = {("Q4", "avx512vnni"): 128,  # [x0..15 x4 | x16..31 x4]
-             ("Q4", "avx2"): 64,  # [x0..15 x2 | x16..31 x2]
-             ("Q8_0", "avx512vnni"): 128,  # as Q4's, x + 128 as unsigned bytes
-             ("Q8_0", "avx2"): 32}  # x as it is
+# The quantized activation row as the kernels read it: 32 bytes per block (Q8_0 and IQ4_NL on
+# avx512vnni: x + 128, vpdpbusd's unsigned side). A weight vector holds every row's 16 bytes of a
+# block (Q4: low nibbles = weights 0..15, high = 16..31), so it meets x[0:16] and x[16:32] each
+# repeated in every 128-bit lane: one broadcast load (vbroadcasti32x4 / vbroadcasti128) from
+# this row, not a replicated copy (which took 4x the bytes: prompt rows fell out of the L2 cache).
+# Measured with panels (PANEL_BYTES) and the +128 as the dot chain's start value, against the
+# replicated copy, 512 rows, 2 threads of a 2-core Xeon (AVX-512 VNNI, AMX): [1536, 576] Q8_0
+# 147 -> 187 GMAC/s, Q4_1 149 -> 181; [576, 1536] Q8_0 74 -> 181, Q5_0 72 -> 139; the AVX2 code
+# [1536, 576] Q8_0 61 -> 64, Q4_1 85 -> 89. 8 rows per pass instead of 6: no better (180-186).
+XR_BYTES = BLOCK
+
+
+def _bcast16(xr: tirx.Buffer, row: tirx.PrimExpr, b: tirx.PrimExpr, half: int, lanes: int) -> tirx.PrimExpr:
+    """Bytes 16*half .. 16*half + 15 of row `row`'s block b, repeated in each 128-bit lane."""
+    v = xr.vload([row, b, 16 * half], "int8x16")
+    return T.Shuffle([v] * (lanes // 16), [j % 16 for j in range(lanes)])
 
 
 def _scales(sc: tirx.Buffer, t: tirx.PrimExpr, b: tirx.PrimExpr, first: tirx.PrimExpr, rows: int,
@@ -217,8 +231,8 @@ def _nl_dot_vnni(v: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr) -> ti
     x + 128 (unsigned, the Q4 layout), the +128 taken out as Q8_0's is: int32x16."""
     lo, hi = iq4_levels("avx512vnni", _low(v, 64), 64), iq4_levels("avx512vnni", _high(v, 64), 64)
     zero, bias = T.Broadcast(T.int32(0), 16), T.Broadcast(T.uint8(128), 64)
-    return _vnni(_vnni(zero, T.reinterpret("uint8x64", xlo), lo), T.reinterpret("uint8x64", xhi), hi) - _vnni(
-        _vnni(zero, bias, lo), bias, hi)
+    return _vnni(_vnni(zero - _vnni(_vnni(zero, bias, lo), bias, hi), T.reinterpret("uint8x64", xlo), lo),
+                 T.reinterpret("uint8x64", xhi), hi)
 
 
 def _nl_dot_avx2(v: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -232,14 +246,15 @@ def _q8_dot_vnni(w01: tirx.PrimExpr, w23: tirx.PrimExpr, xlo: tirx.PrimExpr, xhi
     """A tile's Q8_0 block (rows 0-1 and 2-3, 2 x 32 signed bytes each) against x + 128
     (unsigned, in the Q4 layout): int32x16, lanes 4r..4r+3 summing to row r. Two 128-bit
     lane shuffles regroup the rows' first and second 16 bytes (as Q4's low and high
-    nibbles), so one dot chain serves 4 rows; the +128 comes out with the same chain over
-    128s, which does not depend on x (LLVM computes it once for a chunk's rows)."""
+    nibbles), so one dot chain serves 4 rows; the +128 comes out as the chain's start value,
+    minus the same chain over 128s, which does not depend on x (LLVM computes it once for a
+    pass's rows, and no instruction per row takes it out). Exact integers: the same sums."""
     first = [i for r in range(4) for i in range(32 * r, 32 * r + 16)]  # byte i of w01 | w23
     second = [i + 16 for i in first]
     a, b = T.Shuffle([w01, w23], first), T.Shuffle([w01, w23], second)
     zero, bias = T.Broadcast(T.int32(0), 16), T.Broadcast(T.uint8(128), 64)
-    return _vnni(_vnni(zero, T.reinterpret("uint8x64", xlo), a), T.reinterpret("uint8x64", xhi), b) - _vnni(
-        _vnni(zero, bias, a), bias, b)
+    return _vnni(_vnni(zero - _vnni(_vnni(zero, bias, a), bias, b), T.reinterpret("uint8x64", xlo), a),
+                 T.reinterpret("uint8x64", xhi), b)
 
 
 def _q8_dot_avx2(w: tirx.PrimExpr, x: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -249,13 +264,14 @@ def _q8_dot_avx2(w: tirx.PrimExpr, x: tirx.PrimExpr) -> tirx.PrimExpr:
                                   T.call_llvm_pure_intrin("int8x32", _PSIGN, x, w)))
 
 
-def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk: int = 1) -> tirx.PrimFunc:
+def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk: int = 1,
+           panel_bytes: int = PANEL_BYTES) -> tirx.PrimFunc:
     """The kernel for x of shape `lead` + [k] (`lead` an int: that many unit dims, a GEMV;
     a tuple: its dims, symbolic ones as TIR vars, a GEMM over their product M), handling
-    `rows_per_chunk` rows of x per pass over a weight tile (the rest in one pass of their count)."""
+    `rows_per_chunk` rows of x per pass over a weight tile (the rest in one pass of their count),
+    in panels of about `panel_bytes` of quantized rows."""
     nb, nt = k // BLOCK, n // TILE_ROWS
     q4 = fmt != "Q8_0"
-    width = _XR_WIDTH[("Q4" if q4 else "Q8_0", isa)]
     vnni = isa == "avx512vnni"
     qbytes, qdtype = (16, "uint8") if q4 else (32, "int8")
     has_min = fmt in ("Q4_1", "Q5_1")
@@ -269,6 +285,10 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
         m = m * d
     static = isinstance(m, int)
     chunk = rows_per_chunk
+    # rows of x per panel (whole passes): every weight tile passes over one panel before the next,
+    # so the panel's quantized rows (XR_BYTES per block) stay in the L2 cache
+    panel = max(chunk, panel_bytes // (nb * XR_BYTES) // chunk * chunk)
+    npanels = (m + panel - 1) // panel
     flip = T.int8(-128) if (vnni and (nl or not q4)) else T.int8(0)
     attrs = {"tirx.noalias": True, "vtool.int8_gemv": f"{fmt}/{isa}"}
 
@@ -291,15 +311,9 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
             # Q8_0 block (what llama.cpp's dot products use, and gguf-py's quantizer gives)
             xd[row, b] = T.Cast("float32", T.Cast("float16", amax[0] / T.float32(127)))
             xs[row, b] = T.Cast("float32", qsum[0]) * xd[row, b]
-            if q4 or vnni:
-                for r in range(width // 32):
-                    for j in range(16):
-                        # Q8_0 on VNNI: x + 128 (the sign bit flipped), vpdpbusd's unsigned side
-                        xr[row, b, r * 16 + j] = xq[row * k + b * BLOCK + j] ^ flip
-                        xr[row, b, width // 2 + r * 16 + j] = xq[row * k + b * BLOCK + 16 + j] ^ flip
-            else:
-                for j in range(BLOCK):
-                    xr[row, b, j] = xq[row * k + b * BLOCK + j]
+            for j in range(BLOCK):
+                # Q8_0 and IQ4_NL on VNNI: x + 128 (the sign bit flipped), vpdpbusd's unsigned side
+                xr[row, b, j] = xq[row * k + b * BLOCK + j] ^ flip
 
     @T.macro
     def accumulate(acc, corr, qw, sc, mn, xr, xd, xs, t, b, row, i, qh):  # noqa: ANN001 - TVMScript macro
@@ -308,28 +322,28 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
         # workspace allocation; LLVM shares the weight loads between the rows of a chunk.
         if nl and vnni:
             acc[i, T.Ramp(0, 1, 16)] = acc[i, T.Ramp(0, 1, 16)] + _scaled(_nl_dot_vnni(
-                qw.vload([t, b, 0, 0], "uint8x64"), xr.vload([row, b, 0], "int8x64"),
-                xr.vload([row, b, 64], "int8x64")), xd[row, b], _scales(sc, t, b, 0, 4, 4))
+                qw.vload([t, b, 0, 0], "uint8x64"), _bcast16(xr, row, b, 0, 64),
+                _bcast16(xr, row, b, 1, 64)), xd[row, b], _scales(sc, t, b, 0, 4, 4))
         elif nl:
             for h in range(2):
                 acc[i, T.Ramp(h * 8, 1, 8)] = acc[i, T.Ramp(h * 8, 1, 8)] + _scaled(_nl_dot_avx2(
-                    qw.vload([t, b, 2 * h, 0], "uint8x32"), xr.vload([row, b, 0], "int8x32"),
-                    xr.vload([row, b, 32], "int8x32")), xd[row, b], _scales(sc, t, b, 2 * h, 2, 4))
+                    qw.vload([t, b, 2 * h, 0], "uint8x32"), _bcast16(xr, row, b, 0, 32),
+                    _bcast16(xr, row, b, 1, 32)), xd[row, b], _scales(sc, t, b, 2 * h, 2, 4))
         elif q4 and vnni:
             acc[i, T.Ramp(0, 1, 16)] = acc[i, T.Ramp(0, 1, 16)] + _scaled(_q4_dot_vnni(
-                qw.vload([t, b, 0, 0], "uint8x64"), xr.vload([row, b, 0], "int8x64"),
-                xr.vload([row, b, 64], "int8x64"), qh.vload([t, b, 0, 0], "uint8x16") if q5 else None),
+                qw.vload([t, b, 0, 0], "uint8x64"), _bcast16(xr, row, b, 0, 64),
+                _bcast16(xr, row, b, 1, 64), qh.vload([t, b, 0, 0], "uint8x16") if q5 else None),
                 xd[row, b], _scales(sc, t, b, 0, 4, 4))
         elif q4:
             for h in range(2):
                 acc[i, T.Ramp(h * 8, 1, 8)] = acc[i, T.Ramp(h * 8, 1, 8)] + _scaled(_q4_dot_avx2(
-                    qw.vload([t, b, 2 * h, 0], "uint8x32"), xr.vload([row, b, 0], "int8x32"),
-                    xr.vload([row, b, 32], "int8x32"), qh.vload([t, b, 2 * h, 0], "uint8x8") if q5 else None),
+                    qw.vload([t, b, 2 * h, 0], "uint8x32"), _bcast16(xr, row, b, 0, 32),
+                    _bcast16(xr, row, b, 1, 32), qh.vload([t, b, 2 * h, 0], "uint8x8") if q5 else None),
                     xd[row, b], _scales(sc, t, b, 2 * h, 2, 4))
         elif vnni:
             acc[i, T.Ramp(0, 1, 16)] = acc[i, T.Ramp(0, 1, 16)] + _scaled(_q8_dot_vnni(
                 qw.vload([t, b, 0, 0], "int8x64"), qw.vload([t, b, 2, 0], "int8x64"),
-                xr.vload([row, b, 0], "int8x64"), xr.vload([row, b, 64], "int8x64")),
+                _bcast16(xr, row, b, 0, 64), _bcast16(xr, row, b, 1, 64)),
                 xd[row, b], _scales(sc, t, b, 0, 4, 4))
         else:
             for r in range(4):
@@ -384,11 +398,40 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
             store(acc, corr, y1, t, first + i, i)
 
     @T.macro
+    def passes(qw, sc, mn, y1, xr, xd, xs, t, p, qh):  # noqa: ANN001 - TVMScript macro
+        # Tile t over panel p's rows: whole passes, then the rest (only in the last panel) in one
+        # pass of exactly that many (a verify step's 1 + k rows are all one pass): each count is
+        # its own unrolled code.
+        for c in range(T.min(m - p * panel, panel) // chunk):
+            rows_pass(qw, sc, mn, y1, xr, xd, xs, t, p * panel + c * chunk, chunk, qh)
+        if chunk > 1:
+            if T.min(m - p * panel, panel) % chunk == 1:
+                rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 1, 1, qh)
+        if chunk > 2:
+            if T.min(m - p * panel, panel) % chunk == 2:
+                rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 2, 2, qh)
+        if chunk > 3:
+            if T.min(m - p * panel, panel) % chunk == 3:
+                rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 3, 3, qh)
+        if chunk > 4:
+            if T.min(m - p * panel, panel) % chunk == 4:
+                rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 4, 4, qh)
+        if chunk > 5:
+            if T.min(m - p * panel, panel) % chunk == 5:
+                rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 5, 5, qh)
+        if chunk > 6:
+            if T.min(m - p * panel, panel) % chunk == 6:
+                rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 6, 6, qh)
+        if chunk > 7:
+            if T.min(m - p * panel, panel) % chunk == 7:
+                rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 7, 7, qh)
+
+    @T.macro
     def kernel(x, qw, sc, mn, y, qh):  # noqa: ANN001 - TVMScript macro
         x1 = T.decl_buffer((m * k,), "float32", data=x.data)
         y1 = T.decl_buffer((m * n,), "float32", data=y.data)
         xq = T.alloc_buffer((m * k,), "int8")
-        xr = T.alloc_buffer((m, nb, width), "int8")
+        xr = T.alloc_buffer((m, nb, XR_BYTES), "int8")
         xd = T.alloc_buffer((m, nb), "float32")
         xs = T.alloc_buffer((m, nb), "float32")
         if static:
@@ -397,32 +440,9 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
         else:
             for row in T.parallel(m):
                 quantize_row(x1, xq, xr, xd, xs, row)
-        for t in T.parallel(nt):
-            for c in range(m // chunk):
-                rows_pass(qw, sc, mn, y1, xr, xd, xs, t, c * chunk, chunk, qh)
-            # The last m % chunk rows in one pass of exactly that many (a verify step's 1 + k
-            # rows are all one pass): each count is its own unrolled code.
-            if chunk > 1:
-                if m % chunk == 1:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 1, 1, qh)
-            if chunk > 2:
-                if m % chunk == 2:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 2, 2, qh)
-            if chunk > 3:
-                if m % chunk == 3:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 3, 3, qh)
-            if chunk > 4:
-                if m % chunk == 4:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 4, 4, qh)
-            if chunk > 5:
-                if m % chunk == 5:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 5, 5, qh)
-            if chunk > 6:
-                if m % chunk == 6:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 6, 6, qh)
-            if chunk > 7:
-                if m % chunk == 7:
-                    rows_pass(qw, sc, mn, y1, xr, xd, xs, t, m - 7, 7, qh)
+        for p in range(npanels):
+            for t in T.parallel(nt):
+                passes(qw, sc, mn, y1, xr, xd, xs, t, p, qh)
 
     if has_min and q5:
         @T.prim_func(private=True)
