@@ -78,8 +78,10 @@ def _gemv(func: tirx.PrimFunc, bucket: int = LOW_BATCH) -> tirx.PrimFunc:
     coo, coi = sch.split(co, [None, unroll])
     sch.reorder(no, m, ni, ci, coo, coi, j)
     sch.bind(no, "blockIdx.x")
-    # The rows of x are threads of one block: they read the same weights, the first from
-    # memory and the others from L1, so a few rows cost little more than one.
+    # The rows of x are threads of one block: the weights come from memory once and from L1 for
+    # the other rows, but every row dequantizes them again (H200, 8B shape: batch 8 took 7x
+    # batch 1). Rows innermost in each lane (dequantize once, multiply into every row, then rfactor)
+    # was tried: TVM could not size the per-lane sums of a symbolic row count as a register array.
     sch.bind(m, "threadIdx.z")
     sch.bind(ni, "threadIdx.y")
     sch.bind(ci, "threadIdx.x")
