@@ -96,6 +96,16 @@ def no_external_tools():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _restore_flashinfer_probe():
+    """_flashinfer fakes the module-wide probe: put the real answer back after each test, or a
+    later CUDA build elsewhere in the session resolves `--attention auto` to a FlashInfer that
+    is not there."""
+    saved = fa._PROBE
+    yield
+    fa._PROBE = saved
+
+
 def _flashinfer(installed: bool) -> None:
     """probe()'s answer, as if flashinfer-python were (not) installed and fitting."""
     fa._PROBE = ({"version": "0.6.15.post1", "location": "-"} if installed

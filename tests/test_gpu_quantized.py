@@ -64,8 +64,10 @@ def _build(name: str, dtype: str, folder: Path) -> tuple[Path, Path]:
     qtype_of, tie, _kept, shape = VARIANTS[name]
     folder.mkdir(parents=True, exist_ok=True)
     path = write_tiny_gguf(folder / "m.gguf", qtype_of, tie=tie, shape=shape)
+    # attention="tir": what these tests hold does not depend on it, and `auto` would take
+    # FlashInfer wherever a test elsewhere made it look installed
     artifact = build_artifact(path, TARGET, dtype, checkpoint=open_checkpoint(path), quantization="gguf",
-                              output=folder / f"artifact-{dtype}")
+                              attention="tir", output=folder / f"artifact-{dtype}")
     return path, artifact
 
 
@@ -90,7 +92,8 @@ def test_cuda_build_quantizes_safetensors(tmp_path):
     from vtool.toolchain.build import build_artifact
 
     folder = make_tiny_model("llama-gqa", tmp_path / "st")
-    artifact = build_artifact(folder, TARGET, "bfloat16", quantization="q4_1", output=tmp_path / "art")
+    artifact = build_artifact(folder, TARGET, "bfloat16", quantization="q4_1", attention="tir",
+                              output=tmp_path / "art")
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["quantization"] == "q4_1"
     assert manifest["quantized_weights"]["kept"] == {"Q4_1": 9, "Q8_0": 1}
