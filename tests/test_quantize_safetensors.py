@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_oracle import greedy
+from hf_oracle import greedy, q8_0_activations
 from tiny_models import make_tiny_model
 from vtool import VtoolError
 from vtool.runtime.artifact.library import CompiledModel
@@ -297,6 +297,18 @@ def test_cli_run_builds_and_binds_the_quantized_weights(tiny_model_dir):
     ids = session.encode_prompt(prompt, chat=False)
     result = session.generator.generate(ids, SamplingParams(temperature=0, max_tokens=steps), session.stop_ids)
     assert done.stdout.strip() == session.tokenizer.decode(result.token_ids).strip()
-    ref, _, _ = greedy(hf_with_dequantized_weights(folder, artifact / "weights.gguf"), ids, 1)
+    hf = hf_with_dequantized_weights(folder, artifact / "weights.gguf")
+    plain, _, _ = greedy(hf, ids, 1)
+    if json.loads((artifact / "manifest.json").read_text())["activations"] == "q8_0":
+        # the host's default on an integer-dot CPU (issue 16): prompt rows quantized to Q8_0 as
+        # llama.cpp does. The oracle quantizes every Linear input the same way; a last-bit
+        # difference upstream can move an element across a rounding step, so the bound is twice
+        # the rounding's own effect on the logits, test_quant_smollm2.py's rule.
+        with q8_0_activations(hf, rows="all"):
+            ref, _, _ = greedy(hf, ids, 1)
+        bound = 2 * float(np.abs(ref - plain).max())
+    else:
+        ref, bound = plain, TOLERANCE
     worst = float(np.abs(session.generator.prompt_logits(ids) - ref).max())
-    assert worst < TOLERANCE, f"prompt logits differ by {worst}"
+    print(f"[cli q4_1] prompt logits {worst:.4g} from the oracle, bound {bound:.4g}")
+    assert worst < bound, f"prompt logits differ by {worst} (bound {bound})"
