@@ -48,7 +48,7 @@ from tvm.script import tirx as T
 
 from vtool.runtime.weights.ggml_blocks import BLOCK, SUPER_BLOCK, TILE_ROWS
 from vtool.schedules.cpu.kquant_gemv import (PER_SUPER, PREFETCH_TILES, _maddubs, _maddwd, _per_row, _prefetch,
-                                            _quants, _scales16, _two_bits, iq4_levels, signed_pairs)
+                                            _quants, _scales16, _two_bits, entry_point, iq4_levels, signed_pairs)
 
 FORMATS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # = kquant_gemv.FORMATS (a test holds it)
 ISAS = ("avx512vnni", "avx2")
@@ -391,64 +391,4 @@ def _build(fmt: str, isa: str, n: int, k: int, dims: tuple, chunk: int, panel: i
                 if halves == 2:  # avx2: the tile's second pair of rows
                     passes(qw, qh, sc, mn, ssc, smn, y1, xq, xd, bs, t, 1, p)
 
-    if iq4:
-        @T.prim_func(private=True)
-        def gemm_iq4xs(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
-                       sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"), ssc: T.Buffer((nt, nb, TILE_ROWS), "int8"),
-                       y: T.Buffer(yshape, "float32")):
-            T.func_attr(attrs)
-            kernel(x, qw, None, sc, None, ssc, None, y)
-
-        return gemm_iq4xs
-
-    if q3k:
-        @T.prim_func(private=True)
-        def gemm_q3k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb // 2, TILE_ROWS, 16), "uint8"),
-                     qh: T.Buffer((nt, nb, TILE_ROWS, 4), "uint8"), sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"),
-                     ssc: T.Buffer((nt, 2 * nb, TILE_ROWS), "int8"), y: T.Buffer(yshape, "float32")):
-            T.func_attr(attrs)
-            kernel(x, qw, qh, sc, None, ssc, None, y)
-
-        return gemm_q3k
-
-    if q2k:
-        @T.prim_func(private=True)
-        def gemm_q2k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb // 2, TILE_ROWS, 16), "uint8"),
-                     sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"), mn: T.Buffer((nt, nsb, TILE_ROWS), "float16"),
-                     ssc: T.Buffer((nt, 2 * nb, TILE_ROWS), "uint8"), y: T.Buffer(yshape, "float32")):
-            T.func_attr(attrs)
-            kernel(x, qw, None, sc, mn, ssc, None, y)
-
-        return gemm_q2k
-
-    if q5k:
-        @T.prim_func(private=True)
-        def gemm_q5k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
-                     qh: T.Buffer((nt, nb, TILE_ROWS, 4), "uint8"),
-                     sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"), mn: T.Buffer((nt, nsb, TILE_ROWS), "float16"),
-                     ssc: T.Buffer((nt, nb, TILE_ROWS), "uint8"), smn: T.Buffer((nt, nb, TILE_ROWS), "uint8"),
-                     y: T.Buffer(yshape, "float32")):
-            T.func_attr(attrs)
-            kernel(x, qw, qh, sc, mn, ssc, smn, y)
-
-        return gemm_q5k
-
-    if q4k:
-        @T.prim_func(private=True)
-        def gemm_q4k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
-                     sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"), mn: T.Buffer((nt, nsb, TILE_ROWS), "float16"),
-                     ssc: T.Buffer((nt, nb, TILE_ROWS), "uint8"), smn: T.Buffer((nt, nb, TILE_ROWS), "uint8"),
-                     y: T.Buffer(yshape, "float32")):
-            T.func_attr(attrs)
-            kernel(x, qw, None, sc, mn, ssc, smn, y)
-
-        return gemm_q4k
-
-    @T.prim_func(private=True)
-    def gemm_q6k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
-                 qh: T.Buffer((nt, nb // 2, TILE_ROWS, 16), "uint8"), sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"),
-                 ssc: T.Buffer((nt, 2 * nb, TILE_ROWS), "int8"), y: T.Buffer(yshape, "float32")):
-        T.func_attr(attrs)
-        kernel(x, qw, qh, sc, None, ssc, None, y)
-
-    return gemm_q6k
+    return entry_point(fmt, kernel, xshape, yshape, nt, nb, nsb, attrs)

@@ -353,39 +353,49 @@ def _build(fmt: str, isa: str, n: int, k: int, dims: tuple) -> tirx.PrimFunc:
             for row in range(m):
                 row_pass(qw, qh, sc, mn, ssc, smn, y1, xr, xd, xs, xs16, t, row)
 
+    return entry_point(fmt, kernel, xshape, yshape, nt, nb, nsb, attrs)
+
+
+def entry_point(fmt: str, kernel, xshape: tuple, yshape: tuple, nt: int, nb: int, nsb: int,  # noqa: ANN001
+                attrs: dict) -> tirx.PrimFunc:
+    """The PrimFunc of a K-quant / IQ4_XS kernel macro (this file's GEMV, kquant_gemm.py's GEMM):
+    x, the format's weight parts as ggml_blocks lays them out, y; `kernel(x, qw, qh, sc, mn, ssc,
+    smn, y)` takes None for the parts the format lacks."""
+    q4k, q5k = fmt in ("Q4_K", "Q5_K"), fmt == "Q5_K"
+    q3k, q2k, iq4 = fmt == "Q3_K", fmt == "Q2_K", fmt == "IQ4_XS"
     if iq4:
         @T.prim_func(private=True)
-        def gemv_iq4xs(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
+        def entry_iq4xs(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
                        sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"), ssc: T.Buffer((nt, nb, TILE_ROWS), "int8"),
                        y: T.Buffer(yshape, "float32")):
             T.func_attr(attrs)
             kernel(x, qw, None, sc, None, ssc, None, y)
 
-        return gemv_iq4xs
+        return entry_iq4xs
 
     if q3k:
         @T.prim_func(private=True)
-        def gemv_q3k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb // 2, TILE_ROWS, 16), "uint8"),
+        def entry_q3k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb // 2, TILE_ROWS, 16), "uint8"),
                      qh: T.Buffer((nt, nb, TILE_ROWS, 4), "uint8"), sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"),
                      ssc: T.Buffer((nt, 2 * nb, TILE_ROWS), "int8"), y: T.Buffer(yshape, "float32")):
             T.func_attr(attrs)
             kernel(x, qw, qh, sc, None, ssc, None, y)
 
-        return gemv_q3k
+        return entry_q3k
 
     if q2k:
         @T.prim_func(private=True)
-        def gemv_q2k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb // 2, TILE_ROWS, 16), "uint8"),
+        def entry_q2k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb // 2, TILE_ROWS, 16), "uint8"),
                      sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"), mn: T.Buffer((nt, nsb, TILE_ROWS), "float16"),
                      ssc: T.Buffer((nt, 2 * nb, TILE_ROWS), "uint8"), y: T.Buffer(yshape, "float32")):
             T.func_attr(attrs)
             kernel(x, qw, None, sc, mn, ssc, None, y)
 
-        return gemv_q2k
+        return entry_q2k
 
     if q5k:
         @T.prim_func(private=True)
-        def gemv_q5k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
+        def entry_q5k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
                      qh: T.Buffer((nt, nb, TILE_ROWS, 4), "uint8"),
                      sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"), mn: T.Buffer((nt, nsb, TILE_ROWS), "float16"),
                      ssc: T.Buffer((nt, nb, TILE_ROWS), "uint8"), smn: T.Buffer((nt, nb, TILE_ROWS), "uint8"),
@@ -393,24 +403,24 @@ def _build(fmt: str, isa: str, n: int, k: int, dims: tuple) -> tirx.PrimFunc:
             T.func_attr(attrs)
             kernel(x, qw, qh, sc, mn, ssc, smn, y)
 
-        return gemv_q5k
+        return entry_q5k
 
     if q4k:
         @T.prim_func(private=True)
-        def gemv_q4k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
+        def entry_q4k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
                      sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"), mn: T.Buffer((nt, nsb, TILE_ROWS), "float16"),
                      ssc: T.Buffer((nt, nb, TILE_ROWS), "uint8"), smn: T.Buffer((nt, nb, TILE_ROWS), "uint8"),
                      y: T.Buffer(yshape, "float32")):
             T.func_attr(attrs)
             kernel(x, qw, None, sc, mn, ssc, smn, y)
 
-        return gemv_q4k
+        return entry_q4k
 
     @T.prim_func(private=True)
-    def gemv_q6k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
+    def entry_q6k(x: T.Buffer(xshape, "float32"), qw: T.Buffer((nt, nb, TILE_ROWS, 16), "uint8"),
                  qh: T.Buffer((nt, nb // 2, TILE_ROWS, 16), "uint8"), sc: T.Buffer((nt, nsb, TILE_ROWS), "float16"),
                  ssc: T.Buffer((nt, 2 * nb, TILE_ROWS), "int8"), y: T.Buffer(yshape, "float32")):
         T.func_attr(attrs)
         kernel(x, qw, qh, sc, None, ssc, None, y)
 
-    return gemv_q6k
+    return entry_q6k
