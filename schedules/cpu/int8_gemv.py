@@ -49,6 +49,7 @@ _VNNI = "llvm.x86.avx512.vpdpbusd.512"
 _MADDUBS = "llvm.x86.avx2.pmadd.ub.sw"
 _MADDWD = "llvm.x86.avx2.pmadd.wd"
 _PSIGN = "llvm.x86.avx2.psign.b"
+_PHADD = "llvm.x86.avx2.phadd.d"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +265,20 @@ def _q8_dot_avx2(w: tirx.PrimExpr, x: tirx.PrimExpr) -> tirx.PrimExpr:
                                   T.call_llvm_pure_intrin("int8x32", _PSIGN, x, w)))
 
 
+def _hadd(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    """vphaddd: per 128-bit lane, adjacent pairs of a then of b (int32x8)."""
+    return T.call_llvm_pure_intrin("int32x8", _PHADD, a, b)
+
+
+def _q8_tile_dot_avx2(qw: tirx.Buffer, t: tirx.PrimExpr, b: tirx.PrimExpr, x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A tile's Q8_0 block (4 rows) against x: int32x8, lanes r and r + 4 summing to row r.
+    The four rows' int32x8 dots are folded by two rounds of vphaddd (exact integers), so a row
+    of x keeps one accumulator register per tile instead of four: with 6 rows per pass the
+    four-register form needed 24 of AVX2's 16 vector registers and spilled."""
+    d = [_q8_dot_avx2(qw.vload([t, b, r, 0], "int8x32"), x) for r in range(TILE_ROWS)]
+    return _hadd(_hadd(d[0], d[1]), _hadd(d[2], d[3]))
+
+
 def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk: int = 1,
            panel_bytes: int = PANEL_BYTES) -> tirx.PrimFunc:
     """The kernel for x of shape `lead` + [k] (`lead` an int: that many unit dims, a GEMV;
@@ -346,10 +361,9 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
                 _bcast16(xr, row, b, 0, 64), _bcast16(xr, row, b, 1, 64)),
                 xd[row, b], _scales(sc, t, b, 0, 4, 4))
         else:
-            for r in range(4):
-                acc[i, T.Ramp(r * 8, 1, 8)] = acc[i, T.Ramp(r * 8, 1, 8)] + _scaled(_q8_dot_avx2(
-                    qw.vload([t, b, r, 0], "int8x32"), xr.vload([row, b, 0], "int8x32")),
-                    xd[row, b], T.Broadcast(T.Cast("float32", sc[t, b, r]), 8))
+            acc[i, T.Ramp(0, 1, 8)] = acc[i, T.Ramp(0, 1, 8)] + _scaled(_q8_tile_dot_avx2(
+                qw, t, b, xr.vload([row, b, 0], "int8x32")), xd[row, b], T.Shuffle(
+                [T.Cast("float32x4", sc.vload([t, b, 0], "float16x4"))] * 2, [0, 1, 2, 3, 0, 1, 2, 3]))
         if has_min:  # + m * sum(x) per row (Q4_1, Q5_1)
             corr[i, T.Ramp(0, 1, 4)] = corr[i, T.Ramp(0, 1, 4)] + T.Cast(
                 "float32x4", mn.vload([t, b, 0], "float16x4")) * T.Broadcast(xs[row, b], 4)
@@ -363,10 +377,8 @@ def _build(fmt: str, isa: str, n: int, k: int, lead: int | tuple, rows_per_chunk
             if q4 or vnni:  # 4 lanes per row
                 y1[row * n + t * 4 + r] = (acc[i, r * 4] + acc[i, r * 4 + 1] + acc[i, r * 4 + 2]
                                            + acc[i, r * 4 + 3] + corr[i, r])
-            else:
-                y1[row * n + t * 4 + r] = (acc[i, r * 8] + acc[i, r * 8 + 1] + acc[i, r * 8 + 2] + acc[i, r * 8 + 3]
-                                           + acc[i, r * 8 + 4] + acc[i, r * 8 + 5] + acc[i, r * 8 + 6]
-                                           + acc[i, r * 8 + 7])
+            else:  # Q8_0 on AVX2: lanes r and r + 4 (_q8_tile_dot_avx2)
+                y1[row * n + t * 4 + r] = acc[i, r] + acc[i, r + 4]
 
     @T.macro
     def rows_pass(qw, sc, mn, y1, xr, xd, xs, t, first, count, qh):  # noqa: ANN001 - TVMScript macro
