@@ -101,6 +101,57 @@ def test_cuda_build_quantizes_safetensors(tmp_path):
     assert "sm_90a" in manifest["build"]["cuda"]["embedded"]["sass"]
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_block_gemv_arithmetic_on_the_host(fmt):
+    """schedules/cuda/quantized_gemv.py's kernel built with serial loops for the host
+    (cpu=True: the same per-block arithmetic, the lane sums through a scratch buffer instead
+    of shuffles) against the unscheduled function on random blocks: one row with a residual
+    epilogue, a symbolic batch of 11 rows in the 16-row bucket (groups of rows), 5 static rows."""
+    pytest.importorskip("tvm", reason="the kernel is built with the compiler (apache-tvm)")
+    import tvm
+    from tvm import te, tirx
+
+    from vtool.models.quantized_linear import matmul_te
+    from vtool.runtime.weights.ggml_blocks import part_dtype, part_shape, parts
+    from vtool.schedules.cuda import quantized_gemv
+
+    rng = np.random.default_rng(0)
+    batch = tirx.Var("b", "int64")
+    for lead, concrete, bucket, n, k, epilogue in [((1, 1), (1, 1), 1, 64, 512, True),
+                                                   ((batch, 1), (11, 1), 16, 32, 256, False),
+                                                   ((5,), (5,), 5, 16, 256, True)]:
+        x = te.placeholder((*lead, k), "float32", name="x")
+        ws = [te.placeholder(part_shape(fmt, p, n, k), part_dtype(fmt, p), name=f"w_{p}") for p in parts(fmt)]
+        y = matmul_te(fmt, x, *ws)
+        args = [x, *ws]
+        if epilogue:
+            res = te.placeholder((*lead, n), "float32", name="res")
+            args += [res, te.compute(y.shape, lambda *i: y(*i) * 0.5 + res(*i), name="T_add")]
+        else:
+            args.append(y)
+        func = te.create_prim_func(args)
+        kernel = func.with_body(quantized_gemv.gemv(func, bucket, cpu=True).body)
+        data = [rng.standard_normal((*concrete, k)).astype(np.float32)]
+        for p in parts(fmt):
+            shape, dtype = part_shape(fmt, p, n, k), part_dtype(fmt, p)
+            if dtype == "float16":
+                data.append((rng.standard_normal(shape) * 0.05).astype(np.float16))
+            elif p in ("sub_scale", "sub_min"):
+                data.append(rng.integers(-32 if dtype == "int8" else 0, 32, shape).astype(dtype))
+            else:
+                data.append(rng.integers(0, 256, shape).astype(np.uint8).view(dtype))
+        if epilogue:
+            data.append(rng.standard_normal((*concrete, n)).astype(np.float32))
+        outs = []
+        for f in (func, kernel):
+            lib = tvm.compile(tvm.IRModule({"main": f}), target="llvm")
+            tensors = [tvm.runtime.tensor(a) for a in data] + [tvm.runtime.tensor(np.zeros((*concrete, n), np.float32))]
+            lib["main"](*tensors)
+            outs.append(tensors[-1].numpy())
+        err = np.abs(outs[0] - outs[1]).max() / np.abs(outs[0]).max()
+        assert err < 1e-5, (fmt, lead, err)
+
+
 # -- on a GPU --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -186,10 +237,11 @@ def test_matches_transformers_on_the_same_file(gpu, _exact_float32, name, dtype,
 
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.parametrize("batch", [3, 12])
+@pytest.mark.parametrize("batch", [3, 12, 40])
 def test_engine_batches_give_each_sequence_its_own_tokens(gpu, _exact_float32, batch, tmp_path_factory):
-    """Batched decode through the GEMV (3 rows) and through the tiled matmul (12 rows, past
-    quantized.LOW_BATCH): every sequence's greedy tokens equal transformers' for it alone."""
+    """Batched decode through the block GEMV (3 rows; 12 rows: the 16-row bucket, groups of
+    rows) and through the tiled matmul (40 rows, past quantized.LOW_BATCH): every sequence's
+    greedy tokens equal transformers' for it alone."""
     from test_gpu_parity import _run_engine, hf_greedy
     from vtool.runtime.engine.engine import Engine, EngineConfig
     from vtool.runtime.sampling.params import SamplingParams

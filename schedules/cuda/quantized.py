@@ -2,13 +2,18 @@
 `vtool_qmatmul`, found by block name): the weight is dequantized in registers inside the kernel,
 never written out as floats.
 
-Few rows of x (decode, batched decode up to LOW_BATCH rows, short verification steps): a GEMV.
-One thread block per ROWS output rows; threadIdx.z takes a row of x (the rows share the block's
-weights: read from memory once, from L1 by the others), threadIdx.y an output row, and the 32
-lanes of threadIdx.x walk its reduction one 16-weight chunk at a time (chunk c = half a
-32-weight block: the low or high nibbles of its 16 bytes), several chunks unrolled so their
-loads are in flight together; each lane sums its chunks in a register and the warp adds the
-lanes (TVM's cross-thread reduction). A tile's ROWS rows keep their blocks side by side
+Few rows of x (decode, batched decode up to LOW_BATCH rows, short verification steps): for
+Q4_0, Q4_1, Q8_0, Q4_K and Q6_K the hand-written GEMV of quantized_gemv.py (each block's scale
+and min applied once per block, a lane takes one block of a tile's four rows, rows of x in
+groups of four); for the other formats, up to OLD_BATCH rows, a schedule of the per-element
+expression (_gemv, below). A symbolic row count runs the first bucket that holds it.
+
+_gemv: one thread block per ROWS output rows; threadIdx.z takes a row of x (the rows share
+the block's weights: read from memory once, from L1 by the others), threadIdx.y an output row,
+and the 32 lanes of threadIdx.x walk its reduction one 16-weight chunk at a time (chunk c =
+half a 32-weight block: the low or high nibbles of its 16 bytes), several chunks unrolled so
+their loads are in flight together; each lane sums its chunks in a register and the warp adds
+the lanes (TVM's cross-thread reduction). A tile's ROWS rows keep their blocks side by side
 (runtime/weights/ggml_blocks.py: [tiles, blocks, TILE_ROWS, bytes]), so the block's warps read
 contiguous bytes. The inner 16 weights of a chunk are unrolled. The matmul's epilogue (the cast
 to the model's dtype, a residual add) runs per output row after the reduction.
@@ -25,13 +30,20 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 
+from vtool.schedules.cuda import quantized_gemv
+
 MATMUL_BLOCK = "vtool_qmatmul"  # models/quantized_linear.py's names (schedules/ does not import models/)
 DEQUANT_BLOCK = "vtool_dequant"
 ROWS = 4  # output rows per thread block: one tile of TILE_ROWS rows
 LANES = 32
-LOW_BATCH = 8  # rows of x up to which the GEMV runs
+LOW_BATCH = 32  # rows of x up to which the hand-written GEMV runs (quantized_gemv.py's formats)
+OLD_BATCH = 8  # and the schedule of the per-element expression (the other formats)
 MAX_UNROLL = 32  # chunks per lane unrolled whole up to this many
-ROW_BUCKETS = (1, 2, 4, LOW_BATCH)  # a symbolic row count runs the GEMV of the first bucket that holds it
+# A symbolic row count runs the GEMV of the first bucket that holds it: the hand-written one
+# (one row; up to 4; up to 32 in groups of 4 rows, those past the rows in use idle), or the
+# schedule of the per-element expression (the other formats).
+ROW_BUCKETS = (1, 4, LOW_BATCH)
+OLD_BUCKETS = (1, 2, 4, OLD_BATCH)
 
 
 def _block(sch: s_tir.Schedule, name: str) -> s_tir.SBlockRV | None:
@@ -117,6 +129,16 @@ def _vector_loads(sch: s_tir.Schedule, matmul: s_tir.SBlockRV, chunk_loop: s_tir
             continue
 
 
+def _few_rows(func: tirx.PrimFunc, bucket: int, old: bool = True) -> tirx.PrimFunc | None:
+    """The hand-written GEMV (quantized_gemv.py: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) where it takes
+    `func`, else the schedule of the per-element expression (_gemv) up to OLD_BATCH rows; None
+    past that (DLight's Matmul then)."""
+    try:
+        return func.with_body(quantized_gemv.gemv(func, bucket).body)
+    except quantized_gemv.Unsupported:
+        return _gemv(func, bucket) if old and bucket <= OLD_BATCH else None
+
+
 def _general(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
     space = dl.gpu.Matmul().apply(func, target, False)
     if isinstance(space, (list, tuple)):
@@ -152,9 +174,8 @@ def schedule_quantized(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.P
         return None
     rows = _rows(func)
     if isinstance(rows, int):
-        if rows <= LOW_BATCH:
-            scheduled = _gemv(func)
-        else:
+        scheduled = _few_rows(func, rows) if rows <= LOW_BATCH else None
+        if scheduled is None:
             scheduled = _general(func, target)
             if scheduled is None:
                 return None
@@ -163,8 +184,11 @@ def schedule_quantized(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.P
     if general is None:
         return None
     body = general.body
-    for bucket in reversed(ROW_BUCKETS):  # the fewest threads that hold the rows (a padded decode batch)
-        body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(rows <= bucket), _gemv(func, bucket).body, body)
+    buckets = ROW_BUCKETS if _few_rows(func, ROW_BUCKETS[0], old=False) is not None else OLD_BUCKETS
+    for bucket in reversed(buckets):  # the fewest threads that hold the rows (a padded decode batch)
+        few = _few_rows(func, bucket)
+        if few is not None:
+            body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(rows <= bucket), few.body, body)
     root = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
     return (func.with_body(root)
             .with_attr("tirx.is_scheduled", True)

@@ -252,7 +252,8 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
     step = timed_decode(steps)
     record(step="vtool_decode_b1_model_only", ms_per_token=round(step * 1e3, 3), tok_s=round(1 / step, 1))
     if profile:
-        profile_kernels("vtool_decode_b1", lambda: timed_decode(16), weight_bytes_per_step())
+        gguf_file = checkpoint_dir if Path(checkpoint_dir).suffix == ".gguf" else None
+        profile_kernels("vtool_decode_b1", lambda: timed_decode(16), weight_bytes_per_step(gguf_file))
     result = gen.generate(list(range(1000, 1128)), SamplingParams(temperature=0, max_tokens=steps))
     record(step="vtool_generate_b1_host_sampling", tok_s=round(result.decode_tokens_per_second, 1),
            ms_per_token=round(1e3 / max(result.decode_tokens_per_second, 1e-9), 3))
