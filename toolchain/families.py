@@ -129,8 +129,8 @@ def _cpu_compile(plan: BuildPlan, library: Path, progress: Progress) -> dict[str
 
 
 def _describe_cpu(_family: Family, _gemm: str, _graph_sizes: tuple[int, ...] = ()) -> dict[str, Any]:
-    return {"passes": ["FuseTransposeMatmul", "cpu.library_dispatch", "cpu.legalize", "vtool.schedules.cpu",
-                       "cpu.dataflow_lower", "cpu.finalize"]}
+    return {"passes": ["FuseTransposeMatmul", "CollapseReshapeChains", "cpu.library_dispatch", "cpu.legalize",
+                       "vtool.schedules.cpu", "cpu.dataflow_lower", "cpu.finalize"]}
 
 
 def _cuda_toolchain(_target: TargetSpec) -> dict[str, str]:
@@ -180,8 +180,8 @@ def _describe_cuda(family: Family, gemm: str, graph_sizes: tuple[int, ...] = ())
     offload = ["VtoolOffloadGemmToCublas"] if gemm == "cublas" else []
     described = {"gemm": gemm,
                  "passes": [name for name, _ in family.model_passes] + offload + [
-                     "FuseTransposeMatmul", "cuda.library_dispatch", "LegalizeOps", "AnnotateTIROpPattern",
-                     "FoldConstant", "FuseOps", "FuseTIR", "vtool.schedules.cuda"]
+                     "FuseTransposeMatmul", "CollapseReshapeChains", "cuda.library_dispatch", "LegalizeOps",
+                     "AnnotateTIROpPattern", "FoldConstant", "FuseOps", "FuseTIR", "vtool.schedules.cuda"]
                  + ([CAPTURE_PASS] if graph_sizes else []) + ["cuda.dataflow_lower", "cuda.finalize"],
                  "schedules": schedules(), "cuda_graph": bool(family.pass_config["relax.backend.use_cuda_graph"]),
                  "pass_config": dict(family.pass_config), "opt_level": family.opt_level}

@@ -40,6 +40,7 @@ import tvm
 from tvm import relax
 
 from vtool.toolchain.families import CAPTURE_PASS, CAPTURED_BATCH_DECODE, CAPTURED_BATCH_VERIFY, family_named
+from vtool.toolchain.reshape_chains import collapse_reshape_chains
 
 # The symbolic batch dimension of batch_decode (models/decoder.py's spec names it).
 BATCH_VAR = "batch_size"
@@ -145,6 +146,8 @@ def build_pipeline(target: tvm.target.Target, family: str, gemm: str = "tir",
                 offload
                 # First of the rest, or every x @ W.T transposes its weight per call.
                 + [relax.transform.FuseTransposeMatmul()]
+                # Before legalization: a chain of reshapes becomes one, which becomes a view.
+                + [collapse_reshape_chains()]
                 + backend.library_dispatch_passes(target)
                 # The CPU backend's legalize_passes, and the CUDA one's without its trailing
                 # DLight pass: vtool's schedules take that place on both.
