@@ -333,58 +333,58 @@ def gemv(func: tirx.PrimFunc, bucket: int, cpu: bool = False) -> tirx.PrimFunc:
             for i in T.unroll(R):
                 sx[h, i] = T.float32(0)
         for jj in T.unroll(words // 2):
-          # the activations of words 2jj and 2jj + 1: elements 8jj.. (and 16 + 8jj.. of the
-          # high nibbles), 16-byte loads of each row of x
-          for i in T.unroll(R):
-            for c in T.unroll(8 // x_vec):
-                for v in T.vectorized(x_vec):
-                    xv[i, c * x_vec + v] = X[xrow(g0 + i), b * BLOCK + 8 * jj + c * x_vec + v]
-                    if fmt != "Q8_0":
-                        xv[i, 8 + c * x_vec + v] = X[xrow(g0 + i), b * BLOCK + 16 + 8 * jj + c * x_vec + v]
-          for jw in T.unroll(2):
-            j = 2 * jj + jw
-            # the 8 (Q8_0: 4) activations word j meets, per row of x, as float32
+            # the activations of words 2jj and 2jj + 1: elements 8jj.. (and 16 + 8jj.. of the
+            # high nibbles), 16-byte loads of each row of x
             for i in T.unroll(R):
-                for e in T.unroll(4):
-                    xf[i, e] = _f32(xv[i, 4 * jw + e])
-                    if fmt != "Q8_0":
-                        xf[i, 4 + e] = _f32(xv[i, 8 + 4 * jw + e])
-                if needs_sum:
+                for c in T.unroll(8 // x_vec):
+                    for v in T.vectorized(x_vec):
+                        xv[i, c * x_vec + v] = X[xrow(g0 + i), b * BLOCK + 8 * jj + c * x_vec + v]
+                        if fmt != "Q8_0":
+                            xv[i, 8 + c * x_vec + v] = X[xrow(g0 + i), b * BLOCK + 16 + 8 * jj + c * x_vec + v]
+            for jw in T.unroll(2):
+                j = 2 * jj + jw
+                # the 8 (Q8_0: 4) activations word j meets, per row of x, as float32
+                for i in T.unroll(R):
                     for e in T.unroll(4):
-                        sx[0, i] = sx[0, i] + xf[i, e]
-                        if two_halves:
-                            sx[1, i] = sx[1, i] + xf[i, 4 + e]
-                        else:
-                            sx[0, i] = sx[0, i] + xf[i, 4 + e]
-            for r in T.unroll(TILE_ROWS):
-                word: T.let[T.uint32] = T.reinterpret("uint32", qw.vload([r, 4 * j], "uint8x4"))
-                if fmt == "Q8_0":
-                    lo[0] = T.bitwise_xor(word, T.uint32(0x80808080))  # q + 128
-                    for e in T.unroll(4):
-                        wf[e] = prmt(lo[0], e) - T.float32(8388608.0 + 128.0)
-                    for i in T.unroll(R):
+                        xf[i, e] = _f32(xv[i, 4 * jw + e])
+                        if fmt != "Q8_0":
+                            xf[i, 4 + e] = _f32(xv[i, 8 + 4 * jw + e])
+                    if needs_sum:
                         for e in T.unroll(4):
-                            part[0, i * 4 + r] = part[0, i * 4 + r] + wf[e] * xf[i, e]
-                else:
-                    lo[0] = T.bitwise_and(word, T.uint32(0x0F0F0F0F))
-                    lo[1] = T.bitwise_and(T.shift_right(word, T.uint32(4)), T.uint32(0x0F0F0F0F))
-                    if fmt == "Q6_K":
-                        hword: T.let[T.uint32] = T.reinterpret("uint32", qh.vload([r, 4 * j], "uint8x4"))
-                        shift: T.let[T.uint32] = T.Cast("uint32", (b % 2) * 4)
-                        lo[0] = T.bitwise_or(lo[0], T.shift_left(T.bitwise_and(
-                            T.shift_right(hword, shift), T.uint32(0x03030303)), T.uint32(4)))
-                        lo[1] = T.bitwise_or(lo[1], T.shift_left(T.bitwise_and(
-                            T.shift_right(hword, shift + T.uint32(2)), T.uint32(0x03030303)), T.uint32(4)))
-                    for e in T.unroll(4):
-                        wf[e] = prmt(lo[0], e) - T.float32(8388608.0)
-                        wf[4 + e] = prmt(lo[1], e) - T.float32(8388608.0)
-                    for i in T.unroll(R):
-                        for e in T.unroll(4):
-                            part[0, i * 4 + r] = part[0, i * 4 + r] + wf[e] * xf[i, e]
+                            sx[0, i] = sx[0, i] + xf[i, e]
                             if two_halves:
-                                part[1, i * 4 + r] = part[1, i * 4 + r] + wf[4 + e] * xf[i, 4 + e]
+                                sx[1, i] = sx[1, i] + xf[i, 4 + e]
                             else:
-                                part[0, i * 4 + r] = part[0, i * 4 + r] + wf[4 + e] * xf[i, 4 + e]
+                                sx[0, i] = sx[0, i] + xf[i, 4 + e]
+                for r in T.unroll(TILE_ROWS):
+                    word: T.let[T.uint32] = T.reinterpret("uint32", qw.vload([r, 4 * j], "uint8x4"))
+                    if fmt == "Q8_0":
+                        lo[0] = T.bitwise_xor(word, T.uint32(0x80808080))  # q + 128
+                        for e in T.unroll(4):
+                            wf[e] = prmt(lo[0], e) - T.float32(8388608.0 + 128.0)
+                        for i in T.unroll(R):
+                            for e in T.unroll(4):
+                                part[0, i * 4 + r] = part[0, i * 4 + r] + wf[e] * xf[i, e]
+                    else:
+                        lo[0] = T.bitwise_and(word, T.uint32(0x0F0F0F0F))
+                        lo[1] = T.bitwise_and(T.shift_right(word, T.uint32(4)), T.uint32(0x0F0F0F0F))
+                        if fmt == "Q6_K":
+                            hword: T.let[T.uint32] = T.reinterpret("uint32", qh.vload([r, 4 * j], "uint8x4"))
+                            shift: T.let[T.uint32] = T.Cast("uint32", (b % 2) * 4)
+                            lo[0] = T.bitwise_or(lo[0], T.shift_left(T.bitwise_and(
+                                T.shift_right(hword, shift), T.uint32(0x03030303)), T.uint32(4)))
+                            lo[1] = T.bitwise_or(lo[1], T.shift_left(T.bitwise_and(
+                                T.shift_right(hword, shift + T.uint32(2)), T.uint32(0x03030303)), T.uint32(4)))
+                        for e in T.unroll(4):
+                            wf[e] = prmt(lo[0], e) - T.float32(8388608.0)
+                            wf[4 + e] = prmt(lo[1], e) - T.float32(8388608.0)
+                        for i in T.unroll(R):
+                            for e in T.unroll(4):
+                                part[0, i * 4 + r] = part[0, i * 4 + r] + wf[e] * xf[i, e]
+                                if two_halves:
+                                    part[1, i * 4 + r] = part[1, i * 4 + r] + wf[4 + e] * xf[i, 4 + e]
+                                else:
+                                    part[0, i * 4 + r] = part[0, i * 4 + r] + wf[4 + e] * xf[i, 4 + e]
         # the block's scales, once per (block, row)
         for r in T.unroll(TILE_ROWS):
             if fmt == "Q8_0":
@@ -508,10 +508,3 @@ def gemv(func: tirx.PrimFunc, bucket: int, cpu: bool = False) -> tirx.PrimFunc:
                                             emit(acc[v], T.Cast("int64", gy * R + v // 4), t * 4 + v % 4)
     return kernel
 
-
-def gemv_body(func: tirx.PrimFunc, bucket: int):
-    """The kernel's body (a root block realize) for `func`, or None when it does not take it."""
-    try:
-        return gemv(func, bucket).body
-    except Unsupported:
-        return None
