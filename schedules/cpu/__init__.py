@@ -4,7 +4,8 @@ Each rule returns a scheduled PrimFunc or None; a kernel no rule takes stays as
 legalized (slow, never wrong). Kernels already scheduled elsewhere (the KV cache's
 attention kernels ship their own) are left alone, except the KV cache's serial CPU prefill
 and decode attention, full and sliding-window, which schedules/cpu/attention.py replaces by
-parallel, vectorized kernels.
+parallel, vectorized kernels. Last, every kernel's float32 exp, sigmoid and tanh become
+vector arithmetic (schedules/cpu/vector_math.py) instead of a libm call per element.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from vtool.schedules.cpu.quantized import schedule_quantized_matmul
 from vtool.schedules.cpu.rescale_fix import fix_rescale_reads
 from vtool.schedules.cpu.rowwise import schedule_rowwise
 from vtool.schedules.cpu.sliding_attention import NAME as SLIDING_PREFILL, fix_sliding_prefill
+from vtool.schedules.cpu.vector_math import vectorizable_math
 from vtool.schedules.views import becomes_view
 
 # models/window_cache.py FREEING_SUFFIX (schedules never import models; a test holds the two equal)
@@ -80,6 +82,11 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
                 scheduled = schedule_rowwise(func, lanes)
                 if scheduled is not None:
                     updates[gv] = scheduled
+        for gv, func in mod.functions_items():  # exp, sigmoid, tanh: every kernel, whoever scheduled it
+            if isinstance(func, tirx.PrimFunc):
+                rewritten = vectorizable_math(updates.get(gv, func))
+                if rewritten is not None:
+                    updates[gv] = rewritten
         for gv, func in updates.items():
             mod[gv] = func
         return mod
