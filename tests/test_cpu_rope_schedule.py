@@ -1,6 +1,7 @@
 """The KV cache's rotary embedding on the CPU (schedules/cpu/attention.py `schedule_fused_rope`):
-TVM's kernel with its loops reordered and run in parallel, the expressions untouched, so
-q, k and v come out bit for bit as from the unscheduled kernel."""
+TVM's kernel with its loops reordered, one position (a decode step's) on one thread and more
+in parallel, the expressions untouched, so q, k and v come out bit for bit as from the
+unscheduled kernel."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,15 +15,21 @@ from vtool.targets import buildable  # noqa: E402
 TARGET = tvm.target.Target(buildable("host").tvm)
 
 
-@pytest.mark.parametrize("rope_scaling", [{}, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}])
-def test_parallel_rope_equals_tvms_bit_for_bit(rope_scaling):
+@pytest.mark.parametrize("rope_scaling, rotary_dim", [
+    ({}, None),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}, None),
+    ({}, 32),  # a partial rotary (the last half of each head passed through)
+])
+def test_scheduled_rope_equals_tvms_bit_for_bit(rope_scaling, rotary_dim):
     from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_position_map
 
-    func = llama_rope_with_position_map(100000.0, 1.0, 64, 9, 3, "float32", rope_scaling).with_attr(
+    func = llama_rope_with_position_map(100000.0, 1.0, 64, 9, 3, "float32", rope_scaling, rotary_dim).with_attr(
         "global_symbol", "main")
     scheduled = schedule_fused_rope(func)
-    assert scheduled is not None and "T.parallel" in scheduled.script()
+    assert scheduled is not None
+    text = scheduled.script()
+    assert "T.parallel" in text and "== 1" in text  # one position serial, more in parallel
     libs = [tvm.compile(tvm.IRModule({"main": f}), target=TARGET)["main"] for f in (func, scheduled)]
     rng = np.random.default_rng(0)
     for n in (1, 5, 37):

@@ -25,7 +25,9 @@ from __future__ import annotations
 import math
 import re
 
-from tvm import tirx
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from vtool.schedules.softcap import capper, softcap_of
@@ -463,25 +465,54 @@ def schedule_fused_rope(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     v copied, for every (position, fused head, dim)) arrives unscheduled: one serial loop that
     calls powf, cosf and sinf for every element, though they depend on (position, dim) only.
     Here the head loop goes innermost and is unrolled, so that the heads' identical pure calls
-    are one call after LLVM's common-subexpression elimination, and (position, dim) run in
-    parallel; the expressions are untouched (the same results, bit for bit). SmolLM2-135M's
-    15 fused heads of 64, 2-core Xeon: 1 position 11.8 -> 4.4 us a layer, 5 positions 58 ->
-    12 us (a 5-token verify step: 1.4 ms less), 64 positions 707 -> 106 us. None when `func`
-    has no such block."""
-    from tvm import s_tir
+    are one call after LLVM's common-subexpression elimination; the dims go in two unrolled
+    halves (d and d + head_dim / 2 rotate by the same angle). The expressions are untouched (the
+    same results, bit for bit). A decode step's single position runs on one thread: waking the
+    pool for its 32 angles cost more than computing them (SmolLM2-135M's 15 fused heads of 64,
+    2-core Xeon at 2.0 GHz: 5.2-8.2 -> 1.9 us a layer, 30 layers a step); more positions run in
+    parallel over (position, dim), as before this split (5 positions 58 -> 12 us a layer, 64
+    positions 707 -> 106 us, against the serial loop). None when `func` has no such block."""
+    serial, parallel = _rope_loops(func, parallel=False), _rope_loops(func, parallel=True)
+    positions = getattr(func.params[0], "shape", None)
+    if serial is None or parallel is None or not positions:
+        return None
+    one, many = serial.body, _fresh_lets(parallel).body
+    block = one.block
+    body = tirx.IfThenElse(positions[0] == 1, block.body, many.block.body)
+    block = s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body, block.init,
+                         block.alloc_buffers, block.match_buffers, block.annotations)
+    return serial.with_body(s_tir.SBlockRealize(one.iter_values, one.predicate, block))
 
+
+def _fresh_lets(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` with a new variable for each let: a rope scaling's lets (orig_freq, ...) would
+    otherwise be bound in both of schedule_fused_rope's branches, to different loop
+    expressions, which TVM's simplifier refuses."""
+    def fresh(let: tirx.Let) -> tirx.Let:
+        new = tirx.Var(let.var.name, str(let.var.ty))
+        body = tvm_ffi.structural_map(let.body, [(tvm.ir.Var, lambda v: new if v.same_as(let.var) else v)])
+        return tirx.Let(new, let.value, body)
+
+    return tvm_ffi.structural_map(func, [(tirx.Let, fresh)])
+
+
+def _rope_loops(func: tirx.PrimFunc, parallel: bool) -> tirx.PrimFunc | None:
+    """The rope kernel's loops as schedule_fused_rope says, (position, dim) in parallel or not."""
     try:
         sch = s_tir.Schedule(func)
         block = sch.get_sblock(ROPE_BLOCK)
     except Exception:  # noqa: BLE001 - no block of that name: not the rope kernel
         return None
     loops = sch.get_loops(block)
-    if len(loops) != 3:
+    if len(loops) != 3 or not isinstance(sch.get(loops[2]).extent, tirx.IntImm) or int(sch.get(loops[2]).extent) % 2:
         return None
     position, head, dim = loops
-    sch.reorder(position, dim, head)
+    half, inner = sch.split(dim, [2, None])
+    sch.reorder(position, inner, half, head)
     sch.unroll(head)
-    sch.parallel(sch.fuse(position, dim))
+    sch.unroll(half)
+    if parallel:
+        sch.parallel(sch.fuse(position, inner))
     return sch.mod["main"]
 
 
