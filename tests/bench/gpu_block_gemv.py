@@ -1,0 +1,154 @@
+"""The block GEMV (schedules/cuda/quantized_gemv.py) alone, at batch 1, on the Llama-3-8B
+shapes: a library of four kernels built where the compiler is, timed on the GPU machine (no
+compiler there) with torch.profiler (CUPTI device times), the weights rotated over more than
+4x the H200's L2, and the copy bandwidth measured in the same process. Ten seconds of GPU
+time where the whole decode step takes a minute and more.
+
+    # here (nvcc and the build-time driver stub; THREADS / TARGET_WARPS: the module's constants)
+    python tests/bench/gpu_block_gemv.py build OUT.so [--fmt Q4_1] [--set THREADS=256 ...]
+    # on the GPU machine (the runtime as for gpu_decode_8b.py), libraries timed in turn, twice
+    python tests/bench/gpu_block_gemv.py run A.so B.so ...
+
+Each kernel reads x [1, 1, K] bf16 and writes y [1, 1, N] bf16 (the cast epilogue of the
+model's matmuls). rel_err compares each library's output with the first one's on the same
+random blocks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+SHAPES = {"gateup": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}
+
+
+def build(out: str, fmt: str, settings: dict[str, int]) -> None:
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+    import tvm
+    from tvm import te
+
+    from vtool.models.quantized_linear import matmul_te
+    from vtool.runtime.weights.ggml_blocks import part_dtype, part_shape, parts
+    from vtool.schedules.cuda import quantized_gemv as qg
+    from vtool.targets import lookup
+    from vtool.toolchain import cuda
+
+    for name, value in settings.items():
+        if not hasattr(qg, name):
+            raise SystemExit(f"quantized_gemv has no {name}")
+        setattr(qg, name, value)
+    funcs = {}
+    for name, (n, k) in SHAPES.items():
+        x = te.placeholder((1, 1, k), "bfloat16", name="x")
+        ws = [te.placeholder(part_shape(fmt, p, n, k), part_dtype(fmt, p), name=f"w_{p}") for p in parts(fmt)]
+        y = matmul_te(fmt, x, *ws)
+        c = te.compute(y.shape, lambda *i: y(*i).astype("bfloat16"), name="T_cast")
+        func = te.create_prim_func([x, *ws, c])
+        funcs[name] = func.with_body(qg.gemv(func, 1).body).with_attr("global_symbol", name)
+    spec = lookup("sm_90a")
+    target = tvm.target.Target(spec.tvm)
+    with cuda.fatbin_callback(spec.archs, spec.ptx, {}), target:
+        lib = tvm.tirx.build(tvm.IRModule(funcs), target=target)
+    lib.export_library(out)
+    print("built", out)
+
+
+def run(libs: list[str], fmt: str) -> None:
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from vtool.runtime.artifact.tvm_runtime import cuda_runtime, ffi
+
+    cuda_runtime()
+    tvm_ffi = ffi()
+    dev = torch.device("cuda")
+
+    def copy_bw() -> float:
+        a = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+        b = torch.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        return 2 * a.numel() / (start.elapsed_time(end) / 10 / 1e3) / 1e9
+
+    if fmt != "Q4_1":
+        raise SystemExit("run: Q4_1 blocks only (qweight, scale, min)")
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(0)
+    data = {}
+    for name, (n, k) in SHAPES.items():
+        tiles, nb = n // 4, k // 32
+        nbytes = tiles * nb * 4 * (16 + 4)  # the quants, a float16 scale and min per block
+        sets = []
+        for _ in range(max(2, int(np.ceil(300e6 / nbytes)))):  # > 4x L2 (60 MB) in turn
+            qw = torch.randint(0, 256, (tiles, nb, 4, 16), dtype=torch.uint8, device=dev, generator=gen)
+            sc = (torch.rand((tiles, nb, 4), device=dev, generator=gen) * 0.01).half()
+            mn = (torch.rand((tiles, nb, 4), device=dev, generator=gen) * -0.05).half()
+            sets.append(tuple(tvm_ffi.from_dlpack(t) for t in (qw, sc, mn)))
+        x = torch.randn((1, 1, k), device=dev, generator=gen).bfloat16()
+        data[name] = (sets, tvm_ffi.from_dlpack(x), nbytes)
+    bw = copy_bw()
+    print(json.dumps({"copy_gb_s": round(bw, 1)}))
+    ref = {}
+    for rnd in range(2):
+        for lib in libs:
+            mod = tvm_ffi.load_module(lib)
+            for name, (sets, x, nbytes) in data.items():
+                f = mod[name]
+                yt = torch.empty((1, 1, SHAPES[name][0]), dtype=torch.bfloat16, device=dev)
+                y = tvm_ffi.from_dlpack(yt)
+                f(x, *sets[0], y)
+                torch.cuda.synchronize()
+                out = yt.float().cpu()
+                ref.setdefault(name, out)
+                err = float((out - ref[name]).abs().max() / ref[name].abs().max())
+                for s in sets:
+                    f(x, *s, y)
+                torch.cuda.synchronize()
+                reps = 8 * len(sets) if len(sets) >= 4 else 24
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for i in range(reps):
+                        f(x, *sets[i % len(sets)], y)
+                    torch.cuda.synchronize()
+                ts = [e.device_time for e in prof.events() if e.device_type.name == "CUDA" and name in e.name]
+                us = float(np.median(ts))
+                print(json.dumps({"round": rnd, "lib": os.path.basename(lib), "kernel": name, "us": round(us, 2),
+                                  "gb_s": round(nbytes / us / 1e3, 1), "pct_copy": round(100 * nbytes / us / 1e3 / bw, 1),
+                                  "n": len(ts), "rel_err": err}), flush=True)
+    print(json.dumps({"copy_gb_s_end": round(copy_bw(), 1)}))
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    fmt = "Q4_1"
+    if "--fmt" in args:
+        i = args.index("--fmt")
+        fmt = args[i + 1]
+        del args[i:i + 2]
+    settings = {}
+    while "--set" in args:
+        i = args.index("--set")
+        name, value = args[i + 1].split("=")
+        settings[name] = int(value)
+        del args[i:i + 2]
+    if args[:1] == ["build"] and len(args) == 2:
+        if os.environ.get("TVM_CUDA_COMPILE_MODE") != "nvcc":  # again, with the driver stub on the loader path
+            from vtool.toolchain.cuda import worker_env
+
+            sys.exit(subprocess.call([sys.executable, *sys.argv], env=worker_env()))
+        build(args[1], fmt, settings)
+    elif args[:1] == ["run"] and len(args) > 1:
+        run(args[1:], fmt)
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main()
