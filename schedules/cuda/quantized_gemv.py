@@ -480,8 +480,8 @@ def gemv(func: tirx.PrimFunc, bucket: int, cpu: bool = False) -> tirx.PrimFunc:
                         emit(s[0], T.Cast("int64", gy * R + v // 4), t * 4 + v % 4)
         return kernel
 
-    # a lane's blocks one at a time: unrolling them (their loads in flight together) took more
-    # registers and was slower on the H200 (Q4_1 gate/up 25.3 -> 23.7 us serial, the others alike)
+    # a lane's blocks one at a time: unrolled (their loads in flight together) was slower on the
+    # H200 (Q4_1 gate/up 25.3 us unrolled, 23.7-23.9 serial; the others alike or slower unrolled)
     lane_loop = T.serial
     group_axis, tile_axis = ("blockIdx.x", "blockIdx.y") if groups > 1 else ("blockIdx.y", "blockIdx.x")
 
