@@ -145,3 +145,16 @@ def test_a_cpu_builds_silu_kernel_has_no_libm_exp(tiny_shape_dir):
     for gv in silu:
         text = next(f for g, f in scheduled.functions_items() if g.name_hint == gv.name_hint).script()
         assert "T.sigmoid" not in text and "T.exp(" not in text, gv.name_hint
+
+
+def test_attention_kernels_keep_their_tanh():
+    """A kernel with a `sm_scale` parameter (an attention kernel: Gemma-2's soft-capped scores)
+    is left alone; rewritten, TVM's simplifier took up to a minute to compile one."""
+    from tvm import te
+
+    a = te.placeholder((8,), "float32", name="a")
+    sm_scale = te.var("sm_scale", "float32")
+    capped = te.compute((8,), lambda i: te.tanh(a[i] * sm_scale), name="b")
+    assert vectorizable_math(te.create_prim_func([a, capped, sm_scale])) is None
+    plain = te.compute((8,), lambda i: te.tanh(a[i]), name="c")
+    assert vectorizable_math(te.create_prim_func([a, plain])) is not None

@@ -11,7 +11,8 @@ a degree-6 polynomial, 2^n put in the exponent bits of two factors; within 2 ulp
 float32 (tests/test_vector_math.py). sigmoid(x) = 1 / (1 + e^-x) and tanh as
 (1 - e^-2|x|) / (1 + e^-2|x|) with x's sign, the formulas TVM's own lowering uses around
 the exp. Every kernel of a CPU build goes through this, scheduled by a rule or not, so a
-kernel gives the same values however it was scheduled.
+kernel gives the same values however it was scheduled; the attention kernels excepted
+(`vectorizable_math`: their soft-cap tanh made TVM's simplifier take up to a minute a kernel).
 """
 from __future__ import annotations
 
@@ -121,7 +122,11 @@ _REWRITES = {_EXP: polynomial_exp, _SIGMOID: polynomial_sigmoid, _TANH: polynomi
 
 def vectorizable_math(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """`func` with every float32 exp, sigmoid and tanh written as vector arithmetic, or None
-    when it has none."""
+    when it has none, or when it is an attention kernel (a `sm_scale` parameter): their only
+    such call is a soft-capped score's tanh (Gemma-2), inside masks and the online softmax's
+    selects, where TVM's simplifier then took 18-56 s to compile one kernel (against under 2 s)."""
+    if any(getattr(p, "name", None) == "sm_scale" for p in func.params):
+        return None
     hits: list[tvm.ir.Call] = []
 
     def rewrite(call: tvm.ir.Call) -> tirx.PrimExpr:
