@@ -57,7 +57,7 @@ def core_outputs(draw) -> CoreOutput:
         finish_reason=draw(st.sampled_from([None, "stop", "length"])),
         stop_reason=draw(st.one_of(st.none(), st.integers(0, 200_000))),
         num_prompt_tokens=draw(st.integers(1, 1 << 20)), num_output_tokens=draw(st.integers(1, 1 << 20)),
-        num_cached_tokens=draw(st.integers(0, 1 << 20)), cumulative_logprob=draw(st.one_of(finite, st.just(-math.inf))),
+        num_cached_tokens=draw(st.integers(0, 1 << 20)), cumulative_logprob=draw(st.one_of(st.none(), finite, st.just(-math.inf))),
         prompt_logprobs=draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), position), max_size=4))),
         stop_token=draw(st.booleans()))
 

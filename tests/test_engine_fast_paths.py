@@ -152,7 +152,7 @@ def test_shared_logsumexp_is_the_one_raw_logprobs_computes(top_p):
     # temperature 1: the sampling weights' sum gives the chosen token's logprob
     rng = np.random.default_rng(3)
     raw = (rng.standard_normal((1, 49152)) * 3).astype(np.float32)
-    seq = SequenceSampler(SamplingParams(temperature=1.0, top_p=top_p, seed=5), [1], [0], 49152)
+    seq = SequenceSampler(SamplingParams(temperature=1.0, top_p=top_p, seed=5, logprobs=0), [1], [0], 49152)
     (result,) = sample_batch(raw, [seq])
     r = raw[0]
     lse = float(r.max()) + float(np.log(np.exp(r - r.max()).sum(dtype=np.float64)))

@@ -266,7 +266,10 @@ def test_device_grammar_rows_match_host(smol, cpu_sampler):
         got_logprobs.extend(r.logprob for r in cpu_sampler.sample_batch(logits, seqs))
 
     def on_host(logits, seqs):  # noqa: ANN001, ANN202
-        want_logprobs.extend(r.logprob for r in sample_batch(logits, seqs))
+        # The host reports logprobs only when asked: take the raw log-softmax of its tokens.
+        rows = logits.astype(np.float64)
+        lse = np.log(np.exp(rows - rows.max(axis=1, keepdims=True)).sum(axis=1)) + rows.max(axis=1)
+        want_logprobs.extend(rows[i, r.token_id] - lse[i] for i, r in enumerate(sample_batch(logits, seqs)))
 
     run_steps(on_device, device, np.random.default_rng(9), 80)  # a disallowed token would raise in accept()
     run_steps(on_host, host, np.random.default_rng(9), 80)

@@ -30,6 +30,22 @@ def test_n_and_per_prompt_params(llm):
         llm.generate(["a", "b"], [SamplingParams()] * 3)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_cumulative_logprob_only_when_logprobs_are_asked(llm, temperature):
+    # vLLM v1: the sum of the chosen tokens' logprobs with logprobs (0 included), None without
+    # (then no logsumexp is computed for it).
+    kw = dict(temperature=temperature, seed=3, max_tokens=6, ignore_eos=True)
+    plain, zero, two = (llm.generate("The capital of France is", SamplingParams(**kw, logprobs=n))[0].outputs[0]
+                        for n in (None, 0, 2))
+    assert plain.cumulative_logprob is None and plain.logprobs is None
+    assert plain.token_ids == zero.token_ids == two.token_ids  # asking for logprobs changes no token
+    for out in (zero, two):
+        chosen = [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
+        assert len(chosen) == 6 and all(lp <= 0.0 for lp in chosen)
+        assert out.cumulative_logprob == pytest.approx(sum(chosen), abs=1e-9)
+    assert zero.cumulative_logprob == pytest.approx(two.cumulative_logprob, abs=1e-6)
+
+
 def test_chat_uses_the_template(llm):
     outs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=3))
     want = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Hi"}])

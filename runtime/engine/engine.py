@@ -257,7 +257,8 @@ class Engine:
             request_id=request_id, prompt_ids=list(prompt_ids), params=params, max_tokens=max_tokens,
             sampler=SequenceSampler(params, prompt_ids, self.session.stop_ids, self.vocab_size,
                                     logits_processors or ()),
-            priority=priority, arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+            priority=priority, arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            cumulative_logprob=None if params.logprobs is None else 0.0)
         self.requests[request_id] = request
         if text is not None:
             self.texts[request_id] = text

@@ -143,7 +143,8 @@ class OfflineLLM:
             for job_index, (text, ids, params) in enumerate(jobs):
                 rid = str(next(self._ids))
                 results.append(RequestOutput(rid, text, ids, None, [
-                    CompletionOutput(j, "", [], 0.0, [] if params.logprobs is not None else None, None)
+                    CompletionOutput(j, "", [], None if params.logprobs is None else 0.0,
+                                     [] if params.logprobs is not None else None, None)
                     for j in range(params.n)]))
                 for j in range(params.n):
                     child = params.for_child(j) if params.n > 1 else params

@@ -30,8 +30,8 @@ class OutputProcessor:
         ends the request. All the scheduler needs before the next step."""
         token = result.token_id
         request.output_ids.append(token)
-        request.cumulative_logprob += result.logprob
-        if request.params.logprobs is not None:
+        if request.params.logprobs is not None:  # else the sampler computed no logprob
+            request.cumulative_logprob += result.logprob
             request.output_logprobs.append(result.logprobs_dict())
         request.first_token_time = request.first_token_time or now
         request.last_token_time = now

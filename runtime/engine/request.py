@@ -29,7 +29,9 @@ class Request:
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[Any] = dataclasses.field(default_factory=list)
-    cumulative_logprob: float = 0.0
+    # vLLM v1's: the sum of the output tokens' logprobs for a request that asked for logprobs,
+    # None for one that did not (its sampler computes no logprobs: engine.add_request sets it).
+    cumulative_logprob: float | None = None
     prompt_logprobs: list[Any] | None = None
     prompt_logit_chunks: list[Any] = dataclasses.field(default_factory=list)  # until the prompt is through
     num_computed: int = 0  # tokens whose K/V is in the cache
@@ -111,7 +113,7 @@ class CoreOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
-    cumulative_logprob: float
+    cumulative_logprob: float | None  # None unless the request asked for logprobs
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with the first token only
     stop_token: bool = False  # the last new token is a stop token (its text is never shown)
 
@@ -131,7 +133,7 @@ class StepOutput:
     num_output_tokens: int
     num_cached_tokens: int
     prompt_logprobs: list[Any] | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # None unless the request asked for logprobs
 
     def merged(self, later: StepOutput) -> StepOutput:
         """This delta and the next one of the same request as one (a consumer that fell

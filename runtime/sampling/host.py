@@ -52,7 +52,10 @@ class Logprob:
 @dataclasses.dataclass
 class SampleResult:
     token_id: int
-    logprob: float  # raw log-softmax of the chosen token
+    # The raw log-softmax of the chosen token; None when the request asked for no logprobs:
+    # its logsumexp is a pass over the vocabulary that nobody would read (vLLM v1 reports
+    # cumulative_logprob None then). The device sampler has it for free and always sets it.
+    logprob: float | None
     rank: int | None = None  # vLLM's: tokens with a logprob >= the chosen one's; with logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # top-N, descending; when params.logprobs is set
 
@@ -230,7 +233,8 @@ def sample_batch(logits: np.ndarray, seqs: Sequence[SequenceSampler]) -> list[Sa
             token, _ = _sample_filtered(seq.process_logits(raw, out=scratch.x), seq.params, seq.rng, scratch, i)
         else:  # nothing edits the row: the temperature is applied while copying it
             x, m = _scaled_copy(raw, raw_max, seq.params, scratch)
-            token, lse = _sample_filtered(x, seq.params, seq.rng, scratch, i, scaled_max=m)
+            token, lse = _sample_filtered(x, seq.params, seq.rng, scratch, i, scaled_max=m,
+                                          want_lse=seq.params.logprobs is not None)
         seq.append_token(token)
         results.append(raw_logprobs(raw, raw_max, token, seq.params.logprobs, scratch, lse))
     return results
@@ -246,17 +250,18 @@ def _scaled_copy(raw: np.ndarray, raw_max: np.float32, p: SamplingParams, s: _Sc
 
 
 def _sample_filtered(x: np.ndarray, p: SamplingParams, rng: np.random.Generator, s: _Scratch,
-                     row: int, scaled_max: np.float32 | None = None) -> tuple[int, float | None]:
+                     row: int, scaled_max: np.float32 | None = None,
+                     want_lse: bool = False) -> tuple[int, float | None]:
     """Temperature, min_p, top_k, top_p, then one inverse-CDF draw (one uniform per step):
-    (the token, and the raw row's logsumexp when the filtering computed it on the way; None
-    otherwise). `x` is a private copy and is scaled in place (scaled_max given: it is scaled
-    already, and that is its maximum)."""
+    (the token, and the raw row's logsumexp when the filtering computed it on the way, or
+    could with one sum and `want_lse` asks for it; None otherwise). `x` is a private copy and
+    is scaled in place (scaled_max given: it is scaled already, and that is its maximum)."""
     u = rng.random()  # drawn first and always: the stream advances by one per random step
     # At temperature 1 a prescaled x is the raw row itself (division by 1 is exact), so the
     # weights before any cut are exp(raw - max): their float64 sum gives the logsumexp that
     # raw_logprobs would compute from the same values.
     raw_row = scaled_max is not None and p.sampling_temperature == 1.0
-    idx, w, total = _filtered(x, p, s, row, scaled_max, want_total=raw_row)
+    idx, w, total = _filtered(x, p, s, row, scaled_max, want_total=raw_row and want_lse)
     lse = float(scaled_max) + float(np.log(total)) if raw_row and total is not None else None
     token = draw_index(w, u)
     return (token if idx is None else int(idx[token])), lse
@@ -503,7 +508,11 @@ def _top_n(raw: np.ndarray, raw_max: np.float32, n: int, s: _Scratch) -> np.ndar
 
 def raw_logprobs(raw: np.ndarray, raw_max: np.float32, token: int, num: int | None,
                   s: _Scratch, lse: float | None = None) -> SampleResult:
-    """lse: the row's logsumexp when the caller has it (_raw_logsumexp's value)."""
+    """The chosen token's SampleResult: with its logprob, rank and top-`num` when `num` is not
+    None (the request asked for logprobs), else the token alone. lse: the row's logsumexp when
+    the caller has it (_raw_logsumexp's value)."""
+    if num is None:
+        return SampleResult(token_id=token, logprob=None)
     if lse is None:
         lse = _raw_logsumexp(raw, raw_max, s)
     result = SampleResult(token_id=token, logprob=float(raw[token]) - lse)
