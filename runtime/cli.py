@@ -18,8 +18,10 @@ from rich.console import Console
 
 from vtool import VtoolError, __version__
 
-console = Console(stderr=True)
-out = Console()
+# No emoji codes: rich would print a completion's "arr[1:x:2]" as "arr[1❌2]" (even with markup off),
+# and its 1 MiB emoji table would load on the first print (issue 16: `vtool run`'s peak memory).
+console = Console(stderr=True, emoji=False)
+out = Console(emoji=False)
 
 
 def _fail(err: Exception) -> None:
@@ -68,9 +70,12 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
         return resolve_model_path(model, revision)
     if revision:
         raise VtoolError("--revision names a revision of a hub model: give --model too")
+    from rich.text import Text
+
     from vtool.runtime.weights.default_model import default_model_path
 
-    with console.status("fetching the default model (SmolLM2-135M-Instruct Q4_1, 98 MB)"):
+    # a Text, not a str: a str goes through rich's markup, which loads the emoji table (1 MiB)
+    with console.status(Text("fetching the default model (SmolLM2-135M-Instruct Q4_1, 98 MB)")):
         return default_model_path()
 
 
@@ -172,11 +177,13 @@ def runtime_process(threads: int | None) -> None:
     (`import torch` in its __init__, guarded by ImportError), which costs ~200 MB of resident
     memory and seconds of start-up that running a compiled model never uses: a None entry in
     sys.modules makes that import fail fast. Only when torch is not imported already (the
-    Python API inside a torch program keeps it)."""
-    from vtool.runtime.artifact.tvm_runtime import apply_cpu_threads, block_torch_import
+    Python API inside a torch program keeps it). tvm_ffi is imported without ml_dtypes too
+    (lean_ffi_import: ~8 MiB of resident memory)."""
+    from vtool.runtime.artifact.tvm_runtime import apply_cpu_threads, block_torch_import, lean_ffi_import
 
     apply_cpu_threads(threads)
     block_torch_import()
+    lean_ffi_import()
 
 
 def model_options(fn: Callable) -> Callable:

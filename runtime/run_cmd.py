@@ -84,8 +84,9 @@ def run_completion(artifact: Path, checkpoint: Checkpoint, opts: RunOptions, out
     params = SamplingParams(temperature=max(opts.temperature, 0.0), top_p=opts.top_p, top_k=opts.top_k,
                             seed=opts.seed, max_tokens=opts.max_tokens if opts.max_tokens > 0 else None,
                             structured_outputs=opts.structured_outputs)
-    with Progress(TextColumn("loading weights"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  console=err, transient=True) as bar:
+    # markup off: rich's markup loads its 1 MiB emoji table, resident for the rest of the run
+    with Progress(TextColumn("loading weights", markup=False), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}", markup=False), console=err, transient=True) as bar:
         task = bar.add_task("load", total=None)
         session = open_session(artifact, checkpoint, opts.tokenizer_config, opts.max_model_len,
                                progress=lambda done, total: bar.update(task, completed=done, total=total))

@@ -22,10 +22,14 @@ def build_with_progress(model_path: Path, target: str, dtype: str, output: str |
     from vtool.toolchain.build import build_artifact
     from vtool.toolchain.native_log import native_output_to_log
 
+    from rich.text import Text
+
     with native_output_to_log("build") as (terminal, log_path):
-        with terminal.status("building") as status:
+        # Text, not str: a str goes through rich's markup, which loads its 1 MiB emoji table into a
+        # `vtool run` that only looks its build up in the cache (issue 16)
+        with terminal.status(Text("building")) as status:
             def report(msg: str) -> None:
-                status.update(msg)
+                status.update(Text(msg))
                 if msg.startswith(("built", "using cached", "tuning")):  # "tuning ...": records used / ignored
                     terminal.print(f"[dim]{msg}[/]", highlight=False)
 

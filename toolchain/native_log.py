@@ -33,7 +33,7 @@ def native_output_to_log(name: str) -> Iterator[tuple[Console, Path]]:
     sys.stderr.flush()
     saved = os.dup(2)
     terminal_file = os.fdopen(os.dup(saved), "w", buffering=1)
-    terminal = Console(file=terminal_file, stderr=True)
+    terminal = Console(file=terminal_file, stderr=True, emoji=False)  # as vtool.runtime.cli's consoles
     with open(log_path, "w") as log:
         os.dup2(log.fileno(), 2)
         try:

@@ -121,13 +121,38 @@ def block_torch_import() -> bool:
     return True
 
 
+_lean_ffi_import = False  # set by lean_ffi_import()
+
+
+def lean_ffi_import() -> None:
+    """Have ffi() import tvm_ffi without ml_dtypes, when neither is imported yet. tvm_ffi's
+    __init__ imports ml_dtypes whenever it is installed (guarded by ImportError) only to map
+    its numpy dtypes (bfloat16, float8) to TVM's; the import registers those dtypes and their
+    ufunc loops with numpy, ~8 MiB resident, 4% of `vtool run`'s peak on the default model
+    (issue 16). vtool hands tvm_ffi dtype names and raw bytes, never numpy bfloat16 dtypes,
+    and imports ml_dtypes itself where it needs it (runtime/weights/checkpoint.py
+    numpy_dtype). For the CLI's runtime commands only (as block_torch_import): tvm_ffi then
+    converts no ml_dtypes dtype for the life of the process, even after ml_dtypes is imported."""
+    global _lean_ffi_import
+    _lean_ffi_import = True
+
+
 @functools.lru_cache(maxsize=1)
 def ffi() -> Any:
     """tvm_ffi with the runtime's global functions (vm.builtin.*, runtime.*) registered."""
+    import sys
+
     apply_cpu_threads()
     # tvm_ffi would otherwise build a torch DLPack extension whenever torch is installed.
     os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
-    import tvm_ffi
+    hide = _lean_ffi_import and "ml_dtypes" not in sys.modules and "tvm_ffi" not in sys.modules
+    if hide:
+        sys.modules["ml_dtypes"] = None  # type: ignore[assignment]  # tvm_ffi's import raises ImportError
+    try:
+        import tvm_ffi
+    finally:
+        if hide and sys.modules.get("ml_dtypes", False) is None:
+            del sys.modules["ml_dtypes"]  # a later `import ml_dtypes` works as usual
 
     ctypes.CDLL(str(runtime_library_dir() / RUNTIME_LIBRARY), ctypes.RTLD_GLOBAL)
     return tvm_ffi

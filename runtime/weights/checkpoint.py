@@ -12,17 +12,23 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from vtool import VtoolError
 
-# dtype names load() accepts -> numpy dtype
-LOAD_DTYPES: dict[str, np.dtype] = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-}
+# dtype names load() accepts (numpy dtypes through numpy_dtype)
+LOAD_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a dtype name; bfloat16 is ml_dtypes', imported only then: the import
+    registers a dozen dtypes and their ufunc loops, ~8 MiB of resident memory that a run
+    without bfloat16 never uses (issue 16, `tests/test_rss.py`)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
 
 
 class CheckpointError(VtoolError):
@@ -63,12 +69,11 @@ class Checkpoint(abc.ABC):
 
         The result may be a read-only view of a memory-mapped file: copy it before writing.
         """
-        target = LOAD_DTYPES.get(dtype)
-        if target is None:
+        if dtype not in LOAD_DTYPES:
             raise CheckpointError(f"cannot load as dtype {dtype!r}; supported: {', '.join(LOAD_DTYPES)}")
         if name not in self.tensors():
             raise CheckpointError(f"{self.path}: no tensor named {name!r}")
-        return cast(self._load_raw(name), target)
+        return cast(self._load_raw(name), numpy_dtype(dtype))
 
     def load_blocks(self, name: str) -> tuple[str, np.ndarray]:
         """A quantized tensor as it is stored: (GGML type name, raw block bytes

@@ -19,11 +19,10 @@ import struct
 from pathlib import Path
 from typing import Any, Callable
 
-import ml_dtypes
 import numpy as np
 
 from vtool.runtime.weights.block_rows import BlockRows
-from vtool.runtime.weights.checkpoint import Checkpoint, CheckpointError, TensorInfo
+from vtool.runtime.weights.checkpoint import Checkpoint, CheckpointError, TensorInfo, numpy_dtype
 from vtool.runtime.weights.ggml_blocks import GGML_TYPES
 from vtool.runtime.weights.gguf_gemma import GEMMA_ARCHITECTURES, gemma_config, is_gemma_norm, norm_from_gguf
 
@@ -694,7 +693,7 @@ class GGUFCheckpoint(Checkpoint):
         if kind in ("F32", "F16"):
             arr = data
         elif kind == "BF16":
-            arr = data.view(ml_dtypes.bfloat16)  # stored as raw bytes, 2 per element
+            arr = data.view(numpy_dtype("bfloat16"))  # stored as raw bytes, 2 per element
         else:
             import gguf  # only here: see GGMLType
 

@@ -14,20 +14,17 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from vtool.runtime.weights.checkpoint import Checkpoint, CheckpointError, TensorInfo
+from vtool.runtime.weights.checkpoint import Checkpoint, CheckpointError, TensorInfo, numpy_dtype
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# safetensors dtype -> numpy dtype; weights are floats, anything else is refused by name
-DTYPES: dict[str, np.dtype] = {
-    "F32": np.dtype("<f4"),
-    "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-}
+# safetensors dtype -> numpy dtype name (numpy_dtype: bfloat16's ml_dtypes is imported only for
+# a BF16 file); weights are floats, anything else is refused by name
+DTYPES: dict[str, str] = {"F32": "<f4", "F16": "<f2", "BF16": "bfloat16"}
+ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 # Integer buffers that older transformers saved with BERT-style encoders (a 0..n-1 range and zeros,
 # not weights): skipped when stored as integers; any other integer tensor is refused.
 INTEGER_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
@@ -78,7 +75,7 @@ def read_header(file: Path) -> dict[str, _Entry]:
             raise CheckpointError(
                 f"{file}: tensor {name!r} has dtype {dtype}; supported weight dtypes: {', '.join(DTYPES)}"
             )
-        want = math.prod(shape) * DTYPES[dtype].itemsize
+        want = math.prod(shape) * ITEMSIZE[dtype]
         if start < 0 or end - start != want:
             raise CheckpointError(
                 f"{file}: tensor {name!r} ({dtype} {list(shape)}) needs {want} bytes "
@@ -167,4 +164,4 @@ class SafetensorsCheckpoint(Checkpoint):
         if mm is None:
             mm = self._maps[e.file] = np.memmap(e.file, dtype=np.uint8, mode="r")
         # A plain ndarray view of the mapped bytes: nothing is read until it is used.
-        return mm[e.start : e.end].view(np.ndarray).view(DTYPES[e.dtype]).reshape(e.shape)
+        return mm[e.start : e.end].view(np.ndarray).view(numpy_dtype(DTYPES[e.dtype])).reshape(e.shape)

@@ -80,9 +80,9 @@ def stages_child(model: str, artifact: str, max_tokens: int) -> None:
 
     mark("start")
     import vtool.toolchain.cli  # noqa: F401  (what the command imports)
-    from vtool.runtime.artifact.tvm_runtime import block_torch_import
+    from vtool.runtime.cli import runtime_process
 
-    block_torch_import()
+    runtime_process(None)  # as the run command: the thread count, torch kept out, tvm_ffi without ml_dtypes
     from vtool.runtime import session as S
     from vtool.runtime.artifact.library import CompiledModel
     from vtool.runtime.artifact.tvm_runtime import ffi
