@@ -2,7 +2,7 @@
 <= 1.3x the file, the weights bound without a second copy).
 
     python tests/bench/rss_vs_file.py [FILE.gguf ...] [--artifact-dir DIR] [--max-tokens 16]
-                                      [--stages] [--limit 1.3] [--json out.json]
+                                      [--stages] [--floor] [--limit 1.3] [--json out.json]
 
 Without FILE: the default model (SmolLM2-135M-Instruct Q4_1). The real Q4_K_M files come from
 `python tests/bench/coder_pair.py --dir DIR` (Qwen2.5-Coder-0.5B/1.5B-Instruct, sha256-pinned).
@@ -19,6 +19,10 @@ step, the last), so that where the memory goes is measured rather than guessed. 
 reserved for the whole context (`vtool run`: one sequence of max_model_len tokens) but its pages
 become resident only as tokens are written: the table gives what is reserved and the share the
 run's tokens touched, which the peak includes.
+
+--floor measures what no change to vtool can remove: a child with only the interpreter, numpy,
+tvm_ffi (without torch and ml_dtypes) and libtvm_runtime that allocates the artifact's parameter
+bytes as TVM tensors and writes them (no tokenizer, no CLI, no model library, no KV cache).
 """
 from __future__ import annotations
 
@@ -123,8 +127,41 @@ def stages_child(model: str, artifact: str, max_tokens: int) -> None:
     print("STAGES", json.dumps({"rows": rows, "params_mib": bound}))
 
 
-def stages(model: Path, artifact: Path, max_tokens: int) -> dict:
-    done = subprocess.run([sys.executable, __file__, "--child-stages", str(model), str(artifact), str(max_tokens)],
+def floor_child(artifact: str) -> None:
+    """The floor under any CPython process that holds this artifact's weights in TVM tensors:
+    the interpreter, numpy, tvm_ffi (without torch and ml_dtypes) and libtvm_runtime, then the
+    parameters' bytes allocated as TVM tensors and written; nothing of vtool's own but the loader."""
+    import sys
+
+    rows = []
+
+    def mark(stage: str) -> None:
+        rows.append({"stage": stage, **_status()})
+
+    mark("python")
+    import numpy as np
+
+    mark("numpy")
+    sys.modules["torch"] = sys.modules["ml_dtypes"] = None  # type: ignore[assignment]
+    import tvm_ffi
+
+    del sys.modules["ml_dtypes"]
+    mark("tvm_ffi")
+    from vtool.runtime.artifact.tvm_runtime import ffi, global_func
+
+    ffi()
+    mark("libtvm_runtime")
+    params = json.loads((Path(artifact) / "manifest.json").read_text())["params"]
+    alloc, cpu, held = global_func("runtime.TVMTensorAllocWithScope"), tvm_ffi.device("cpu", 0), []
+    for e in params:
+        held.append(alloc(tvm_ffi.Shape([math.prod(e["shape"]) * ITEMSIZE[e["dtype"]]]), "uint8", cpu, None))
+        np.from_dlpack(held[-1])[:] = 1
+    mark("weights (written)")
+    print("STAGES", json.dumps({"rows": rows, "params_mib": sum(int(t.shape[0]) for t in held) / 2**20}))
+
+
+def stages(model: Path, artifact: Path, max_tokens: int, mode: str = "--child-stages") -> dict:
+    done = subprocess.run([sys.executable, __file__, mode, str(model), str(artifact), str(max_tokens)],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"--stages failed on {model}:\n{done.stderr[-3000:]}")
@@ -146,12 +183,17 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child-stages":
         stages_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--child-floor":
+        floor_child(sys.argv[3])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", type=Path, help="GGUF files (default: the default model)")
     ap.add_argument("--artifact-dir", type=Path, default=Path("/tmp/vtool-rss-artifacts"),
                     help="where each file's build goes (reused when present)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--stages", action="store_true", help="also print the resident memory after each load stage")
+    ap.add_argument("--floor", action="store_true",
+                    help="also print the floor: python + numpy + tvm_ffi + libtvm_runtime + the weights' bytes alone")
     ap.add_argument("--limit", type=float, default=None, help="exit 1 when a peak / file ratio exceeds this")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -173,6 +215,11 @@ def main() -> None:
         if args.stages:
             row["stages"] = stages(model, artifact, args.max_tokens)
             print_stages(row["stages"])
+        if args.floor:
+            row["floor"] = stages(model, artifact, args.max_tokens, "--child-floor")
+            peak = row["floor"]["rows"][-1]["VmHWM"]
+            print(f"  floor: {peak:.1f} MiB = {peak * 2**20 / size:.3f}x the file")
+            print_stages(row["floor"])
         results.append(row)
         if args.limit is not None and ratio > args.limit:
             over.append(f"{model.name} {ratio:.3f}x")
