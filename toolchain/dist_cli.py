@@ -14,8 +14,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from vtool import VtoolError
 
-console = Console(stderr=True)
-out = Console()
+# No emoji codes: a path or name holding ":...:" would be printed as an emoji (as runtime/cli.py).
+console = Console(stderr=True, emoji=False)
+out = Console(emoji=False)
 
 
 class _DistGroup(click.Group):

@@ -541,7 +541,7 @@ def plan_prompts(opts: BenchOptions, model: str, levels: Sequence[int], seed: in
     or synthetic prompts of exactly --input-len tokens of `tokenizer`; without a tokenizer, of
     the server's vLLM-shaped /tokenize, else refused. Fresh prompts: run i draws with
     run_seed(seed, i); otherwise every run sends run 1's prompts."""
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, emoji=False)
     if opts.num_prompts < 1:
         raise VtoolError(f"--num-prompts must be at least 1, got {opts.num_prompts}")
     n_runs = len(levels) if opts.fresh_prompts else 1
@@ -787,7 +787,7 @@ def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt] | Sequ
     (fresh prompts); `warmup_prompt` is the untimed first request's (default: the first prompt).
     Output tokens: the server's usage, else `count_tokens` on the generated text (reported as
     `count_method`), else one per content chunk."""
-    console = console or Console()
+    console = console or Console(emoji=False)  # names and prompts printed as given
     if endpoint not in ENDPOINT_PATHS:
         raise VtoolError(f"--endpoint {endpoint!r}: give one of {', '.join(sorted(ENDPOINT_PATHS))}")
     if not prompts:
@@ -894,7 +894,7 @@ def bench_main(opts: BenchOptions, tokenizer: Any = None, console: Console | Non
     `tokenizer` (encode/decode/vocab_size; the local server's) makes synthetic prompts exact;
     without it opts.tokenizer is loaded, and without that the server's vLLM-shaped /tokenize is
     used or synthetic prompts are refused."""
-    console = console or Console()
+    console = console or Console(emoji=False)  # names and prompts printed as given
     api_key = opts.resolved_api_key()
     model = opts.model or discover_model(opts.url, api_key)
     if not opts.model:
