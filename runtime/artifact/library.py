@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 import vtool
-from vtool.runtime.weights.checkpoint import Checkpoint
+from vtool.runtime.weights.checkpoint import Checkpoint, numpy_dtype
 from vtool.runtime.artifact.library_arch import check_library_runs_here, check_target_runs_here
 from vtool.runtime.artifact.manifest import LIBRARY_NAME, ManifestError, read_manifest, source_config_mismatches
 from vtool.runtime.weights.ggml_blocks import TILE_ROWS
@@ -258,7 +258,7 @@ class CompiledModel:
         if not self.on_gpu:
             return np.from_dlpack(tensor)
         dtype = str(tensor.dtype)
-        out = np.empty(tuple(int(d) for d in tensor.shape), dtype=_numpy_dtype(dtype))
+        out = np.empty(tuple(int(d) for d in tensor.shape), dtype=numpy_dtype(dtype))
         global_func("runtime.TVMTensorCopyToBytes")(tensor, ctypes.c_void_p(out.ctypes.data), out.nbytes)
         return out
 
@@ -387,11 +387,3 @@ class _BlockCache:
             cols = self.checkpoint.tensors()[source].shape[-1]
             self.repacked[source] = repack(fmt, raw, cols)
         return self.repacked[source][part]
-
-
-def _numpy_dtype(dtype: str) -> np.dtype:
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype)
