@@ -21,6 +21,7 @@ import math
 import tvm
 from tvm.script import tirx as T
 
+from vtool.schedules.cuda import grouped_decode_attention as grouped
 from vtool.schedules.softcap import capper, softcap_of
 
 DECODE_SYMBOL = "batch_decode_paged_kv"  # the symbol of TVM's kernel this one replaces
@@ -257,8 +258,9 @@ def _shapes_of(func: tvm.tirx.PrimFunc) -> tuple[int, int, int, str]:
 
 
 def replace_decode_attention(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:
-    """Put split_kv_decode in place of TVM's `batch_decode_paged_kv` PrimFunc in `mod` (the
-    KV cache refers to it by GlobalVar, so the cache then calls the new kernel). The
+    """Put a split-KV kernel in place of TVM's `batch_decode_paged_kv` PrimFunc in `mod` (the
+    KV cache refers to it by GlobalVar, so the cache then calls the new kernel): the grouped
+    one (grouped_decode_attention.py) where its layout takes the shapes, else split_kv_decode. The
     sliding-window variant has another symbol and stays. TVM's kernel's attention logit
     soft-cap (models/softcap.py's attribute) goes to the new one. Returns the module and how
     many kernels were replaced."""
@@ -267,9 +269,15 @@ def replace_decode_attention(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:
         if isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None and \
                 func.attrs.get("global_symbol") == DECODE_SYMBOL:
             kv_heads, qo_heads, head_dim, dtype = _shapes_of(func)
-            if head_dim % LANES or head_dim > 256:
+            page_size = int(func.params[1].ty.shape[3])
+            if grouped.layout(kv_heads, qo_heads, head_dim, dtype) is not None:
+                # one block per KV head for its whole query group (grouped_decode_attention.py)
+                mod[gvar] = grouped.grouped_decode(kv_heads, qo_heads, head_dim, dtype, page_size, softcap_of(func),
+                                                   DECODE_SYMBOL)
+            elif head_dim % LANES or head_dim > 256:
                 continue  # lanes own head_dim / 32 elements each: keep TVM's kernel
-            mod[gvar] = split_kv_decode(kv_heads, qo_heads, head_dim, dtype, softcap=softcap_of(func))
+            else:
+                mod[gvar] = split_kv_decode(kv_heads, qo_heads, head_dim, dtype, page_size, softcap_of(func))
             replaced += 1
     return mod, replaced
 
