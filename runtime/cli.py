@@ -271,6 +271,8 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
 @click.option("--max-log-len", default=256, show_default=True, type=click.IntRange(min=0))
 @click.option("--disable-metrics", is_flag=True)
 @click.option("--enable-force-include-usage", is_flag=True)
+@click.option("--return-tokens-as-token-ids", is_flag=True,
+              help='logprobs name each token "token_id:N" (a request\'s return_tokens_as_token_ids overrides)')
 @click.option("--api-key", default=None, envvar="VLLM_API_KEY", help="require this Bearer key on /v1 routes")
 @click.option("--reasoning-parser", default=None, type=click.Choice(["deepseek_r1", "qwen3"]),
               help="split the model's <think> section into the chat answer's `reasoning` field")
@@ -301,7 +303,8 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
           gpu_memory_utilization: float,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
           scheduling_policy: str, enable_log_requests: bool, enable_log_outputs: bool, max_log_len: int,
-          disable_metrics: bool, enable_force_include_usage: bool, api_key: str | None, reasoning_parser: str | None,
+          disable_metrics: bool, enable_force_include_usage: bool, return_tokens_as_token_ids: bool,
+          api_key: str | None, reasoning_parser: str | None,
           default_chat_template_kwargs: str | None, async_scheduling: bool,
           api_server_count: int,
           trust_remote_code: bool,
@@ -329,7 +332,7 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
                         max_model_len=max_model_len, api_key=api_key, disable_metrics=disable_metrics,
                         enable_log_requests=enable_log_requests, enable_log_outputs=enable_log_outputs,
                         max_log_len=max_log_len, enable_force_include_usage=enable_force_include_usage,
-                        api_server_count=api_server_count, reasoning_parser=reasoning_parser,
+                        return_tokens_as_token_ids=return_tokens_as_token_ids, api_server_count=api_server_count, reasoning_parser=reasoning_parser,
                         default_chat_template_kwargs=default_chat_template_kwargs,
                         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                         structured_outputs_config=structured_outputs_config)

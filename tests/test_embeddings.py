@@ -256,6 +256,24 @@ def test_server_string_list_and_token_ids(client, llm):
     np.testing.assert_allclose([d.embedding for d in lists.data], want[:2], atol=1e-5)
 
 
+def test_server_truncate_prompt_tokens(server, client, llm):
+    """vLLM: an input's last k tokens are embedded (usage counts them); -1 keeps what the
+    context holds, so an input past it is embedded from its end instead of refused; more than
+    max_model_len (256) is refused by name."""
+    ids = llm.get_tokenizer().encode(TEXTS[2])
+    keep = 3
+    cut = client.embeddings.create(model=MODEL, input=TEXTS[2], extra_body={"truncate_prompt_tokens": keep})
+    assert cut.usage.prompt_tokens == keep
+    np.testing.assert_allclose(cut.data[0].embedding, llm.embed([ids[-keep:]])[0], atol=1e-5)
+    long = [1000] * 250 + ids
+    whole = client.embeddings.create(model=MODEL, input=[long], extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == 256
+    np.testing.assert_allclose(whole.data[0].embedding, llm.embed([long[-256:]])[0], atol=1e-5)
+    with pytest.raises(openai.BadRequestError, match=r"truncate_prompt_tokens value \(257\) is greater than "
+                                                     r"max_model_len \(256\)"):
+        client.embeddings.create(model=MODEL, input="hi", extra_body={"truncate_prompt_tokens": 257})
+
+
 def test_server_base64_is_little_endian_float32(server, client):
     floats = client.embeddings.create(model=MODEL, input=TEXTS[3], encoding_format="float").data[0].embedding
     raw = httpx.post(f"{server[0]}/v1/embeddings", json={"model": MODEL, "input": TEXTS[3],

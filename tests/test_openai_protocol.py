@@ -1052,6 +1052,99 @@ def test_chat_return_token_ids(fake):
     assert all("prompt_token_ids" not in e and "token_ids" not in e["choices"][0] for e in plain)
 
 
+# ---------------------------------------------------------------------- truncate_prompt_tokens
+
+
+@settings(SETTINGS, max_examples=50)
+@given(prompt=st.text(alphabet="abcdef", min_size=1, max_size=100),
+       keep=st.one_of(st.just(-1), st.integers(1, 80)), as_ids=st.booleans(), endpoint=st.sampled_from(["cmpl", "chat"]))
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(prompt, keep, as_ids, endpoint):
+    """vLLM: the last `keep` tokens of the (rendered) prompt, -1 for as many as max_model_len (64
+    here) holds; more than max_model_len is refused by name with vLLM's message and nothing
+    reaches the engine."""
+    client = fake_client()
+    if endpoint == "cmpl":
+        body = {"prompt": [ord(c) for c in prompt] if as_ids else prompt}
+        path, ids = "/v1/completions", [ord(c) for c in prompt]
+    else:
+        body = {"messages": [{"role": "user", "content": prompt}]}
+        path, ids = "/v1/chat/completions", [ord(c) for c in f"<user>{prompt}</><assistant>"]
+    r = client.post(path, json={**body, "max_tokens": 1, "truncate_prompt_tokens": keep})
+    limit = 64 if keep == -1 else keep
+    if limit > 64:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "truncate_prompt_tokens"
+        assert error["message"] == (f"truncate_prompt_tokens value ({keep}) is greater than max_model_len (64). "
+                                    "Please, select a smaller truncation size.")
+        assert client.engine.added == []
+        return
+    assert r.status_code == 200, r.text
+    assert client.engine.added[-1][1] == ids[-limit:]
+    assert r.json()["usage"]["prompt_tokens"] == min(limit, len(ids))
+
+
+@pytest.mark.parametrize("value", [0, -2, "ten", 2.5])
+def test_truncate_prompt_tokens_out_of_range_is_refused_by_name(fake, value):
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": USER})):
+        r = fake.post(path, json={**body, "truncate_prompt_tokens": value})
+        assert r.status_code == 400 and "truncate_prompt_tokens" in r.text, r.text
+
+
+# ------------------------------------------------------------------ return_tokens_as_token_ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_name_tokens_by_id_when_asked(fake, stream):
+    """vLLM: "token_id:N" for the chosen token and every top entry; the text itself is
+    unchanged. text_offset, as vLLM counts it: within one response by those strings' lengths,
+    and a stream's chunk starts at the length of the text streamed before it."""
+    r = fake.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 1, "stream": stream,
+                                           "return_tokens_as_token_ids": True})
+    if stream:
+        parts = [e["choices"][0]["logprobs"] for e in sse(r) if e["choices"] and e["choices"][0]["logprobs"]]
+        lp = {k: [x for p in parts for x in p[k]] for k in ("tokens", "top_logprobs", "text_offset")}
+        text = "".join(e["choices"][0]["text"] for e in sse(fake.post("/v1/completions", json={
+            "prompt": "hi", "max_tokens": 2, "stream": True, "return_tokens_as_token_ids": True})) if e["choices"])
+    else:
+        choice = r.json()["choices"][0]
+        lp, text = choice["logprobs"], choice["text"]
+    assert text == "ab"
+    assert lp["tokens"] == ["token_id:97", "token_id:98"]
+    assert lp["top_logprobs"] == [{"token_id:97": -0.5, "token_id:122": -0.1}, {"token_id:98": -1.5, "token_id:122": -0.1}]
+    assert lp["text_offset"] == ([0, len("a")] if stream else [0, len("token_id:97")])
+
+
+def test_chat_logprobs_name_tokens_by_id_and_the_server_flag_is_the_default():
+    """The request's field wins; unset, the server's --return-tokens-as-token-ids decides."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vtool.runtime.serving.completions import create_chat_completion
+
+    for server_flag in (False, True):
+        state = fake_state(FakeEngine())
+        state.return_tokens_as_token_ids = server_flag
+        app = FastAPI()
+        install_error_handlers(app)
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: ChatCompletionRequest, raw: HTTPRequest):
+            return await create_chat_completion(body, raw, state)
+
+        client = TestClient(app)
+        for requested in (None, False, True):
+            body = {"messages": USER, "max_tokens": 1, "logprobs": True, "top_logprobs": 2}
+            if requested is not None:
+                body["return_tokens_as_token_ids"] = requested
+            content = client.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"][0]
+            as_ids = server_flag if requested is None else requested
+            names = ["token_id:97", "token_id:122"] if as_ids else ["a", "z"]
+            assert content["token"] == names[0] and content["bytes"] == list(names[0].encode())
+            assert [t["token"] for t in content["top_logprobs"]] == names
+            assert [t["bytes"] for t in content["top_logprobs"]] == [list(n.encode()) for n in names]
+
+
 roles = st.sampled_from(["system", "user", "assistant"])
 chat_messages = st.lists(st.fixed_dictionaries({"role": roles, "content": st.text(alphabet="pqrs ", max_size=4)}),
                          min_size=1, max_size=4)

@@ -94,8 +94,8 @@ def test_unknown_fields_through_the_openai_client(client):
     assert r.choices[0].message.content is not None
     # a known field vtool does not implement is still refused by name
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"truncate_prompt_tokens": 4})
-    assert "truncate_prompt_tokens" in info.value.message
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"bad_words": ["x"]})
+    assert "bad_words" in info.value.message
 
 
 # ============================================================================ max_tokens
@@ -228,6 +228,47 @@ def test_chat_return_token_ids(server, client):
                                                 extra_body={"return_token_ids": True})
     assert via_client.prompt_token_ids == r["prompt_token_ids"]
     assert via_client.choices[0].token_ids == r["choices"][0]["token_ids"]
+
+
+# ============================================================================ truncate_prompt_tokens, token ids in logprobs
+
+
+def test_truncate_prompt_tokens_generates_from_the_prompts_end(server, client):
+    """The last k tokens of a prompt give the same greedy answer as sending those k alone;
+    usage counts k; -1 lets a prompt longer than the context run from its end."""
+    ids = tokenize(server, prompt="Once upon a time there was a little robot who loved to paint")
+    keep = 5
+    cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": keep})
+    alone = client.completions.create(model=MODEL, prompt=ids[-keep:], max_tokens=6, temperature=0)
+    assert cut.usage.prompt_tokens == keep and cut.choices[0].text == alone.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=2, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 3})
+    assert chat.usage.prompt_tokens == 3
+    long = (ids * 40)[: MAX_MODEL_LEN + 20]
+    with pytest.raises(openai.BadRequestError):  # past the context, as sent
+        client.completions.create(model=MODEL, prompt=long, max_tokens=1)
+    ran = client.completions.create(model=MODEL, prompt=long, max_tokens=1,
+                                    extra_body={"truncate_prompt_tokens": MAX_MODEL_LEN - 8})
+    assert ran.usage.prompt_tokens == MAX_MODEL_LEN - 8
+    with pytest.raises(openai.BadRequestError, match="Please, select a smaller truncation size"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1,
+                                  extra_body={"truncate_prompt_tokens": MAX_MODEL_LEN + 1})
+
+
+def test_return_tokens_as_token_ids(server):
+    body = {**GREEDY, "prompt": "Once upon a time", "max_tokens": 4, "logprobs": 2}
+    named = post(server, "/v1/completions", {**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    plain = post(server, "/v1/completions", body).json()["choices"][0]
+    assert named["text"] == plain["text"] and named["token_ids"] is None
+    ids = post(server, "/v1/completions", {**body, "return_token_ids": True}).json()["choices"][0]["token_ids"]
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    assert all(all(k.startswith("token_id:") for k in top) for top in named["logprobs"]["top_logprobs"])
+    assert named["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    chat = post(server, "/v1/chat/completions", {**GREEDY, "messages": STORY, "max_tokens": 3, "logprobs": True,
+                                                 "top_logprobs": 1, "return_tokens_as_token_ids": True}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert all(c["token"].startswith("token_id:") and bytes(c["bytes"]).decode() == c["token"] for c in content)
 
 
 # ============================================================================ /metrics

@@ -57,12 +57,32 @@ class ServingState:
     # "generate", or "embed": `engine` is then a serving/embeddings.py EmbeddingService, and only
     # /v1/embeddings (not completions or chat) answers
     task: str = "generate"
+    # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" unless a request says
+    return_tokens_as_token_ids: bool = False
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.served_names:
             return self.served_names[0]
         raise NotFoundError(f"The model `{model}` does not exist; this server serves {', '.join(self.served_names)}",
                             param="model")
+
+    def truncate_prompt(self, prompt_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len of
+        them); more than max_model_len is refused with vLLM's message."""
+        if keep is None:
+            return prompt_ids
+        if keep == -1:
+            keep = self.max_model_len
+        if keep > self.max_model_len:
+            raise BadRequestError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                                  f"({self.max_model_len}). Please, select a smaller truncation size.",
+                                  param="truncate_prompt_tokens")
+        return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
+
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """Whether logprobs name tokens "token_id:N": the request's return_tokens_as_token_ids,
+        else the server's flag."""
+        return self.return_tokens_as_token_ids if requested is None else requested
 
     def clip(self, text: Any) -> str:
         text = str(text)
@@ -210,7 +230,11 @@ def _choice_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
                      total_tokens=prompt_tokens + completion_tokens)
 
 
-def _token_text(tokenizer: Tokenizer, token_id: int, entry: Any = None) -> str:
+def _token_text(tokenizer: Tokenizer, token_id: int, entry: Any = None, as_id: bool = False) -> str:
+    """A token as logprobs name it: its text, or "token_id:N" (return_tokens_as_token_ids, as
+    vLLM: a token that is not valid UTF-8 alone stays identifiable)."""
+    if as_id:
+        return f"token_id:{token_id}"
     decoded = getattr(entry, "decoded_token", None)
     return decoded if decoded is not None else tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -220,7 +244,7 @@ def _clamp(logprob: float) -> float:
 
 
 def _completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[Any], offset: int,
-                         num: int) -> CompletionLogProbs:
+                         num: int, as_ids: bool = False) -> CompletionLogProbs:
     """OpenAI's legacy logprobs, as vLLM builds them. Each entry is the engine's dict for one
     position: the chosen token first, then the top-`num` (a chosen token among them appears
     once). top_logprobs keeps the first num + 1 of the dict, so it always holds the chosen
@@ -228,7 +252,7 @@ def _completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: li
     result = CompletionLogProbs()
     for token_id, entry in zip(token_ids, entries):
         chosen = None if entry is None else entry.get(token_id)
-        text = _token_text(tokenizer, token_id, chosen)
+        text = _token_text(tokenizer, token_id, chosen, as_ids)
         result.tokens.append(text)
         result.text_offset.append(offset)
         offset += len(text)
@@ -237,18 +261,19 @@ def _completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: li
             result.top_logprobs.append(None)
             continue
         result.token_logprobs.append(_clamp(chosen.logprob))
-        result.top_logprobs.append({_token_text(tokenizer, t, lp): _clamp(lp.logprob)
+        result.top_logprobs.append({_token_text(tokenizer, t, lp, as_ids): _clamp(lp.logprob)
                                     for rank, (t, lp) in enumerate(entry.items()) if rank <= num})
     return result
 
 
-def _chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[Any], num: int) -> ChatCompletionLogProbs:
+def _chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[Any], num: int,
+                   as_ids: bool = False) -> ChatCompletionLogProbs:
     """Chat logprobs, as vLLM builds them: top_logprobs is the first `num` entries of the
     engine's dict in its order (the chosen token first, then the most likely), none for 0."""
     content = []
     for token_id, entry in zip(token_ids, entries):
         chosen = None if entry is None else entry.get(token_id)
-        text = _token_text(tokenizer, token_id, chosen)
+        text = _token_text(tokenizer, token_id, chosen, as_ids)
         if chosen is None:
             content.append(ChatCompletionLogProbsContent(token=text, bytes=list(text.encode())))
             continue
@@ -256,7 +281,7 @@ def _chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[Any
         for rank, (t, lp) in enumerate(entry.items()):
             if rank >= num:
                 break
-            t_text = _token_text(tokenizer, t, lp)
+            t_text = _token_text(tokenizer, t, lp, as_ids)
             top.append(ChatCompletionLogProb(token=t_text, logprob=_clamp(lp.logprob), bytes=list(t_text.encode())))
         content.append(ChatCompletionLogProbsContent(token=text, logprob=_clamp(chosen.logprob),
                                                      bytes=list(text.encode()), top_logprobs=top))
@@ -266,13 +291,15 @@ def _chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[Any
 # ------------------------------------------------------------------------------ completions
 async def create_completion(req: CompletionRequest, raw: Request, state: ServingState):
     model = state.check_model(req.model)
-    prompts = [state.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
-               if isinstance(p, str) else list(p) for p in req.prompts]
+    prompts = [state.truncate_prompt(state.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
+                                     if isinstance(p, str) else list(p), req.truncate_prompt_tokens)
+               for p in req.prompts]
     params = SamplingParams(**req.to_sampling_kwargs(state.sampling_defaults))
     request_id = completion_id()
     streams, choices = await _admit(state, request_id, prompts, params, req.priority or 0)
     echo, echo_only, want_ids = bool(req.echo), req.echo_without_generation, bool(req.return_token_ids)
     num_logprobs = req.logprobs
+    as_ids = state.tokens_as_ids(req.return_tokens_as_token_ids)
     per_prompt = max(1, params.n)
 
     def echo_text(c: Choice) -> str:
@@ -296,7 +323,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: Serving
             text, ids, entries = c.text, c.token_ids, c.logprobs
         logprobs = None
         if num_logprobs is not None:
-            logprobs = _completion_logprobs(state.tokenizer, ids, entries, 0, num_logprobs)
+            logprobs = _completion_logprobs(state.tokenizer, ids, entries, 0, num_logprobs, as_ids)
         return CompletionResponseChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                                         stop_reason=c.stop_reason, token_ids=list(c.token_ids) if want_ids else None,
                                         prompt_logprobs=_plain(c.prompt_logprobs),
@@ -338,7 +365,8 @@ async def create_completion(req: CompletionRequest, raw: Request, state: Serving
                 c.started = True
                 logprobs = None
                 if num_logprobs is not None:
-                    logprobs = _completion_logprobs(state.tokenizer, ids, entries, text_offsets[i], num_logprobs)
+                    logprobs = _completion_logprobs(state.tokenizer, ids, entries, text_offsets[i], num_logprobs,
+                                                    as_ids)
                 text_offsets[i] += len(out.new_text)
                 chunk = CompletionStreamResponse(
                     id=request_id, created=created, model=model,
@@ -415,11 +443,13 @@ def chat_sampling_params(state: ServingState, req: ChatCompletionRequest, prompt
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServingState):
     model = state.check_model(req.model)
     prompt_text = render_chat_text(state, req)
-    prompt_ids = state.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
+    prompt_ids = state.truncate_prompt(state.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens),
+                                       req.truncate_prompt_tokens)
     params = chat_sampling_params(state, req, prompt_text)
     request_id = chat_completion_id()
     streams, choices = await _admit(state, request_id, [prompt_ids], params, req.priority or 0)
     num_top = req.top_logprobs or 0
+    as_ids = state.tokens_as_ids(req.return_tokens_as_token_ids)
     role, echo_text, want_ids = req.response_role, req.echo_text, bool(req.return_token_ids)
     include_reasoning = req.include_reasoning is not False
     shapers = [ChoiceShaper(req, state.reasoning_parser, state.tool_parser, include_reasoning) for _ in choices]
@@ -436,7 +466,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
         messages = [message(c) for c in choices]  # before the choices: a forced call may set finish_reason
         result = [ChatCompletionResponseChoice(
             index=c.index, message=messages[c.index],
-            logprobs=_chat_logprobs(state.tokenizer, c.token_ids, c.logprobs, num_top) if req.logprobs else None,
+            logprobs=_chat_logprobs(state.tokenizer, c.token_ids, c.logprobs, num_top, as_ids) if req.logprobs
+            else None,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if want_ids else None) for c in choices]
         return JSONResponse(ChatCompletionResponse(
@@ -477,7 +508,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
                 _apply(c, out)
                 if not out.new_text and not out.new_token_ids and not earlier and not out.finished:
                     continue  # nothing to say yet (a prefill step)
-                logprobs = _chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs, num_top) \
+                logprobs = _chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs, num_top, as_ids) \
                     if req.logprobs else None
                 delta = shapers[i].push(out.new_text, final=out.finished)
                 if delta is None:

@@ -31,7 +31,7 @@ from pydantic import field_validator
 from vtool import VtoolError
 from vtool.runtime.engine.pooling import PoolingError, to_base64
 from vtool.runtime.serving.errors import BadRequestError
-from vtool.runtime.serving.protocol import UsageInfo, _Request, random_uuid
+from vtool.runtime.serving.protocol import UsageInfo, _Request, check_truncate_prompt_tokens, random_uuid
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -85,8 +85,6 @@ class EmbeddingRequest(_Request):
 
     _LOG_IGNORED = True
     _UNSUPPORTED: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {
-        "truncate_prompt_tokens": ((None,), "prompt truncation is not supported by this server yet: an input "
-                                            "longer than the model's context is refused"),
         "normalize": ((None,), "normalize is not supported by this server: the model's sentence-transformers "
                                "configuration (modules.json) says whether vectors are normalized"),
         "embed_dtype": ((None, "float32"), "embeddings are float32 only"),
@@ -98,6 +96,10 @@ class EmbeddingRequest(_Request):
     dimensions: Optional[int] = None
     user: Optional[str] = None
     add_special_tokens: bool = True
+    # vLLM: only each input's last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: Optional[int] = None
+
+    _check_truncate = field_validator("truncate_prompt_tokens")(check_truncate_prompt_tokens)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -227,7 +229,7 @@ async def create_embedding(req: EmbeddingRequest, state: ServingState) -> dict[s
         embedder.pooler.check_dimensions(req.dimensions, name)
     except PoolingError as err:
         raise BadRequestError(str(err), param="dimensions") from None
-    inputs = req.token_lists(embedder.tokenize)
+    inputs = [state.truncate_prompt(ids, req.truncate_prompt_tokens) for ids in req.token_lists(embedder.tokenize)]
     for i, ids in enumerate(inputs):
         embedder.check(ids, "input" if len(inputs) == 1 else f"input[{i}]")  # EmbedInputError: a 400 naming it
     pooled = await service.embed(inputs)

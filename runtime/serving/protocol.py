@@ -171,8 +171,6 @@ _COMMON_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "logits_processors": ((None, []), "custom logits processors are not supported by this server"),
     "allowed_token_ids": ((None,), "allowed_token_ids is not supported by this server yet"),
     "bad_words": ((None, []), "bad_words is not supported by this server yet"),
-    "truncate_prompt_tokens": ((None,), "prompt truncation is not supported by this server yet"),
-    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported by this server yet"),
     "cache_salt": ((None,), "cache_salt is not supported by this server"),
     "kv_transfer_params": ((None,), "KV transfer is not supported by this server"),
     "vllm_xargs": ((None,), "vllm_xargs is not supported by this server"),
@@ -262,6 +260,15 @@ def _check_logit_bias(value: Any) -> Any:
     return value
 
 
+def check_truncate_prompt_tokens(value: Optional[int]) -> Optional[int]:
+    """vLLM's truncate_prompt_tokens: -1 (the context) or a positive count of the prompt's last
+    tokens; 0 is refused here (it would leave no prompt), as are counts below -1."""
+    if value is not None and (value == 0 or value < -1):
+        raise ValueError(f"truncate_prompt_tokens: must be -1 (keep as much as the context holds) or a positive "
+                         f"number of the prompt's last tokens to keep, got {value}")
+    return value
+
+
 def _check_max_tokens(field: str, value: Optional[int]) -> None:
     """vLLM's SamplingParams check, which its serving code reaches with the request's value."""
     if value is not None and value < 1:
@@ -301,6 +308,11 @@ class _SamplingFields(_Request):
     request_id: Optional[str] = None
     # vLLM: the response carries token_ids (generated) and prompt_token_ids
     return_token_ids: Optional[bool] = None
+    # vLLM: only the prompt's last k tokens (-1: as many as the context holds); checked against
+    # max_model_len by the server (ServingState.truncate_prompt)
+    truncate_prompt_tokens: Optional[int] = None
+    # vLLM: logprobs name each token "token_id:N" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: Optional[bool] = None
     # structured output: vLLM's structured_outputs, and the guided_* fields older clients send
     structured_outputs: Optional[StructuredOutputs] = None
     guided_json: Optional[Union[dict[str, Any], str]] = None
@@ -315,6 +327,7 @@ class _SamplingFields(_Request):
     _check_stop_ids = field_validator("stop_token_ids", mode="before")(_check_token_ids)
     _check_bias = field_validator("logit_bias", mode="before")(_check_logit_bias)
     _check_format = field_validator("response_format", mode="before")(_check_response_format)
+    _check_truncate = field_validator("truncate_prompt_tokens")(check_truncate_prompt_tokens)
 
     @model_validator(mode="after")
     def _check_common(self):

@@ -61,6 +61,7 @@ class ServeOptions:
     enable_log_outputs: bool = False
     max_log_len: int | None = None
     enable_force_include_usage: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N" unless a request says
     uvicorn_log_level: str = "info"
     api_server_count: int = 1
     reasoning_parser: str | None = None  # --reasoning-parser (serving/reasoning.py)
@@ -181,7 +182,8 @@ def _state(spec: ApiServerSpec, engine: CoreClient | AsyncEngine, tokenizer: Any
         engine=engine, tokenizer=tokenizer, served_names=spec.served_names, max_model_len=spec.max_model_len,
         metrics_enabled=not o.disable_metrics, sampling_defaults=spec.sampling_defaults,
         enable_log_requests=o.enable_log_requests, enable_log_outputs=o.enable_log_outputs,
-        max_log_len=o.max_log_len, force_include_usage=o.enable_force_include_usage)
+        max_log_len=o.max_log_len, force_include_usage=o.enable_force_include_usage,
+        return_tokens_as_token_ids=o.return_tokens_as_token_ids)
 
 
 def _uvicorn(app: Any, level: str) -> Any:
