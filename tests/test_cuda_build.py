@@ -166,11 +166,17 @@ def _check(folder: Path, archs: list[str], ptx: str, tmp_path: Path) -> dict:
     expected = ["VtoolSplitKVDecodeAttention", "VtoolShortPrefillAttention"] + (
         ["VtoolOffloadGemmToCublas"] if manifest["gemm"] == "cublas" else [])
     assert passes[:len(expected) + 1] == expected + ["FuseTransposeMatmul"]
-    # the split-KV decode kernel (two kernels under TVM's symbol, the merge one named "_1")
-    # replaces TVM's where the lanes can split the head, and TVM's stays elsewhere
-    splits = manifest["config"]["head_dim"] % 32 == 0
+    # a split-KV decode kernel (two kernels under TVM's symbol, the merge one named "_1")
+    # replaces TVM's where the grouped kernel's layout takes the shapes or the lanes can split
+    # the head, and TVM's (one kernel) stays elsewhere
+    from vtool.schedules.cuda.grouped_decode_attention import layout
+
+    config = manifest["config"]
+    splits = config["head_dim"] % 32 == 0
+    replaced = splits or layout(config["num_key_value_heads"], config["num_attention_heads"], config["head_dim"],
+                                manifest["dtype"]) is not None
     library = (folder / "model.so").read_bytes()
-    assert (b"batch_decode_paged_kv_kernel_1" in library) == splits
+    assert (b"batch_decode_paged_kv_kernel_1" in library) == replaced
     # and so does the short-step kernel in front of TVM's paged prefill attention
     assert (b"vtool_prefill_paged_kv_short" in library) == splits
     return manifest
