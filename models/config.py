@@ -15,8 +15,9 @@ from typing import Any
 
 from vtool import VtoolError
 
-# rope_type values the paged KV cache can apply (tvm.relax.frontend.nn.llm.position_embedding)
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# rope_type values vtool applies: default and llama3 in the paged KV cache
+# (tvm.relax.frontend.nn.llm.position_embedding), linear and yarn in the model (models/rope.py)
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 # Every config.json key the parser reads. The build records their values in the manifest,
@@ -61,14 +62,15 @@ def source_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _family_keys(cfg: dict[str, Any]) -> dict[str, Any]:
-    """OLMo-3's layer pattern and Phi-3's original context (longrope), recorded for those
-    architectures only, so that other families' source configs stay what they were."""
+    """OLMo-3's layer pattern and the top-level original context (Phi-3's longrope, any yarn),
+    recorded for those only, so that other models' source configs stay what they were."""
     archs = set(cfg.get("architectures") or [])
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    longrope = isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("longrope", "su")
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    longrope, yarn = kind in ("longrope", "su"), kind == "yarn"  # yarn: the top-level value wins (_yarn)
     return ({"layer_types": cfg.get("layer_types")} if "Olmo3ForCausalLM" in archs else {}) \
         | ({"original_max_position_embeddings": cfg.get("original_max_position_embeddings")}
-           if "Phi3ForCausalLM" in archs and longrope else {})
+           if ("Phi3ForCausalLM" in archs and longrope) or yarn else {})
 
 
 class ConfigError(VtoolError):
@@ -195,31 +197,80 @@ def _positive_float(cfg: dict[str, Any], key: str, default: float) -> float:
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """rope_theta and scaling from either transformers-4 keys (rope_theta, rope_scaling)
-    or transformers-5 `rope_parameters`."""
+    or transformers-5 `rope_parameters`: llama3 (applied by the KV cache), linear and yarn
+    (applied by the model: models/rope.py), normalized with transformers' defaults."""
     params = _dict_or_none(cfg, "rope_parameters") or {}
     scaling = _dict_or_none(cfg, "rope_scaling")
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    if scaling is None and params.get("rope_type", "default") != "default":
+    if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
         scaling = dict(params)
     if scaling is not None:
         scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
         rope_type = str(scaling.get("rope_type", scaling.get("type", "default")))
+        if rope_type == "dynamic":
+            raise ConfigError("rope scaling type 'dynamic' (dynamic NTK) is not supported: its frequencies change "
+                              "with the sequence's length, so keys cached at one length would not match queries "
+                              f"at another; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(
                 f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        scaling.pop("type", None)
         if rope_type == "default":
             scaling = None
-        else:
+        elif rope_type == "llama3":
             scaling["rope_type"] = rope_type
-            scaling.pop("type", None)
             for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                 if key not in scaling:
                     raise ConfigError(f"llama3 rope scaling is missing {key!r}")
                 scaling[key] = _positive_float(scaling, key, 0.0)
             if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
                 raise ConfigError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+        elif rope_type == "linear":
+            if "factor" not in scaling:
+                raise ConfigError("linear rope scaling is missing 'factor'")
+            scaling = {"rope_type": "linear", "factor": _positive_float(scaling, "factor", 0.0)}
+        else:
+            scaling = _yarn(scaling, cfg)
     return _positive_float({"rope_theta": theta}, "rope_theta", 10000.0), scaling
+
+
+def _yarn(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's parameters with transformers' defaults (_compute_yarn_parameters): the original
+    context from config.json's top level, else the scaling dict, else max_position_embeddings;
+    a missing factor is max_position_embeddings / original (DeepSeek-V3's configs); beta_fast 32,
+    beta_slow 1; truncate True. The attention factor is resolved here (models/rope.py applies it)."""
+    unknown = set(scaling) - {"rope_type", "factor", "original_max_position_embeddings", "attention_factor",
+                              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}
+    if unknown:
+        raise ConfigError(f"yarn rope scaling has fields vtool does not apply: {', '.join(sorted(unknown))}")
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    # config.json's top-level original context first, as transformers' standardize_rope_params
+    original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings") \
+        or max_pos
+    original = _positive_float({"original_max_position_embeddings": original}, "original_max_position_embeddings", 0)
+    factor = scaling.get("factor")
+    factor = _positive_float(scaling, "factor", 0.0) if factor is not None else \
+        _positive_float({"max_position_embeddings": max_pos}, "max_position_embeddings", 0) / original
+    out: dict[str, Any] = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+        out[key] = _positive_float(scaling, key, default) if scaling.get(key) else default  # 0/None: the default
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"yarn rope scaling field 'truncate' must be true or false, got {truncate!r}")
+    out["truncate"] = truncate
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("attention_factor") is not None:
+        out["attention_factor"] = _positive_float(scaling, "attention_factor", 1.0)
+    elif scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        out["attention_factor"] = mscale(factor, _positive_float(scaling, "mscale", 1.0)) \
+            / mscale(factor, _positive_float(scaling, "mscale_all_dim", 1.0))
+    else:
+        out["attention_factor"] = mscale(factor)
+    return out
 
 
 def parse_hf_config(cfg: dict[str, Any]) -> ModelConfig:
@@ -269,4 +320,6 @@ def parse_decoder(cfg: dict[str, Any], arch: str, attention_bias: bool | None = 
         max_position_embeddings=max_pos,
         attention_bias=bool(cfg.get("attention_bias", False)) if attention_bias is None else attention_bias,
         qk_norm=qk_norm,
+        # TVM's cache knows llama3 scaling only (and its yarn differs from transformers')
+        model_rope=bool(scaling) and scaling["rope_type"] in ("linear", "yarn"),
     )

@@ -43,7 +43,7 @@ from vtool.models.config import ModelConfig
 from vtool.models.quantized_linear import (Int8Kernels, QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear,
                                           decode_numerics, use_int8_gemv)
 from vtool.models.weights import SPLIT
-from vtool.models.rope import apply_rope, inverse_frequencies, longrope_inverse_frequencies
+from vtool.models.rope import apply_rope, inverse_frequencies, longrope_inverse_frequencies, yarn_inverse_frequencies
 from vtool.models.softcap import softcap_kv_cache
 from vtool.models.window_cache import ENTRY as SLIDING_CACHE_ENTRY, frees_window, sliding_kv_cache
 
@@ -98,10 +98,12 @@ class Attention(nn.Module):
             sliding = layer_id in c.sliding_layers
             theta = (c.rope_local_theta or c.rope_theta) if sliding else c.rope_theta
             scaling = c.rope_scaling or {}
-            if sliding and scaling.get("rope_type") != "longrope":  # Gemma-3 scales its global layers only
+            if sliding and c.rope_local_theta:  # Gemma-3 scales its global layers only
                 scaling = {}
             if scaling.get("rope_type") == "longrope":  # Phi-3's per-frequency factors (models/phi3.py)
                 self.inv_freq, self.rope_attn_factor = longrope_inverse_frequencies(self.head_dim, theta, scaling)
+            elif scaling.get("rope_type") == "yarn":
+                self.inv_freq, self.rope_attn_factor = yarn_inverse_frequencies(self.head_dim, theta, scaling)
             else:
                 self.inv_freq = inverse_frequencies(self.head_dim, theta, float(scaling.get("factor", 1.0)))
         self.qkv_proj = make_linear(prefix + "qkv_proj", c.hidden_size, (self.hq + 2 * self.hkv) * self.head_dim,

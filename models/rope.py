@@ -5,8 +5,13 @@ sliding-window layers with another base (rope_local_base_freq) than its global l
 its global layers may use linear scaling, so those models build the cache with RopeMode.NONE
 and rotate here, at the positions the cache reports for this step's query tokens
 (PagedKVCache.get_query_positions): the same positions the cache's own rotation would use.
+Linear and YaRN scaling are applied here too, for any decoder (models/config.py sets model_rope):
+TVM's cache has a yarn of its own that neither rounds the correction range nor scales cos and
+sin, so it is not transformers' (or llama.cpp's) YaRN.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from tvm import te, tirx
@@ -15,9 +20,15 @@ from tvm.relax.frontend.nn import Tensor, op
 
 def inverse_frequencies(head_dim: int, theta: float, linear_factor: float = 1.0) -> np.ndarray:
     """transformers' inv_freq: 1 / theta^(2i/d) in float32, divided by a linear scaling factor."""
-    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    inv = np.float32(1.0) / (np.float32(theta) ** exponent)
+    inv = np.float32(1.0) / _theta_powers(head_dim, theta)
     return (inv / np.float32(linear_factor)).astype(np.float32)
+
+
+def _theta_powers(head_dim: int, theta: float) -> np.ndarray:
+    """theta^(2i/d) in float32, rounded from float64: torch's float32 pow agrees with that on
+    all but a few head dims' single values (numpy's float32 pow is off by an ulp on a third of them)."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    return (np.float64(theta) ** exponent.astype(np.float64)).astype(np.float32)
 
 
 def longrope_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> tuple[np.ndarray, float]:
@@ -26,17 +37,40 @@ def longrope_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> 
     which set, once per build), the short ones otherwise; and the attention factor that scales
     cos and sin (sqrt(1 + ln(factor) / ln(original_max_position_embeddings)), or the config's)."""
     ext = np.asarray(scaling["long_factor" if scaling["long"] else "short_factor"], dtype=np.float32)
-    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    # theta ** exponent rounded from float64: torch's float32 pow agrees with that on all but a
-    # few head dims' single values (numpy's float32 pow is off by an ulp on a third of them)
-    power = (np.float64(theta) ** exponent.astype(np.float64)).astype(np.float32)
-    inv = np.float32(1.0) / (ext * power)
+    inv = np.float32(1.0) / (ext * _theta_powers(head_dim, theta))
+    return inv.astype(np.float32), float(scaling["attention_factor"])
+
+
+def yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> tuple[np.ndarray, float]:
+    """YaRN (transformers' _compute_yarn_parameters, float32 as it computes them): each frequency
+    mixes the original (extrapolated) and the factor-divided (interpolated) one by a linear ramp
+    over the dimensions between the correction range of beta_fast and beta_slow rotations within
+    the original context; and the attention factor on cos and sin (models/config.py resolved it)."""
+    dim = head_dim
+    factor = float(scaling["factor"])
+    base, original = float(theta), float(scaling["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(float(scaling["beta_fast"])), correction_dim(float(scaling["beta_slow"]))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    power = _theta_powers(dim, base)
+    extrapolated = np.float32(1.0) / power
+    interpolated = np.float32(1.0) / (np.float32(factor) * power)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = np.float32(1.0) - ramp.astype(np.float32)  # the share of the extrapolated frequency
+    inv = interpolated * (np.float32(1.0) - keep) + extrapolated * keep
     return inv.astype(np.float32), float(scaling["attention_factor"])
 
 
 def apply_rope(x: Tensor, positions: Tensor, inv_freq: np.ndarray, scale: float = 1.0) -> Tensor:
     """x [n, heads, d] rotated as transformers' rotate_half pairs (i, i + d/2), in float32; cos
-    and sin times `scale` (longrope's attention factor; 1: none)."""
+    and sin times `scale` (longrope's and yarn's attention factor; 1: none)."""
     inv = Tensor.from_const(inv_freq)
 
     def rotate(xt: te.Tensor, pos: te.Tensor, freq: te.Tensor) -> te.Tensor:

@@ -605,6 +605,39 @@ class GGUFCheckpoint(Checkpoint):
             scaling["attention_factor"] = _f32(attn)
         return scaling
 
+    def _yarn(self, arch: str, factor: Any) -> dict[str, Any]:
+        """llama.cpp's yarn keys as HF's rope_scaling, with llama.cpp's meaning (llama-context.cpp):
+        the attention factor is 0.1 ln(factor) + 1 (with yarn_log_multiplier m: that over
+        0.1 m ln(factor) + 1), times rope.scaling.attn_factor; yarn_attn_factor, where a converter
+        wrote HF's attention_factor, is recomputed by llama.cpp and so not read. An extrapolation
+        factor other than 1 is refused by name (transformers' YaRN has none)."""
+        def key(name: str) -> str:
+            return f"{arch}.rope.scaling.{name}"
+
+        original = self._scalar(key("original_context_length"), None)
+        if factor is None or original is None:
+            raise CheckpointError(f"{self.path}: yarn rope scaling needs {key('factor')} and "
+                                  f"{key('original_context_length')}")
+        ext = self._scalar(key("yarn_ext_factor"), None)
+        if ext is not None and float(ext) not in (-1.0, 1.0):  # -1: unset, as llama.cpp reads it
+            raise CheckpointError(f"{self.path}: {key('yarn_ext_factor')} = {float(ext)} is not supported "
+                                  "(YaRN with the full ramp, 1.0, only)")
+        factor = _f32(factor)
+        log_mul = float(self._scalar(key("yarn_log_multiplier"), 0.0) or 0.0)
+
+        def mscale(m: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        attention = mscale(1.0) / mscale(log_mul) if log_mul else mscale(1.0)
+        attention *= float(self._scalar(key("attn_factor"), 1.0))
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": factor,
+                                   "original_max_position_embeddings": int(original), "attention_factor": attention}
+        for name, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = self._scalar(key(name), None)
+            if value is not None:
+                scaling[hf] = _f32(value)
+        return scaling
+
     def _rope_scaling(self, arch: str, theta: float, head_dim: int, names: dict[str, Any]) -> dict[str, Any] | None:
         kind_key = f"{arch}.rope.scaling.type"
         kind = self._scalar(kind_key, None)
@@ -618,10 +651,12 @@ class GGUFCheckpoint(Checkpoint):
             scaling = None
         elif kind == "linear":
             scaling = {"rope_type": "linear", "factor": _f32(factor if factor is not None else 1.0)}
+        elif kind == "yarn":
+            scaling = self._yarn(arch, factor)
         else:
             raise CheckpointError(
                 f"{self.path}: rope scaling {kind!r} ({kind_key}) is not supported; "
-                "supported: none, linear, llama3 (as rope_freqs.weight)"
+                "supported: none, linear, yarn, llama3 (as rope_freqs.weight)"
             )
         if ROPE_FREQS in names:
             if scaling is not None:

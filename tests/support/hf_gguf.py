@@ -14,9 +14,11 @@ import numpy as np
 
 def write_hf_as_gguf(folder: Path, path: Path, arch: "gguf.MODEL_ARCH",
                      matrices: "gguf.GGMLQuantizationType" = gguf.GGMLQuantizationType.F32,
-                     sliding_window: int | None = None, extra: dict[str, np.ndarray] | None = None) -> Path:
+                     sliding_window: int | None = None, extra: dict[str, np.ndarray] | None = None,
+                     extra_floats: dict[str, float] | None = None) -> Path:
     """`folder`'s config.json + model.safetensors as a GGUF of `arch`; 2-D tensors in
-    `matrices` (gguf-py's quantizer), the rest float32; `extra` tensors added as given."""
+    `matrices` (gguf-py's quantizer), the rest float32; `extra` tensors and `extra_floats`
+    float32 keys added as given."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -29,7 +31,11 @@ def write_hf_as_gguf(folder: Path, path: Path, arch: "gguf.MODEL_ARCH",
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))))
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
@@ -43,6 +49,22 @@ def write_hf_as_gguf(folder: Path, path: Path, arch: "gguf.MODEL_ARCH",
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
         extra = {"rope_factors_long.weight": np.asarray(rope["long_factor"], np.float32),
                  "rope_factors_short.weight": np.asarray(rope["short_factor"], np.float32), **(extra or {})}
+    elif rope.get("rope_type", rope.get("type")) == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type", rope.get("type")) == "yarn":
+        # llama.cpp's converter (conversion/base.py): HF's attention_factor goes to yarn_attn_factor
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    for key, value in (extra_floats or {}).items():
+        w.add_float32(key, value)
     w.add_vocab_size(cfg["vocab_size"])
     for hf, arr in load_file(str(folder / "model.safetensors")).items():
         module, leaf = hf.rsplit(".", 1)
