@@ -1,4 +1,5 @@
-"""Linear and YaRN rope scaling (applied by the model, models/rope.py) against transformers.
+"""Linear and YaRN rope scaling (applied by the model, models/rope.py) against transformers,
+OLMo-3's yarn on its full-attention layers only included.
 
 The frequencies and attention factor against transformers' own ROPE_INIT_FUNCTIONS over many
 configs (hypothesis); whole tiny models at float32 against transformers' eager run, prompt
@@ -77,10 +78,12 @@ def test_linear_frequencies_equal_transformers(factor, theta, head_dim):
 
 
 def _scaled_folder(src: Path, dst: Path, rope: dict) -> Path:
+    """A copy of `src` with `rope` as its rope_parameters (keeping its theta unless `rope` nests
+    parameters by layer type, which then carry their own)."""
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
-    cfg["rope_parameters"] = {"rope_theta": theta, **rope}
+    cfg["rope_parameters"] = dict(rope) if "full_attention" in rope else {"rope_theta": theta, **rope}
     cfg.pop("rope_scaling", None)
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
@@ -95,10 +98,29 @@ def _hf(folder: Path, **overrides):
 
 
 def _unscaled_prompt_logits(folder: Path) -> np.ndarray:
-    theta = json.loads((folder / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    rope = json.loads((folder / "config.json").read_text())["rope_parameters"]
+    if "full_attention" in rope:  # OLMo-3: every layer on the full layers' theta, unscaled
+        theta = rope["full_attention"]["rope_theta"]
+        plain = {kind: {"rope_type": "default", "rope_theta": theta} for kind in rope}
+    else:
+        plain = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
     with torch.no_grad():
-        return _hf(folder, rope_parameters={"rope_type": "default", "rope_theta": theta})(
-            torch.tensor([PROMPT])).logits[0].numpy()
+        return _hf(folder, rope_parameters=plain)(torch.tensor([PROMPT])).logits[0].numpy()
+
+
+def test_olmo3_rope_scaling_reads_both_forms(tiny_shape_dir):
+    """transformers-4's top-level rope_scaling on OLMo-3 scales the full-attention layers only,
+    as transformers' Olmo3Config reads it: the same config as the nested form."""
+    cfg = json.loads((tiny_shape_dir("olmo3-window") / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16}
+    nested = parse_hf_config({**cfg, "rope_parameters": {"full_attention": {**yarn, "rope_theta": 5e5},
+                                                         "sliding_attention": {"rope_theta": 5e5}}})
+    flat = parse_hf_config({**{k: v for k, v in cfg.items() if k != "rope_parameters"}, "rope_theta": 5e5,
+                            "rope_scaling": yarn})
+    assert nested == flat and nested.model_rope and nested.rope_local_theta == 5e5
+    assert nested.rope_scaling["attention_factor"] == pytest.approx(0.1 * np.log(8) + 1)
+    plain = parse_hf_config(cfg)  # one unscaled rope: the KV cache applies it, as before
+    assert not plain.model_rope and plain.rope_scaling is None
 
 
 CASES = {
@@ -112,12 +134,20 @@ CASES = {
 }
 
 
+# OLMo-3's long-context recipe: yarn on the full-attention layers only; here with another theta
+# on the sliding layers too (layers sliding/global/sliding, window 8)
+OLMO3_ROPE = {"full_attention": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                                 "rope_theta": 5e5, "attention_factor": 1.2},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+CASES["olmo3-yarn-global"] = ("olmo3-window", OLMO3_ROPE)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_rope_scaled_models_match_transformers(case, tiny_shape_dir, tmp_path):
     shape, rope = CASES[case]
     folder = _scaled_folder(tiny_shape_dir(shape), tmp_path / case, rope)
     c = parse_hf_config(json.loads((folder / "config.json").read_text()))
-    assert c.model_rope and c.rope_scaling["rope_type"] == rope["rope_type"]
+    assert c.model_rope and c.rope_scaling["rope_type"] == rope.get("rope_type", "yarn")
     ref_prompt, ref_tokens, ref_logits = greedy(_hf(folder), PROMPT, STEPS)
     assert len(set(ref_tokens)) > 6, "a degenerate reference"
     gen = Generator(CompiledModel(build_artifact(folder, "host", "float32"), open_checkpoint(folder)),

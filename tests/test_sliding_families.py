@@ -134,7 +134,11 @@ def test_longrope_and_olmo3_refusals_name_the_field(tiny_shape_dir):
         parse_hf_config({**cfg, "rope_parameters": rope})
     with pytest.raises(ConfigError, match="long_mscale"):
         parse_hf_config({**cfg, "rope_parameters": {**rope, "short_factor": [1.0] * 16, "long_mscale": 1.2}})
+    # OLMo-3 scales its full-attention layers only (tests/test_rope_scaling.py): not the sliding ones
     olmo3 = json.loads((tiny_shape_dir("olmo3-window") / "config.json").read_text())
     yarn = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5, "original_max_position_embeddings": 64}
-    with pytest.raises(ConfigError, match="yarn"):
-        parse_hf_config({**olmo3, "rope_parameters": {**olmo3["rope_parameters"], "full_attention": yarn}})
+    with pytest.raises(ConfigError, match="sliding_attention.*yarn"):
+        parse_hf_config({**olmo3, "rope_parameters": {**olmo3["rope_parameters"], "sliding_attention": yarn}})
+    with pytest.raises(ConfigError, match="sliding_window"):  # the layer types would be lost
+        parse_hf_config({**olmo3, "sliding_window": None,
+                         "rope_parameters": {**olmo3["rope_parameters"], "full_attention": yarn}})
