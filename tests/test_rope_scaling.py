@@ -123,9 +123,13 @@ def test_olmo3_rope_scaling_reads_both_forms(tiny_shape_dir):
     assert not plain.model_rope and plain.rope_scaling is None
 
 
+# case: (tiny shape, rope_parameters put on a copy of it; None: the shape's own, tests/support/tiny_models.py)
 CASES = {
     # YaRN as Qwen2.5's long-context recipe writes it (factor, original context), default betas
-    "qwen2-yarn": ("qwen2-bias", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2-yarn": ("qwen2-yarn", None),
+    # OLMo-3's long-context recipe: yarn on the full-attention layers only; here with another
+    # theta on the sliding layers too (layers sliding/global/sliding, window 8)
+    "olmo3-yarn": ("olmo3-yarn", None),
     # DeepSeek-style attention factor from mscale / mscale_all_dim, other betas, no truncation
     "llama-yarn-mscale": ("llama-gqa", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
                                         "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.707,
@@ -134,20 +138,12 @@ CASES = {
 }
 
 
-# OLMo-3's long-context recipe: yarn on the full-attention layers only; here with another theta
-# on the sliding layers too (layers sliding/global/sliding, window 8)
-OLMO3_ROPE = {"full_attention": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
-                                 "rope_theta": 5e5, "attention_factor": 1.2},
-              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
-CASES["olmo3-yarn-global"] = ("olmo3-window", OLMO3_ROPE)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_rope_scaled_models_match_transformers(case, tiny_shape_dir, tmp_path):
     shape, rope = CASES[case]
-    folder = _scaled_folder(tiny_shape_dir(shape), tmp_path / case, rope)
+    folder = tiny_shape_dir(shape) if rope is None else _scaled_folder(tiny_shape_dir(shape), tmp_path / case, rope)
     c = parse_hf_config(json.loads((folder / "config.json").read_text()))
-    assert c.model_rope and c.rope_scaling["rope_type"] == rope.get("rope_type", "yarn")
+    assert c.model_rope and c.rope_scaling["rope_type"] == ("linear" if "linear" in case else "yarn")
     ref_prompt, ref_tokens, ref_logits = greedy(_hf(folder), PROMPT, STEPS)
     assert len(set(ref_tokens)) > 6, "a degenerate reference"
     gen = Generator(CompiledModel(build_artifact(folder, "host", "float32"), open_checkpoint(folder)),
@@ -177,7 +173,7 @@ def test_a_yarn_gguf_reads_as_llama_cpp_means_it(tiny_shape_dir, tmp_path):
     from hf_gguf import write_hf_as_gguf
     from vtool.runtime.weights.checkpoint import CheckpointError
 
-    _, rope = CASES["qwen2-yarn"]
+    rope = json.loads((tiny_shape_dir("qwen2-yarn") / "config.json").read_text())["rope_parameters"]
     folder = _scaled_folder(tiny_shape_dir("qwen2-bias"), tmp_path / "yarn", rope)
     path = write_hf_as_gguf(folder, tmp_path / "yarn.gguf", gguf.MODEL_ARCH.QWEN2)
     ckpt = open_checkpoint(path)
