@@ -62,15 +62,17 @@ def source_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _family_keys(cfg: dict[str, Any]) -> dict[str, Any]:
-    """OLMo-3's layer pattern and the top-level original context (Phi-3's longrope, any yarn),
-    recorded for those only, so that other models' source configs stay what they were."""
+    """OLMo-3's layer pattern, the top-level original context (Phi-3's longrope, any yarn) and a
+    top-level partial_rotary_factor, recorded for those only, so that other models' source
+    configs (and build cache keys) stay what they were."""
     archs = set(cfg.get("architectures") or [])
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     longrope, yarn = kind in ("longrope", "su"), kind == "yarn"  # yarn: the top-level value wins (_yarn)
     return ({"layer_types": cfg.get("layer_types")} if "Olmo3ForCausalLM" in archs else {}) \
         | ({"original_max_position_embeddings": cfg.get("original_max_position_embeddings")}
-           if ("Phi3ForCausalLM" in archs and longrope) or yarn else {})
+           if ("Phi3ForCausalLM" in archs and longrope) or yarn else {}) \
+        | ({"partial_rotary_factor": cfg["partial_rotary_factor"]} if "partial_rotary_factor" in cfg else {})
 
 
 class ConfigError(VtoolError):
@@ -125,6 +127,8 @@ class ModelConfig:
     # (rope_local_theta on the sliding layers; 0: rope_theta), and rope_scaling may be linear
     model_rope: bool = False
     rope_local_theta: float = 0.0
+    # the leading head dims that RoPE rotates (partial_rotary_factor, Phi-4-mini's 0.75); 0: all of them
+    rotary_dim: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # from_dict gives a list
@@ -165,7 +169,7 @@ _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n
 _GEMMA_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
                  if f.name in ("sandwich_norms", "mlp_act", "embed_scale", "attn_scale", "final_logit_softcap",
                                "attn_logit_softcap", "sliding_window", "sliding_layers", "model_rope",
-                               "rope_local_theta")}
+                               "rope_local_theta", "rotary_dim")}
 
 
 def _require(cfg: dict[str, Any], key: str) -> Any:
@@ -205,7 +209,7 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
         scaling = dict(params)
     if scaling is not None:
-        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
         rope_type = str(scaling.get("rope_type", scaling.get("type", "default")))
         if rope_type == "dynamic":
             raise ConfigError("rope scaling type 'dynamic' (dynamic NTK) is not supported: its frequencies change "
@@ -303,6 +307,7 @@ def parse_decoder(cfg: dict[str, Any], arch: str, attention_bias: bool | None = 
     if act != "silu":
         raise ConfigError(f"hidden_act {act!r} is not supported; supported: silu")
     theta, scaling = _rope(cfg)
+    rotary_dim = _rotary_dim(cfg, head_dim)
     max_pos = _positive_int(cfg, "max_position_embeddings", cfg.get("max_position_embeddings", 2048))
     return ModelConfig(
         architecture=arch,
@@ -320,6 +325,24 @@ def parse_decoder(cfg: dict[str, Any], arch: str, attention_bias: bool | None = 
         max_position_embeddings=max_pos,
         attention_bias=bool(cfg.get("attention_bias", False)) if attention_bias is None else attention_bias,
         qk_norm=qk_norm,
-        # TVM's cache knows llama3 scaling only (and its yarn differs from transformers')
-        model_rope=bool(scaling) and scaling["rope_type"] in ("linear", "yarn"),
+        # TVM's cache knows llama3 scaling only (and its yarn differs from transformers'), and
+        # rotates whole heads
+        model_rope=(bool(scaling) and scaling["rope_type"] in ("linear", "yarn")) or rotary_dim < head_dim,
+        rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
     )
+
+
+def _rotary_dim(cfg: dict[str, Any], head_dim: int) -> int:
+    """The head dims RoPE rotates: head_dim times partial_rotary_factor (top-level, or in
+    transformers-5 rope_parameters), as transformers computes it (int(head_dim * factor))."""
+    params = _dict_or_none(cfg, "rope_parameters") or {}
+    factor = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor"))
+    if factor is None:
+        return head_dim
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ConfigError(f"config field 'partial_rotary_factor' must be in (0, 1], got {factor!r}")
+    rotary = int(head_dim * factor)
+    if rotary < 2 or rotary % 2:
+        raise ConfigError(f"partial_rotary_factor {factor} rotates {rotary} of head_dim {head_dim} dims; "
+                          "RoPE needs an even number of at least 2")
+    return rotary

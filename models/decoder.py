@@ -100,12 +100,13 @@ class Attention(nn.Module):
             scaling = c.rope_scaling or {}
             if sliding and c.rope_local_theta:  # Gemma-3 scales its global layers only
                 scaling = {}
+            rotary = c.rotary_dim or self.head_dim  # partial_rotary_factor: the leading dims only
             if scaling.get("rope_type") == "longrope":  # Phi-3's per-frequency factors (models/phi3.py)
-                self.inv_freq, self.rope_attn_factor = longrope_inverse_frequencies(self.head_dim, theta, scaling)
+                self.inv_freq, self.rope_attn_factor = longrope_inverse_frequencies(rotary, theta, scaling)
             elif scaling.get("rope_type") == "yarn":
-                self.inv_freq, self.rope_attn_factor = yarn_inverse_frequencies(self.head_dim, theta, scaling)
+                self.inv_freq, self.rope_attn_factor = yarn_inverse_frequencies(rotary, theta, scaling)
             else:
-                self.inv_freq = inverse_frequencies(self.head_dim, theta, float(scaling.get("factor", 1.0)))
+                self.inv_freq = inverse_frequencies(rotary, theta, float(scaling.get("factor", 1.0)))
         self.qkv_proj = make_linear(prefix + "qkv_proj", c.hidden_size, (self.hq + 2 * self.hkv) * self.head_dim,
                                     c.attention_bias, dtype, formats,
                                     (self.hq * self.head_dim, self.hkv * self.head_dim, self.hkv * self.head_dim))

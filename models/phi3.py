@@ -14,7 +14,8 @@ config   models/config.py parse_decoder; `sliding_window` (Phi-3-mini-4k's 2047)
          original_max_position_embeddings, and a model built for at most that on all. The
          attention factor sqrt(1 + ln(factor) / ln(original_max)), factor = max_position_embeddings
          / original_max (or the config's factor / attention_factor) scales cos and sin for both
-         sets, as transformers. Phi-4-mini's partial rotary factor is refused by name
+         sets, as transformers. Phi-4-mini's partial rotary factor (0.75: RoPE over the first 96 of
+         128 head dims) is models/config.py's rotary_dim, applied by the model
 module   models/decoder.py DecoderForCausalLM
 weights  PHI3_WEIGHTS: DECODER_WEIGHTS's layout with fused sources
 GGUF     llama.cpp's "phi3": attn_qkv and ffn_up (gate|up stacked) are the fused tensors as
@@ -34,20 +35,17 @@ from vtool.models.weights import FUSED, WeightPlan, decoder_modules, decoder_sou
 
 
 def normalize(cfg: dict[str, Any], arch: str) -> ModelConfig:
-    partial = cfg.get("partial_rotary_factor", 1.0)
-    if partial not in (None, 1, 1.0):
-        raise ConfigError(f"partial_rotary_factor {partial!r} is not supported (rotary embeddings over the whole "
-                          "head only); Phi-4-mini uses 0.75")
     scaling = _longrope(cfg)
     if scaling is not None:  # parse_decoder knows the KV cache's rope types only: the rest without it
         cfg = {**cfg, "rope_scaling": None, "rope_parameters": {"rope_theta": _theta(cfg)}}
     c = llama.every_layer_windowed(parse_decoder(cfg, arch), cfg.get("sliding_window"))
     if scaling is None:
         return c
-    half = c.head_dim // 2
+    half = (c.rotary_dim or c.head_dim) // 2
     for key in ("short_factor", "long_factor"):
         if len(scaling[key]) != half:
-            raise ConfigError(f"longrope {key} has {len(scaling[key])} values; head_dim {c.head_dim} needs {half}")
+            raise ConfigError(f"longrope {key} has {len(scaling[key])} values; the {2 * half} rotated dims "
+                              f"(head_dim {c.head_dim}) need {half}")
     original = scaling["original_max_position_embeddings"]
     factor = scaling.pop("factor", None) or c.max_position_embeddings / original
     attention = scaling.get("attention_factor") or (

@@ -69,15 +69,17 @@ def yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> tupl
 
 
 def apply_rope(x: Tensor, positions: Tensor, inv_freq: np.ndarray, scale: float = 1.0) -> Tensor:
-    """x [n, heads, d] rotated as transformers' rotate_half pairs (i, i + d/2), in float32; cos
+    """x [n, heads, d] rotated as transformers' rotate_half pairs (i, i + r/2) over its first
+    r = 2 * len(inv_freq) dims (all d of them unless partial_rotary_factor), in float32; cos
     and sin times `scale` (longrope's and yarn's attention factor; 1: none)."""
     inv = Tensor.from_const(inv_freq)
 
     def rotate(xt: te.Tensor, pos: te.Tensor, freq: te.Tensor) -> te.Tensor:
         n, heads, d = xt.shape
-        half = d // 2
+        rotary = 2 * int(inv_freq.shape[0])  # partial_rotary_factor: dims past it pass unrotated
+        half = rotary // 2
 
-        def at(i, h, k):
+        def rotated(i, h, k):
             j = tirx.if_then_else(k < half, k, k - half)
             angle = pos[i].astype("float32") * freq[j]
             other = tirx.if_then_else(k < half, -xt[i, h, k + half], xt[i, h, k - half]).astype("float32")
@@ -86,6 +88,11 @@ def apply_rope(x: Tensor, positions: Tensor, inv_freq: np.ndarray, scale: float 
             factor = tirx.const(scale, "float32")
             return (xt[i, h, k].astype("float32") * (tirx.cos(angle) * factor)
                     + other * (tirx.sin(angle) * factor)).astype(xt.dtype)
+
+        def at(i, h, k):
+            if rotary == int(d):
+                return rotated(i, h, k)
+            return tirx.if_then_else(k < rotary, rotated(i, h, tirx.min(k, rotary - 1)), xt[i, h, k])
 
         return te.compute((n, heads, d), at, name="model_rope")
 

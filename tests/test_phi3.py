@@ -97,9 +97,10 @@ def test_the_sliding_window_is_a_real_window(phi3, tmp_path):
     assert parse_hf_config({**raw, "sliding_window": 4096}).sliding_window == 0
 
 
-def test_gguf_longrope_and_partial_rotary_are_refused_by_name(phi3, tmp_path):
+def test_gguf_longrope_and_bad_rotary_factors_are_refused_by_name(phi3, tmp_path):
     """A GGUF's longrope factors without the original context length, and a partial rotary
-    factor (longrope itself, from safetensors and GGUF: tests/test_sliding_families.py)."""
+    factor outside (0, 1] (longrope itself, from safetensors and GGUF:
+    tests/test_sliding_families.py; Phi-4-mini's partial rotary: tests/test_rope_scaling.py)."""
     folder, _, _ = phi3
     half = json.loads((folder / "config.json").read_text())["hidden_size"] // 8
     path = write_phi3_gguf(folder, tmp_path / "l.gguf",
@@ -107,9 +108,10 @@ def test_gguf_longrope_and_partial_rotary_are_refused_by_name(phi3, tmp_path):
                                   "rope_factors_short.weight": np.ones(half, np.float32)})
     with pytest.raises(CheckpointError, match="longrope needs"):  # no rope.scaling.original_context_length
         open_checkpoint(path).config()
-    raw = {**json.loads((folder / "config.json").read_text()), "partial_rotary_factor": 0.75}
+    raw = {**json.loads((folder / "config.json").read_text()), "partial_rotary_factor": 0.7}  # 22.4 of 32
     with pytest.raises(ConfigError, match="partial_rotary_factor"):
-        parse_hf_config(raw)
+        parse_hf_config({**raw, "partial_rotary_factor": 1.25})
+    assert parse_hf_config(raw).rotary_dim == 22
     longrope = {**json.loads((folder / "config.json").read_text()),
                 "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}
     with pytest.raises(ConfigError, match="longrope short_factor has 1 values"):  # head_dim 32: 16 needed

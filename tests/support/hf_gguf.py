@@ -35,7 +35,9 @@ def write_hf_as_gguf(folder: Path, path: Path, arch: "gguf.MODEL_ARCH",
     if head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    rope_params = cfg.get("rope_parameters") or {}
+    partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count(int(head_dim * partial))
     w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))))
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
