@@ -54,6 +54,12 @@ INDEX_NAME = "index.json"
 STEPS = 32
 PROMPT = [1, 5, 17, 42, 99, 7, 3, 250, 11, 300, 64]  # as test_parity_tiny
 FP32_TOLERANCE = 1e-4
+# Decode bounds above FP32_TOLERANCE, each measured against transformers in float64 on the H200:
+# qwen2-yarn (yarn's attention factor 1.14 makes every attention logit 1.30x sharper) decodes 1.1e-4
+# from transformers' cached float32 steps at step 26 of 32, but one float64 pass over the same tokens
+# puts vtool's steps 6.1e-5 off and transformers' own float32 pass 7.1e-5 off
+# (docs/results/h200-rope-scaling-session18.txt)
+FP32_DECODE_TOLERANCE = {"qwen2-yarn": 2e-4}
 # bfloat16. `ref_err` is transformers' own bf16 error on this GPU: max |logit| of its bf16
 # run against its float32 run, over the prompt and the 32 greedy steps (same tokens). vtool's
 # bf16 logits must be no further from the float32 truth than BF16_VS_TRUTH * ref_err (a
@@ -388,7 +394,8 @@ def test_tiny_float32_matches_transformers(tiny):
     assert result.token_ids == ref_tokens, (
         f"{name}: greedy tokens diverge at step {first_divergence(result.token_ids, ref_tokens)}")
     worst = int(np.argmax(errs))
-    assert errs[worst] < FP32_TOLERANCE, f"{name}: logits at decode step {worst} differ by {errs[worst]}"
+    bound = FP32_DECODE_TOLERANCE.get(name, FP32_TOLERANCE)
+    assert errs[worst] < bound, f"{name}: logits at decode step {worst} differ by {errs[worst]}"
 
 
 @pytest.mark.gpu
