@@ -50,7 +50,7 @@ def normalize_olmo3(cfg: dict[str, Any], arch: str) -> ModelConfig:
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     # Sliding layers rotate with their own, unscaled rope: the model applies it (models/rope.py)
     # when that differs from the global layers' (a scaling on them, or another theta).
-    per_layer_rope = sliding and (c.rope_scaling or local_theta != c.rope_theta)
+    per_layer_rope = bool(sliding) and (bool(c.rope_scaling) or local_theta != c.rope_theta)
     if per_layer_rope:
         c = dataclasses.replace(c, model_rope=True, rope_local_theta=local_theta)
     if window <= 0 or window >= c.max_position_embeddings:

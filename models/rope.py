@@ -46,7 +46,7 @@ def yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> tupl
     mixes the original (extrapolated) and the factor-divided (interpolated) one by a linear ramp
     over the dimensions between the correction range of beta_fast and beta_slow rotations within
     the original context; and the attention factor on cos and sin (models/config.py resolved it)."""
-    dim = head_dim
+    dim = head_dim  # transformers' name: the rotated dims
     factor = float(scaling["factor"])
     base, original = float(theta), float(scaling["original_max_position_embeddings"])
 
@@ -63,7 +63,7 @@ def yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> tupl
     extrapolated = np.float32(1.0) / power
     interpolated = np.float32(1.0) / (np.float32(factor) * power)
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
-    keep = np.float32(1.0) - ramp.astype(np.float32)  # the share of the extrapolated frequency
+    keep = np.float32(1.0) - ramp  # the extrapolated frequency's share (1 - (1 - ramp) rounds as transformers')
     inv = interpolated * (np.float32(1.0) - keep) + extrapolated * keep
     return inv.astype(np.float32), float(scaling["attention_factor"])
 

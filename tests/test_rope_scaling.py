@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from eager_parity import compare_greedy, eager_model
 from hf_oracle import greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -89,27 +90,8 @@ def _scaled_folder(src: Path, dst: Path, rope: dict) -> Path:
     return dst
 
 
-def _hf(folder: Path, **overrides):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(folder, **overrides)
-    return AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
-
-
 def _compare(folder: Path) -> tuple[dict[str, float], np.ndarray]:
-    """vtool's prompt logits and greedy decode steps against transformers' eager run (the
-    tokens must be equal): ({prompt, steps: max |diff|}, transformers' prompt logits)."""
-    ref_prompt, ref_tokens, ref_logits = greedy(_hf(folder), PROMPT, STEPS)
-    assert len(set(ref_tokens)) > 6, "a degenerate reference"
-    gen = Generator(CompiledModel(build_artifact(folder, "host", "float32"), open_checkpoint(folder)),
-                    max_model_len=256)
-    errors = {"prompt": float(np.abs(gen.prompt_logits(PROMPT) - ref_prompt).max())}
-    seen: list[np.ndarray] = []
-    result = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append)
-    assert result.token_ids == ref_tokens
-    errors["steps"] = max(float(np.abs(a - b).max()) for a, b in zip(seen, ref_logits))
-    return errors, ref_prompt
+    return compare_greedy(folder, PROMPT, STEPS)
 
 
 def _unscaled_prompt_logits(folder: Path) -> np.ndarray:
@@ -120,7 +102,7 @@ def _unscaled_prompt_logits(folder: Path) -> np.ndarray:
     else:
         plain = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
     with torch.no_grad():
-        return _hf(folder, rope_parameters=plain)(torch.tensor([PROMPT])).logits[0].numpy()
+        return eager_model(folder, rope_parameters=plain)(torch.tensor([PROMPT])).logits[0].numpy()
 
 
 def test_olmo3_rope_scaling_reads_both_forms(tiny_shape_dir):
@@ -185,7 +167,7 @@ def test_a_yarn_gguf_reads_as_llama_cpp_means_it(tiny_shape_dir, tmp_path):
     ckpt = open_checkpoint(path)
     ours, hf = parse_hf_config(ckpt.config()), parse_hf_config(json.loads((folder / "config.json").read_text()))
     assert ours.model_rope and ours.rope_scaling == pytest.approx(hf.rope_scaling)
-    ref_prompt, ref_tokens, _ = greedy(_hf(folder), PROMPT, 8)
+    ref_prompt, ref_tokens, _ = greedy(eager_model(folder), PROMPT, 8)
     gen = Generator(CompiledModel(build_artifact(path, "host", "float32"), ckpt), max_model_len=256)
     err = float(np.abs(gen.prompt_logits(PROMPT) - ref_prompt).max())
     print("yarn gguf prompt max |diff|", err)
@@ -254,7 +236,7 @@ def test_partial_rotary_phi3_matches_transformers(longrope, tiny_shape_dir, tmp_
     assert max(errors.values()) < 3 * TOL, errors
     # the pass-through dims matter: rotating the whole head gives transformers other logits
     with torch.no_grad():
-        whole = _hf(folder, partial_rotary_factor=1.0,
+        whole = eager_model(folder, partial_rotary_factor=1.0,
                     rope_parameters={**json.loads((folder / "config.json").read_text())["rope_parameters"],
                                      "partial_rotary_factor": 1.0, "rope_type": "default"})
         assert float(np.abs(whole(torch.tensor([PROMPT])).logits[0].numpy() - ref_prompt).max()) > 100 * TOL
@@ -272,7 +254,7 @@ def test_a_partial_rotary_phi3_gguf_reads_back(tiny_shape_dir, tmp_path):
     ours, hf = parse_hf_config(ckpt.config()), parse_hf_config(json.loads((folder / "config.json").read_text()))
     assert (ours.rotary_dim, ours.model_rope) == (hf.rotary_dim, True) == (24, True)
     assert ours.rope_scaling["long_factor"] == pytest.approx(hf.rope_scaling["long_factor"])
-    ref_prompt, ref_tokens, _ = greedy(_hf(folder), PROMPT, 8)
+    ref_prompt, ref_tokens, _ = greedy(eager_model(folder), PROMPT, 8)
     gen = Generator(CompiledModel(build_artifact(path, "host", "float32"), ckpt), max_model_len=256)
     err = float(np.abs(gen.prompt_logits(PROMPT) - ref_prompt).max())
     print("partial rotary gguf prompt max |diff|", err)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from eager_parity import compare_greedy, eager_model
 from hf_oracle import greedy
 from vtool.models.config import ConfigError, parse_hf_config
 from vtool.runtime.artifact.library import CompiledModel
@@ -32,26 +33,9 @@ STEPS = 24
 TOL = 1e-4
 
 
-def hf_model(folder: Path, **overrides):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(folder, **overrides)
-    return AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
-
-
 def compare(folder: Path, prompt: list[int], max_model_len: int = 256) -> dict[str, float]:
     """vtool's prompt logits, greedy tokens and step logits against transformers' eager run."""
-    ref_prompt, ref_tokens, ref_logits = greedy(hf_model(folder), prompt, STEPS)
-    assert len(set(ref_tokens)) > 6, "a degenerate reference"
-    gen = Generator(CompiledModel(build_artifact(folder, "host", "float32"), open_checkpoint(folder)),
-                    max_model_len=max_model_len)
-    errors = {"prompt": float(np.abs(gen.prompt_logits(prompt) - ref_prompt).max())}
-    seen: list[np.ndarray] = []
-    result = gen.generate(prompt, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append)
-    assert result.token_ids == ref_tokens
-    errors["steps"] = max(float(np.abs(a - b).max()) for a, b in zip(seen, ref_logits))
-    return errors
+    return compare_greedy(folder, prompt, STEPS, max_model_len)[0]
 
 
 @pytest.mark.parametrize("shape,family,layers", [("mistral-window", "llama", (0, 1)), ("phi3-window", "phi3", (0, 1)),
@@ -65,11 +49,11 @@ def test_windowed_layers_match_transformers(shape, family, layers, tiny_shape_di
     assert max(errors.values()) < TOL, errors
     # the window is real: transformers without it gives other logits past the window
     with torch.no_grad():
-        windowed = hf_model(folder)(torch.tensor([PROMPT])).logits[0].numpy()
+        windowed = eager_model(folder)(torch.tensor([PROMPT])).logits[0].numpy()
         # (OLMo-3's mask needs a window: its layers all made global instead)
         full = {"layer_types": ["full_attention"] * c.num_hidden_layers} if family == "olmo3" else \
             {"sliding_window": None}
-        unwindowed = hf_model(folder, **full)(torch.tensor([PROMPT])).logits[0].numpy()
+        unwindowed = eager_model(folder, **full)(torch.tensor([PROMPT])).logits[0].numpy()
     assert float(np.abs(unwindowed - windowed)[8:].max()) > 100 * TOL
 
 
@@ -118,7 +102,7 @@ def test_a_phi3_longrope_gguf_gives_transformers_logits(tiny_shape_dir, tmp_path
     ours, hf = parse_hf_config(ckpt.config()), parse_hf_config(json.loads((folder / "config.json").read_text()))
     assert ours.rope_scaling["long"] and ours.rope_scaling["long_factor"] == pytest.approx(hf.rope_scaling["long_factor"])
     assert ours.rope_scaling["attention_factor"] == pytest.approx(hf.rope_scaling["attention_factor"])
-    ref_prompt, ref_tokens, _ = greedy(hf_model(folder), SHORT_PROMPT, 8)
+    ref_prompt, ref_tokens, _ = greedy(eager_model(folder), SHORT_PROMPT, 8)
     gen = Generator(CompiledModel(build_artifact(path, "host", "float32"), ckpt), max_model_len=256)
     err = float(np.abs(gen.prompt_logits(SHORT_PROMPT) - ref_prompt).max())
     print("longrope gguf prompt max |diff|", err)
