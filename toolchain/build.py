@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from filelock import FileLock
+
 from vtool.models.config import ModelConfig
 from vtool.models.registry import model_family
 from vtool.runtime.artifact.library import installed_versions
@@ -260,10 +262,21 @@ def build_from_plan(plan: BuildPlan, checkpoint: Checkpoint, output: str | Path 
     if not force and _is_complete(folder, key):
         progress(f"using cached build {folder}")
         return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # One builder per folder: a second process asking for the same build (two `vtool serve`
+    # started together, parallel test workers) waits and then takes the finished artifact
+    # instead of compiling it again and replacing the folder under the first one's feet.
+    with FileLock(folder.parent / f".{folder.name}.lock"):
+        if not force and _is_complete(folder, key):
+            progress(f"using cached build {folder} (another process built it meanwhile)")
+            return folder
+        return _build_into(folder, key, plan, checkpoint, progress, requested)
 
+
+def _build_into(folder: Path, key: str, plan: BuildPlan, checkpoint: Checkpoint, progress: Progress,
+                requested: dict[str, Any] | None) -> Path:
     cfg = plan.config
     t0 = time.perf_counter()
-    folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=folder.parent))
     try:
         if plan.dense:
