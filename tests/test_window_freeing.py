@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import types
 from pathlib import Path
 
@@ -360,3 +361,33 @@ def test_only_all_window_models_on_the_cpu_get_the_freeing_cache(tiny_shape_dir)
     assert not frees_window(dataclasses.replace(mistral, model_rope=True), cpu)
     assert not frees_window(dataclasses.replace(mistral, sliding_window=1), cpu)
     assert not frees_window(dataclasses.replace(mistral, sliding_layers=(0,)), cpu)
+
+
+# -- the server flag ---------------------------------------------------------------------------------
+
+def test_serve_frees_window_blocks_when_asked(tiny_model_dir, tmp_path):
+    """`vtool serve --kv-window-freeing` on a Mistral with a window of 8 (the tiny chat Llama's
+    weights and tokenizer under Mistral's config): with one KV block asked for, a 40-token prompt
+    and 60 greedy tokens (100 tokens, 7 blocks without freeing) come back as transformers'
+    tokens, and /server_info says the freeing cache is in use."""
+    import httpx
+    from live_server import vtool_serve
+    from openai import OpenAI
+
+    folder = tmp_path / "mistral-chat"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=WINDOW)
+    (folder / "config.json").write_text(json.dumps(config))
+    ref_tokens = greedy(hf_model(folder), PROMPT, STEPS)[1]
+    log = tmp_path / "serve.log"
+    args = ["--model", str(folder), "--kv-window-freeing", "--num-blocks", "1", "--max-num-seqs", "2",
+            "--max-model-len", "256", "--served-model-name", "m"]
+    with vtool_serve(args, log) as url:
+        assert httpx.get(f"{url}/server_info").json()["engine"]["kv_window_freeing_active"] is True
+        client = OpenAI(base_url=f"{url}/v1", api_key="none")
+        done = client.completions.create(model="m", prompt=PROMPT, max_tokens=STEPS, temperature=0, logprobs=0,
+                                         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    tokens = [int(t.removeprefix("token_id:")) for t in done.choices[0].logprobs.tokens]
+    assert tokens == ref_tokens and done.usage.prompt_tokens == len(PROMPT)
+    assert "KV blocks outside the sliding window freed" in log.read_text()

@@ -177,7 +177,7 @@ class Engine:
         # speculative decoding must take rejected drafts back (kv_cache.py sliding_window).
         frees = config.kv_window_freeing and self.speculator is None and frees_window(self.model)
         if config.kv_window_freeing and not frees:
-            log.info("KV blocks outside the sliding window are kept: %s", "speculative decoding takes tokens back"
+            log.warning("KV blocks outside the sliding window are kept: %s", "speculative decoding takes tokens back"
                      if self.speculator is not None and frees_window(self.model) else
                      "the model has no window-freeing cache (a global layer, no window, or not a CPU build)")
         per_seq_tokens = self.max_model_len

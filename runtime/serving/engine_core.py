@@ -57,6 +57,7 @@ class CoreInfo:
     device: str
     target: str
     dtype: str
+    frees_window: bool = False  # the KV cache gives back blocks a sliding window has passed
 
 
 class EngineCoreLoop:
@@ -203,7 +204,8 @@ def run_engine_core(launch: CoreLaunch, ready: Connection, parent_pid: int) -> N
     ready.send(("ready", CoreInfo(pid=os.getpid(), num_blocks=engine.kv.blocks.num_blocks,
                                   block_size=engine.kv.block_size, max_model_len=engine.max_model_len,
                                   device=f"{model.device_type}:{model.device_index}",
-                                  target=model.manifest["target"]["name"], dtype=model.manifest["dtype"])))
+                                  target=model.manifest["target"]["name"], dtype=model.manifest["dtype"],
+                                  frees_window=engine.kv.frees)))
     ready.close()
     loop = EngineCoreLoop(engine, socket, metrics, parent_pid)
     try:

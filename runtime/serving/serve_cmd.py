@@ -302,11 +302,14 @@ def serve(artifact: Path, checkpoint: Checkpoint, engine_config: EngineConfig, o
         info = ServerInfo(model_path=str(checkpoint.path), artifact=str(artifact), target=i.target, dtype=i.dtype,
                           engine={**dataclasses.asdict(config), "num_blocks": i.num_blocks,
                                   "max_model_len": i.max_model_len, "engine_core_pid": i.pid,
+                                  "kv_window_freeing_active": i.frees_window,
                                   "api_server_count": opts.api_server_count},
                           served_model_names=names)
         console.print(f"[dim]engine core (pid {i.pid}) on {i.device}: {i.num_blocks} KV blocks of {i.block_size} "
                       f"tokens, max_model_len {i.max_model_len}, max_num_seqs {config.max_num_seqs}, prefix caching "
-                      f"{'on' if config.enable_prefix_caching else 'off'}; {opts.api_server_count} API server(s)[/]",
+                      f"{'on' if config.enable_prefix_caching else 'off'}"
+                      f"{', KV blocks outside the sliding window freed' if i.frees_window else ''}; "
+                      f"{opts.api_server_count} API server(s)[/]",
                       highlight=False)
         console.print(f"serving {checkpoint.path.name} on http://{opts.host}:{opts.port}/v1", highlight=False)
         spec = ApiServerSpec(model_path=str(checkpoint.path), opts=opts, served_names=names,
