@@ -49,7 +49,7 @@ def main() -> None:
 
 class ArtifactBuilder(Protocol):
     def __call__(self, model_path: Path, target: str, dtype: str, *, quantization: str = "auto",
-                 activations: str = "auto") -> Path: ...
+                 activations: str = "auto", hf_overrides: str = "") -> Path: ...
 
 
 _builder: ArtifactBuilder | None = None
@@ -80,18 +80,29 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
 
 
 def artifact_for(model_path: Path, artifact: str | None, target: str, dtype: str,
-                 quantization: str = "auto", activations: str = "auto") -> Path:
+                 quantization: str = "auto", activations: str = "auto", hf_overrides: str | None = None) -> Path:
     """The prebuilt artifact when given (a folder, or a release archive verified and unpacked
     into the cache; nothing is compiled, so no compiler is needed), else the cached or fresh
-    build when this install has the compiler."""
+    build when this install has the compiler. hf_overrides: --hf-overrides (a prebuilt
+    artifact carries its own: given again, they must be the same)."""
+    from vtool.runtime.weights.hf_overrides import parse_hf_overrides
+
+    overrides = parse_hf_overrides(hf_overrides)  # refused by name before anything loads
     if artifact:
         from vtool.runtime.artifact.archive import open_artifact
+        from vtool.runtime.artifact.manifest import read_manifest
 
-        return open_artifact(Path(artifact))
+        folder = open_artifact(Path(artifact))
+        built_with = read_manifest(folder).get("hf_overrides") or {}
+        if overrides and overrides != built_with:
+            raise VtoolError(f"--hf-overrides {hf_overrides} differ from those {folder} was built with "
+                             f"({built_with or 'none'}): the artifact applies its own; leave the flag out or rebuild")
+        return folder
     if _builder is None:
         raise VtoolError("this vtool is the runtime only (no compiler): pass --artifact with a folder made by "
                          "`vtool build` or an archive made by `vtool dist archive`")
-    return _builder(model_path, target, dtype, quantization=quantization, activations=activations)
+    return _builder(model_path, target, dtype, quantization=quantization, activations=activations,
+                    hf_overrides=hf_overrides or "")
 
 
 # --- options shared with the compiler's commands ----------------------------------------------------
@@ -125,6 +136,14 @@ def activations_option(fn: Callable) -> Callable:
              "(AVX2 / AVX-512 VNNI), as llama.cpp does (greedy text can leave float's at near-ties); decode "
              "does so in the decode matmuls only, prompts stay float32; none keeps float32 everywhere (exact); "
              "auto: q8_0 where the target has integer dot products")(fn)
+
+
+def hf_overrides_option(fn: Callable) -> Callable:
+    return click.option(
+        "--hf-overrides", default=None,
+        help='JSON object of config.json fields to use instead of the checkpoint\'s (vLLM\'s flag), e.g. '
+             '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\'; '
+             "each top-level field is replaced whole; the build records them and the runtime applies them")(fn)
 
 
 def threads_option(fn: Callable) -> Callable:
@@ -220,13 +239,14 @@ def model_options(fn: Callable) -> Callable:
 @quantization_option
 @activations_option
 @artifact_option
+@hf_overrides_option
 @threads_option
 @speculative_option
 def run(model: str | None, revision: str | None, target: str, dtype: str, prompt: str, tokenizer_config: str | None, max_tokens: int,
         temperature: float, top_p: float, top_k: int, seed: int | None, stream: bool, repeat: int, chat: bool,
         json_schema: str | None, regex: str | None, choice: str | None,
         max_model_len: int | None, artifact: str | None, quantization: str, activations: str,
-        threads: int | None, speculative_config: str | None) -> None:
+        hf_overrides: str | None, threads: int | None, speculative_config: str | None) -> None:
     """Generate text from a prompt (builds the model on first use)."""
     runtime_process(threads)
     from vtool.runtime.weights.checkpoint import open_checkpoint
@@ -235,7 +255,7 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
     model_path = resolve_model(model, revision)
     checkpoint = open_checkpoint(model_path)
     spec = _speculative(speculative_config, target, dtype)
-    artifact_dir = artifact_for(model_path, artifact, target, dtype, quantization, activations)
+    artifact_dir = artifact_for(model_path, artifact, target, dtype, quantization, activations, hf_overrides)
     options = RunOptions(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                          seed=seed, stream=stream, repeat=repeat, chat=chat, tokenizer_config=tokenizer_config,
                          max_model_len=max_model_len,
@@ -300,6 +320,7 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
 @quantization_option
 @activations_option
 @artifact_option
+@hf_overrides_option
 @threads_option
 @speculative_option
 def serve(model: str | None, revision: str | None, target: str, dtype: str, host: str, port: int, served_model_name: tuple[str, ...],
@@ -314,7 +335,7 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
           trust_remote_code: bool,
           enable_auto_tool_choice: bool, tool_call_parser: str | None, structured_outputs_config: str | None,
           grammar_jump_forward: bool, quantization: str, activations: str, artifact: str | None,
-          threads: int | None, speculative_config: str | None) -> None:
+          hf_overrides: str | None, threads: int | None, speculative_config: str | None) -> None:
     """Serve an OpenAI-compatible API (builds the model on first use)."""
     runtime_process(threads)
     from vtool.runtime.weights.checkpoint import open_checkpoint
@@ -343,7 +364,7 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
                         structured_outputs_config=structured_outputs_config)
     model_path = resolve_model(model, revision)
     checkpoint = open_checkpoint(model_path)
-    run_server(artifact_for(model_path, artifact, target, dtype, quantization, activations), checkpoint,
+    run_server(artifact_for(model_path, artifact, target, dtype, quantization, activations, hf_overrides), checkpoint,
                engine_config, opts,
                console)
 

@@ -15,6 +15,7 @@ from vtool.runtime.engine.generate import Generator
 from vtool.runtime.engine.spec_config import SpeculativeConfig
 from vtool.runtime.text.stop_ids import stop_token_ids
 from vtool.runtime.text.tokenizer import Tokenizer
+from vtool.runtime.artifact.manifest import artifact_config
 
 DEFAULT_MAX_MODEL_LEN = 4096  # cap on the context when the model allows more; --max-model-len raises it
 
@@ -79,7 +80,7 @@ def open_session(artifact: Path, checkpoint: Checkpoint, tokenizer_config: str |
         max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
     elif not 0 < max_model_len <= limit:
         raise VtoolError(f"--max-model-len {max_model_len} is outside 1..{limit} ({why})")
-    stops = stop_token_ids(checkpoint.config(), checkpoint.generation_config())
+    stops = stop_token_ids(artifact_config(checkpoint.config(), model.manifest), checkpoint.generation_config())
     session = Session(checkpoint, model, tokenizer, stops, max_model_len, Generator(model, max_model_len))
     # What is loaded now lives as long as the process: keep the cyclic collector from walking it
     # again on every full collection (2.6-5% of a CPU decode step's profile samples).

@@ -219,7 +219,7 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
                    output: str | Path | None = None, progress: Progress | None = None,
                    checkpoint: Checkpoint | None = None, force: bool = False, gemm: str = "auto",
                    quantization: str = "auto", attention: str = "auto", activations: str = "auto",
-                   records: bool = True, cuda_graph_sizes: str = "auto") -> Path:
+                   records: bool = True, cuda_graph_sizes: str = "auto", hf_overrides: str = "") -> Path:
     """Build (or find in the cache) the artifact for one checkpoint, target and dtype: the
     options (BuildOptions: plan.py says what each value does) are resolved into a BuildPlan,
     refused there by name when they cannot work, and the plan is built.
@@ -238,12 +238,19 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
     records: apply the tuning records found for the target (toolchain/records.py).
 
     cuda_graph_sizes: "auto" | "none" | "1,2,4,..." (plan.resolve_cuda_graph_sizes): the batch
-    sizes whose batched decode a CUDA build captures in CUDA graphs."""
+    sizes whose batched decode a CUDA build captures in CUDA graphs.
+
+    hf_overrides: a JSON object of config.json fields put in place of the checkpoint's before
+    the config is parsed (vLLM's --hf-overrides; runtime/weights/hf_overrides.py); the manifest
+    records it and the runtime applies it to the checkpoint's config too."""
     progress = progress or (lambda _msg: None)
     options = BuildOptions(dtype=dtype, quantization=quantization, activations=activations, gemm=gemm,
-                           attention=attention, records=records, cuda_graph_sizes=cuda_graph_sizes)
+                           attention=attention, records=records, cuda_graph_sizes=cuda_graph_sizes,
+                           hf_overrides=hf_overrides or "")
     # The options as asked, for the manifest's provenance (the plan holds what they resolve to).
     requested = {"target": target_name, **dataclasses.asdict(options)}
+    if not options.hf_overrides:  # builds without keep their provenance records as they were
+        del requested["hf_overrides"]
     target_spec = check_request(target_name, options)  # refused before the checkpoint is read
     ckpt = checkpoint or open_checkpoint(model_path)
     plan = resolve_plan(ckpt, target_spec, options, notice=progress)
@@ -311,6 +318,8 @@ def _build_into(folder: Path, key: str, plan: BuildPlan, checkpoint: Checkpoint,
             "config": cfg.to_dict(),
             "config_digest": cfg.digest(),
             "source_config": dict(plan.source_config),
+            # --hf-overrides: the runtime applies them to the checkpoint's config (runtime/weights/hf_overrides.py)
+            **({"hf_overrides": dict(plan.hf_overrides)} if plan.hf_overrides else {}),
             "source_format": plan.source_format,
             "target": plan.target.describe(),
             "dtype": plan.dtype,

@@ -25,6 +25,7 @@ from vtool.models.weights import check_checkpoint_shapes, format_runs, kept_form
 from vtool.runtime.weights.ggml_blocks import FORMATS as BLOCK_FORMATS
 from vtool.runtime.artifact.library import installed_versions
 from vtool.runtime.weights.checkpoint import Checkpoint
+from vtool.runtime.weights.hf_overrides import apply_hf_overrides, canonical, parse_hf_overrides
 from vtool.targets import TargetSpec, buildable
 from vtool.targets.table import TargetError
 from vtool.toolchain.families import FAMILIES, Family, family_of
@@ -73,6 +74,7 @@ class BuildOptions:
     attention: str = "auto"  # toolchain/flashinfer_attention.py ATTENTIONS
     records: bool = True  # apply the tuning records found for the target (tuning_logs/<target>/)
     cuda_graph_sizes: str = "auto"  # "auto", "none" or comma-separated batch sizes (CUDA_GRAPH_SIZES_NONE above)
+    hf_overrides: str = ""  # --hf-overrides: a JSON object of config.json fields (runtime/weights/hf_overrides.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +101,8 @@ class BuildPlan:
     attention_backend: str | None  # "tir" or "flashinfer-<version>"
     # batch sizes whose batched decode is captured in CUDA graphs, ascending; () for none
     cuda_graph_sizes: tuple[int, ...] = ()
+    # --hf-overrides: config.json fields replaced before the config was parsed ({} for none)
+    hf_overrides: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def family(self) -> Family:
@@ -135,7 +139,8 @@ class BuildPlan:
             "target": self.target.describe(),
             "model": {"arch": self.config.architecture, "family": self.config.family,
                       "config_digest": self.config.digest(), "source_format": self.source_format,
-                      "source_config": dict(self.source_config)},
+                      "source_config": dict(self.source_config),
+                      **({"hf_overrides": dict(self.hf_overrides)} if self.hf_overrides else {})},
             "dtype": self.dtype,
             "quantization": self.quantization,
             "quantized_weights": {**self.quantized_weights(), "formats": dict(sorted(self.kept.items()))},
@@ -168,7 +173,8 @@ class BuildPlan:
         if self.toolchain is None or self.attention_backend is None:
             raise VtoolError("this plan was resolved without its tools (as `vtool tune` does): it has no cache key")
         return _key(self.source_config, self.target, self.dtype, self.quantization_key(), self.gemm,
-                    self.attention_backend, self.tuning_digest, self.toolchain, self.cuda_graph_sizes)
+                    self.attention_backend, self.tuning_digest, self.toolchain, self.cuda_graph_sizes,
+                    self.hf_overrides)
 
 
 # --- the cache key -----------------------------------------------------------------------------
@@ -185,7 +191,8 @@ def compiler_source_digest() -> str:
 
 
 def _key(source_cfg: Mapping[str, Any], target: TargetSpec, dtype: str, quantization: str, gemm: str,
-         attention: str, tuning: str, toolchain: Mapping[str, str], graph_sizes: tuple[int, ...] = ()) -> str:
+         attention: str, tuning: str, toolchain: Mapping[str, str], graph_sizes: tuple[int, ...] = (),
+         hf_overrides: Mapping[str, Any] | None = None) -> str:
     payload = {"config": dict(source_cfg), "target": target.describe(), "dtype": dtype,
                "quantization": quantization, "gemm": gemm, "versions": installed_versions(),
                "compiler": compiler_source_digest()}
@@ -197,6 +204,8 @@ def _key(source_cfg: Mapping[str, Any], target: TargetSpec, dtype: str, quantiza
         payload["toolchain"] = dict(toolchain)
     if graph_sizes:  # the captured batch_decode and its memory plan; builds without keep their keys
         payload["cuda_graph_sizes"] = list(graph_sizes)
+    if hf_overrides:  # recorded in the manifest, which the runtime applies; builds without keep their keys
+        payload["hf_overrides"] = canonical(hf_overrides)
     blob = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -238,7 +247,8 @@ def resolve_plan(checkpoint: Checkpoint, target: str | TargetSpec, options: Buil
     no cache key."""
     spec = check_request(target, options)
     family = family_of(spec)
-    raw = checkpoint.config()
+    overrides = parse_hf_overrides(options.hf_overrides)
+    raw = apply_hf_overrides(checkpoint.config(), overrides)
     cfg = parse_hf_config(raw)
     shapes = {n: t.shape for n, t in checkpoint.tensors().items()}
     check_checkpoint_shapes(cfg, shapes, str(checkpoint.path))
@@ -261,7 +271,7 @@ def resolve_plan(checkpoint: Checkpoint, target: str | TargetSpec, options: Buil
         dense=MappingProxyType(dict(dense)), left_float=left_float, quantized_sources=MappingProxyType(qsources),
         weights_key=weights_key, activations=activations, gemm=gemm, attention=attention, records=options.records,
         tuning_digest=digest, toolchain=None if toolchain is None else MappingProxyType(dict(toolchain)),
-        attention_backend=backend, cuda_graph_sizes=graph_sizes)
+        attention_backend=backend, cuda_graph_sizes=graph_sizes, hf_overrides=MappingProxyType(overrides))
 
 
 def resolve_cuda_graph_sizes(requested: str, target_spec: TargetSpec) -> tuple[int, ...]:

@@ -23,7 +23,8 @@ import numpy as np
 import vtool
 from vtool.runtime.weights.checkpoint import Checkpoint, numpy_dtype
 from vtool.runtime.artifact.library_arch import check_library_runs_here, check_target_runs_here
-from vtool.runtime.artifact.manifest import LIBRARY_NAME, ManifestError, read_manifest, source_config_mismatches
+from vtool.runtime.artifact.manifest import (LIBRARY_NAME, ManifestError, artifact_config, read_manifest,
+                                             source_config_mismatches)
 from vtool.runtime.weights.ggml_blocks import TILE_ROWS
 from vtool.runtime.weights.quant_blocks import repack
 from vtool.runtime.weights.transforms import apply_transform
@@ -87,7 +88,7 @@ def check_compatible(manifest: dict[str, Any], checkpoint: Checkpoint | None) ->
         raise ManifestError(f"artifact targets {target.get('name')} (family {target.get('family')!r}); "
                             f"this runtime runs {' and '.join(DEVICES)} artifacts")
     if checkpoint is not None:
-        diffs = source_config_mismatches(manifest["source_config"], checkpoint.config())
+        diffs = source_config_mismatches(manifest["source_config"], artifact_config(checkpoint.config(), manifest))
         if diffs:
             raise ManifestError(f"artifact was built for another config ({checkpoint.path}): " + "; ".join(diffs))
         if "weights_file" in manifest:  # weights quantized at build: from this checkpoint only

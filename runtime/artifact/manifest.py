@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vtool import VtoolError
+from vtool.runtime.weights.hf_overrides import apply_hf_overrides
 
 # 2: params may carry `quant` (a part of a weight kept in GGUF blocks); a format-1
 # runtime would bind those as floats, so format 1 and 2 refuse each other.
@@ -63,3 +64,9 @@ def source_config_mismatches(built: dict[str, Any], found: dict[str, Any]) -> li
         if got != want:
             diffs.append(f"{key}: artifact built for {want!r}, checkpoint has {got!r}")
     return diffs
+
+
+def artifact_config(checkpoint_config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's config as the artifact was built from it: with the manifest's
+    `hf_overrides` applied (none in a build made without --hf-overrides)."""
+    return apply_hf_overrides(checkpoint_config, manifest.get("hf_overrides"))

@@ -18,6 +18,7 @@ import numpy as np
 
 from vtool import VtoolError
 from vtool.runtime.engine.pooling import Pooler, load_pooler
+from vtool.runtime.artifact.manifest import artifact_config
 
 if TYPE_CHECKING:
     from vtool.runtime.session import Session
@@ -45,7 +46,7 @@ class Embedder:
                              "embedding needs an embedding model (one whose manifest says task \"embed\")")
         self.model, self.tokenizer = m, session.tokenizer
         self.max_model_len = session.max_model_len
-        config = session.checkpoint.config()
+        config = artifact_config(session.checkpoint.config(), m.manifest)
         folder = session.checkpoint.path if session.checkpoint.format == "safetensors" else None
         self.pooler: Pooler = load_pooler(folder, m.hidden_size, m.manifest.get("default_pooling"), config)
         pad = config.get("pad_token_id")
