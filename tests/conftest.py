@@ -22,6 +22,34 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# -- parallel workers (pytest-xdist: setup.cfg runs `-n auto --dist loadfile`) --------------------
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core this process may use, at most 4 (the tests' own servers
+    and builds want cores too) and one per 5 GiB of available memory (a worker holding torch,
+    TVM's compiler and a real model peaks near 3 GiB)."""
+    import psutil
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    by_memory = psutil.virtual_memory().available // (5 << 30)
+    return max(1, min(cores, 4, by_memory))
+
+
+def _share_the_cores_between_workers() -> None:
+    """In a worker: its share of the cores for TVM's thread pool (and, through VTOOL_CPU_THREADS,
+    the servers and runs it starts) and for torch. TVM's pool spins while it waits for work,
+    so two workers each running a pool as wide as the machine slow each other down many times."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1 or os.environ.get("VTOOL_CPU_THREADS"):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = str(max(1, cores // workers))
+    for name in ("VTOOL_CPU_THREADS", "TVM_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[name] = share
+
+
+_share_the_cores_between_workers()  # before anything loads TVM's runtime or torch
+
 TESTS = Path(__file__).resolve().parent
 SUPPORT = TESTS / "support"
 for _path in (str(TESTS), str(SUPPORT)):  # support first: sys.path[0]
