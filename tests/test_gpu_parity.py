@@ -22,7 +22,7 @@ On the runtime-only GPU machine, after tests/support/gpu_prebuild.py's carried p
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/rt/*.whl ~/gpu-tests/wheels/*.whl
     mkdir -p /tmp/pkgs && ln -sfn "$PWD" /tmp/pkgs/vtool
     PYTHONPATH=/tmp/site:/tmp/pkgs VTOOL_TVM_LIBRARY_DIR=$PWD/.devcarry/rt VTOOL_GPU_ARTIFACTS=~/gpu-tests \
-        python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_parity.py
+        python3 -m pytest -q -s -n 0 -p no:cacheprovider tests/test_gpu_parity.py
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ builds, for sm_90a: the tiny shapes tests/test_cuda_graph_buckets.py runs on a G
 and times the tiny bfloat16 build with and without the captured entry (index.json). Then on
 the GPU machine, with the runtime staged (../shared/device/README.md):
 
-    VTOOL_CUDA_GRAPH_ARTIFACTS=.devcarry/cg python3 -m pytest -q -s -m gpu tests/test_cuda_graph_buckets.py
+    VTOOL_CUDA_GRAPH_ARTIFACTS=.devcarry/cg python3 -m pytest -q -s -n 0 -m gpu tests/test_cuda_graph_buckets.py
     python3 tests/bench/decode_graphs.py bench --root .devcarry/cg
 
 `bench` makes a random-weight SmolLM2-135M-shaped checkpoint there (transformers, on the
