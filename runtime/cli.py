@@ -87,7 +87,7 @@ def artifact_for(model_path: Path, artifact: str | None, target: str, dtype: str
     artifact carries its own: given again, they must be the same)."""
     from vtool.runtime.weights.hf_overrides import parse_hf_overrides
 
-    overrides = parse_hf_overrides(hf_overrides)  # refused by name before anything loads
+    overrides = parse_hf_overrides(hf_overrides)  # refused by name before any build or model load
     if artifact:
         from vtool.runtime.artifact.archive import open_artifact
         from vtool.runtime.artifact.manifest import read_manifest

@@ -24,13 +24,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # -- parallel workers (pytest-xdist: setup.cfg runs `-n auto --dist loadfile`) --------------------
 
+def _usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: one worker per core this process may use, at most 4 (the tests' own servers
     and builds want cores too) and one per 5 GiB of available memory (a worker holding torch,
     TVM's compiler and a real model peaks near 3 GiB)."""
     import psutil
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _usable_cores()
     by_memory = psutil.virtual_memory().available // (5 << 30)
     return max(1, min(cores, 4, by_memory))
 
@@ -42,8 +47,7 @@ def _share_the_cores_between_workers() -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers <= 1 or os.environ.get("VTOOL_CPU_THREADS"):
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = str(max(1, cores // workers))
+    share = str(max(1, _usable_cores() // workers))
     for name in ("VTOOL_CPU_THREADS", "TVM_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = share
 
