@@ -1,8 +1,9 @@
 """`vtool bench --url` against a real llama.cpp `llama-server` (issue #13 item 8).
 
-llama-server is built from the llama.cpp tree vendored in the llama-cpp-python sdist, in the
-same cached build folder as llama-bench (tests/bench/llamacpp.py, build_llama_server: a few
-minutes on 2 cores the first time, then cached). It serves the default model (SmolLM2-135M
+llama-server is built from the llama.cpp tree vendored in the llama-cpp-python sdist
+(tests/bench/llamacpp.py, build_llama_server): the benchmarks' release build when it is already
+there, else the "quick" flavour (C++ at -O0, ggml's kernels at -O2: the protocol and the token
+accounting are the same, only slower; a few minutes on 2 cores the first time, then cached). It serves the default model (SmolLM2-135M
 Q4_1 GGUF) with `-np 2 --metrics`; the bench reads the tokenizer from the same GGUF.
 
 What is checked, against the server's own accounting:
@@ -47,7 +48,7 @@ def _need_build_tools() -> None:
     import llamacpp
 
     missing = ([] if shutil.which("cmake") else ["cmake"]) + llamacpp.build_tools_missing()
-    if missing and not llamacpp.llama_server_path().exists():
+    if missing and not any(llamacpp.llama_server_built(flavor=f) for f in llamacpp.SERVER_FLAVORS):
         pytest.skip(f"building llama-server needs {', '.join(missing)}, which this machine lacks")
 
 
@@ -59,7 +60,9 @@ def llama():
     from vtool.runtime.weights.default_model import default_model_path
 
     model = default_model_path()
-    binary = llamacpp.build_llama_server()
+    # the release build when a benchmark made it; else the quick one (a fresh machine, CI)
+    flavor = "release" if llamacpp.llama_server_built(flavor="release") else "quick"
+    binary = llamacpp.build_llama_server(flavor=flavor)
     with llamacpp.llama_server(model, parallel=2, threads=2, ctx_size=2 * 512, binary=binary) as srv:
         yield srv, model, llamacpp
 

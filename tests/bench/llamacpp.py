@@ -34,9 +34,10 @@ What it does, all cached and idempotent:
      records whether repacking applies to any tensor at all (on AVX-512 Zen 4, for these
      Q4_1/Q8_0 files, it applies to none: both settings then run the same kernels).
 
-For serving comparisons (tests/test_bench_llama_server.py, serve_vs_llama_server.py) the same
-build folder also builds `llama-server` (build_llama_server(), on first use, at nice 10; or
-`--build-server` here) and llama_server() runs one on 127.0.0.1 (falling back to --no-repack
+For serving comparisons (serve_vs_llama_server.py, spec_vs_llamacpp.py) the same build folder
+also builds `llama-server` (build_llama_server(), on first use, at nice 10; or `--build-server`
+here); tests/test_bench_llama_server.py uses a quicker-to-compile build of it in a folder of its
+own unless that one exists (SERVER_FLAVORS) and llama_server() runs one on 127.0.0.1 (falling back to --no-repack
 when it dies while starting, as it does with repacking on an AMX Xeon).
 
 Why: decode (tg128) on CPU is bound by memory bandwidth, so the fair comparison is t/s
@@ -116,6 +117,20 @@ SERVER_CMAKE_FLAGS = [f for f in CMAKE_FLAGS if not f.startswith("-DLLAMA_BUILD_
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
 ]
+# Two llama-server builds of the same source, each in its own folder with its own record:
+#   release  build/               SERVER_CMAKE_FLAGS, beside llama-bench: the peer the benchmarks
+#                                 measure (serve_vs_llama_server.py, spec_vs_llamacpp.py);
+#   quick    build-server-quick/  for tests that need a real llama-server's protocol and token
+#                                 accounting but not its speed (tests/test_bench_llama_server.py):
+#                                 the C++ (server, HTTP, JSON, chat templates, llama's model code:
+#                                 most of the compile time) at -O0, ggml's C kernels still at -O2, and
+#                                 no llamafile sgemm; a fresh CI machine builds it in a fraction of the time.
+SERVER_FLAVORS: dict[str, dict[str, Any]] = {
+    "release": {"folder": "build", "cmake": SERVER_CMAKE_FLAGS, "stem": "server-build"},
+    "quick": {"folder": "build-server-quick", "stem": "server-build-quick",
+              "cmake": SERVER_CMAKE_FLAGS + ["-DCMAKE_C_FLAGS_RELEASE=-O2 -DNDEBUG",
+                                             "-DCMAKE_CXX_FLAGS_RELEASE=-O0 -DNDEBUG", "-DGGML_LLAMAFILE=OFF"]},
+}
 MIN_CMAKE = (3, 14)
 
 QWEN3_CONFIG = Path(__file__).with_name("qwen3_0p6b_config.json")
@@ -306,24 +321,41 @@ def build_tools_missing() -> list[str]:
     return missing
 
 
-def llama_server_path(root: Path | None = None) -> Path:
-    return (root or llamacpp_root()) / "build" / "bin" / SERVER_TARGET
+def _server_flavor(flavor: str) -> dict[str, Any]:
+    if flavor not in SERVER_FLAVORS:
+        raise BenchError(f"unknown llama-server build {flavor!r}; known: {', '.join(SERVER_FLAVORS)}")
+    return SERVER_FLAVORS[flavor]
 
 
-def build_llama_server(root: Path | None = None, jobs: int | None = None, nice: int = 10) -> Path:
-    """The `llama-server` binary of the same llama.cpp tree and build folder as llama-bench
-    (built on first call, at `nice`, then cached; a file lock keeps two callers from building
-    at once). Records the build in <root>/server-build.json. Raises BenchError on failure."""
+def llama_server_path(root: Path | None = None, flavor: str = "release") -> Path:
+    return (root or llamacpp_root()) / _server_flavor(flavor)["folder"] / "bin" / SERVER_TARGET
+
+
+def llama_server_built(root: Path | None = None, flavor: str = "release") -> bool:
+    root = root or llamacpp_root()
+    stem = _server_flavor(flavor)["stem"]
+    return llama_server_path(root, flavor).exists() and (root / f"{stem}.json").exists()
+
+
+def build_llama_server(root: Path | None = None, jobs: int | None = None, nice: int = 10,
+                       flavor: str = "release") -> Path:
+    """The `llama-server` binary of the same llama.cpp tree as llama-bench, in the flavour's
+    folder (SERVER_FLAVORS; release: llama-bench's own build folder). Built on first call, at
+    `nice`, then cached; a file lock keeps two callers from building at once. Records the build
+    in <root>/<stem>.json. Raises BenchError on failure."""
     import fcntl
 
     root = root or llamacpp_root()
-    binary = llama_server_path(root)
-    record_path = root / "server-build.json"
-    if binary.exists() and record_path.exists():
+    spec = _server_flavor(flavor)
+    binary = llama_server_path(root, flavor)
+    folder = root / spec["folder"]
+    record_path = root / f"{spec['stem']}.json"
+    log_path = root / f"{spec['stem']}-log.txt"
+    if llama_server_built(root, flavor):
         return binary
-    with open(root / "server-build.lock", "w") as lock:
+    with open(root / f"{spec['stem']}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if binary.exists() and record_path.exists():
+        if llama_server_built(root, flavor):
             return binary
         missing = build_tools_missing()
         if missing:
@@ -331,23 +363,24 @@ def build_llama_server(root: Path | None = None, jobs: int | None = None, nice: 
         llama = fetch_source(root)
         cmake = find_cmake(root)
         # an existing build folder keeps its generator; a new one gets Ninja when there is one
-        fresh = not (root / "build" / "CMakeCache.txt").exists()
-        ninja = (root / "build" / "build.ninja").exists() or (fresh and shutil.which("ninja"))
+        fresh = not (folder / "CMakeCache.txt").exists()
+        ninja = (folder / "build.ninja").exists() or (fresh and shutil.which("ninja"))
         generator = ["-G", "Ninja"] if ninja else []
-        configure = [cmake, "-S", llama, "-B", root / "build", *generator, *SERVER_CMAKE_FLAGS]
-        compile_ = [cmake, "--build", root / "build", "--config", "Release", "-j", str(jobs or os.cpu_count() or 2),
+        configure = [cmake, "-S", llama, "-B", folder, *generator, *spec["cmake"]]
+        compile_ = [cmake, "--build", folder, "--config", "Release", "-j", str(jobs or os.cpu_count() or 2),
                     "--target", SERVER_TARGET]
         t0 = time.perf_counter()
         for cmd in (configure, compile_):
             done = _run(cmd, capture_output=True, preexec_fn=(lambda: os.nice(nice)) if nice > 0 else None)
-            with (root / "server-build-log.txt").open("a") as f:
+            with log_path.open("a") as f:
                 f.write(done.stdout + done.stderr)
             if done.returncode != 0:
                 raise BenchError(f"{' '.join(map(str, cmd))} failed (exit {done.returncode}); "
-                                 f"see {root / 'server-build-log.txt'}:\n{done.stderr.strip()[-1500:]}")
+                                 f"see {log_path}:\n{done.stderr.strip()[-1500:]}")
         if not binary.exists():
             raise BenchError(f"the build succeeded but {binary} is missing")
         record = {
+            "flavor": flavor,
             "llama_cpp_python_sdist": LCP_SDIST,
             "sdist_sha256": LCP_SDIST_SHA256,
             "llama_cpp_commit": llama_cpp_commit(root),
@@ -361,8 +394,8 @@ def build_llama_server(root: Path | None = None, jobs: int | None = None, nice: 
     return binary
 
 
-def llama_server_record(root: Path | None = None) -> dict[str, Any]:
-    path = (root or llamacpp_root()) / "server-build.json"
+def llama_server_record(root: Path | None = None, flavor: str = "release") -> dict[str, Any]:
+    path = (root or llamacpp_root()) / f"{_server_flavor(flavor)['stem']}.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -721,6 +754,9 @@ def main() -> None:
     ap.add_argument("--build-nice", type=int, default=10, help="nice value of the compile (0: none)")
     ap.add_argument("--build-server", action="store_true",
                     help="also build llama-server (build_llama_server) and print its record")
+    ap.add_argument("--server-flavor", choices=list(SERVER_FLAVORS), default="release",
+                    help="which llama-server build --build-server makes (SERVER_FLAVORS: release is the "
+                         "benchmarks' peer, quick the tests' protocol reference)")
     ap.add_argument("--no-repack-too", action="store_true",
                     help="also measure with --repack 0 when the default run works")
     ap.add_argument("--rounds", type=int, default=1,
@@ -741,9 +777,10 @@ def main() -> None:
     info = build(root, a.jobs, a.isa, a.build_nice)
     log(f"llama.cpp {info['llama_cpp_commit']} ({a.isa}) built in {build_dir(root, a.isa)}")
     if a.build_server:
-        log(f"llama-server: {build_llama_server(root, a.jobs)}")
+        log(f"llama-server: {build_llama_server(root, a.jobs, flavor=a.server_flavor)}")
     if a.build_only:
-        print(json.dumps({**info, "server": llama_server_record(root)} if a.build_server else info, indent=2))
+        server = llama_server_record(root, a.server_flavor)
+        print(json.dumps({**info, "server": server} if a.build_server else info, indent=2))
         return
     binary = bench_binary(root, a.isa)
     models = prepare_models(root, a.only)
