@@ -399,17 +399,24 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
               help="every concurrency level (and the warm-up) gets prompts of its own, so no prompt cache "
                    "helps one run from another; --same-prompts sends the same set at every level, as vLLM")
 @click.option("--result-json", default=None, help="write the report here as JSON")
+@quantization_option
+@activations_option
 @artifact_option
+@hf_overrides_option
 @threads_option
 @speculative_option
 def bench(model: str | None, revision: str | None, url: str | None, endpoint: str, dataset_path: str | None, num_prompts: int,
           input_len: int, output_len: int, concurrency: str, max_num_batched_tokens: int, num_blocks: int | None,
           max_num_seqs: int | None, target: str, dtype: str, ignore_eos: bool, api_key: str | None,
           tokenizer_path: str | None, seed: int | None, fresh_prompts: bool,
-          result_json: str | None, artifact: str | None, threads: int | None,
-          speculative_config: str | None) -> None:
+          result_json: str | None, quantization: str, activations: str, artifact: str | None,
+          hf_overrides: str | None, threads: int | None, speculative_config: str | None) -> None:
     """Measure serving throughput and latency (TTFT, TPOT, ITL, E2EL) as vLLM defines them.
-    --threads applies to the local server it starts (passed on as VTOOL_CPU_THREADS)."""
+    --threads applies to the local server it starts (passed on as VTOOL_CPU_THREADS); --quantization,
+    --activations and --hf-overrides to the build it serves (the artifact carries them to the server)."""
+    if url and (artifact or hf_overrides or quantization != "auto" or activations != "auto"):
+        raise click.UsageError("--artifact, --hf-overrides, --quantization and --activations build or pick the "
+                               "local server's model; with --url the server is already running")
     if threads is not None:
         from vtool.runtime.artifact.tvm_runtime import apply_cpu_threads
 
@@ -426,7 +433,8 @@ def bench(model: str | None, revision: str | None, url: str | None, endpoint: st
         bench_main(opts, None, out)
         return
     model_path = resolve_model(model, revision)
-    artifact_dir = artifact_for(model_path, artifact, target, dtype)  # built here, with progress, before the server
+    # built here, with progress, before the server starts
+    artifact_dir = artifact_for(model_path, artifact, target, dtype, quantization, activations, hf_overrides)
     limited = [x for x in levels if x > 0]
     seqs = max_num_seqs or (max(limited) if limited else 32)
     if speculative_config is not None:

@@ -157,3 +157,33 @@ def test_the_cli_builds_with_them_and_refuses_bad_json_or_other_overrides(tiny_m
         refused = vtool(*run, *flags)
         assert refused.returncode != 0 and message in refused.stderr + refused.stdout, refused.stderr
         assert "Traceback" not in refused.stderr
+
+
+def test_bench_serves_the_build_its_overrides_make(tiny_model_dir, tmp_path):
+    """`vtool bench` (a local server of the build it makes) takes --hf-overrides as build and
+    run do: the same overrides reuse build and run's cached artifact and the run completes; text
+    that is not JSON, an --artifact built with other overrides, and the flag beside --url (a
+    server already running) are refused by name, before any server starts."""
+    overrides = json.dumps({"rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+
+    def vtool(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "vtool.toolchain.cli", *args], capture_output=True, text=True,
+                              timeout=600)
+
+    built = vtool("build", "--model", str(tiny_model_dir), "--hf-overrides", overrides)
+    assert built.returncode == 0, built.stderr
+    artifact = built.stdout.strip().splitlines()[-1]
+    bench = ("bench", "--model", str(tiny_model_dir), "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+             "--concurrency", "1")
+    report = tmp_path / "bench.json"
+    done = vtool(*bench, "--hf-overrides", overrides, "--result-json", str(report))
+    assert done.returncode == 0, done.stderr
+    assert f"using cached build {artifact}" in done.stdout + done.stderr  # build's artifact: the same key
+    assert [run["completed"] for run in json.loads(report.read_text())["runs"]] == [2]
+    for flags, message in ((("--hf-overrides", "{rope_scaling: 1}"), "--hf-overrides is not JSON"),
+                           (("--artifact", artifact, "--hf-overrides", '{"max_position_embeddings": 512}'),
+                            "differ from those"),
+                           (("--url", "http://127.0.0.1:9", "--hf-overrides", overrides), "with --url")):
+        refused = vtool(*bench, *flags)
+        assert refused.returncode != 0 and message in refused.stderr + refused.stdout, refused.stderr
+        assert "Traceback" not in refused.stderr
