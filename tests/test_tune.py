@@ -222,6 +222,25 @@ def test_cli_lists_tasks_and_refuses_bad_buckets(tiny):
     assert bad.exit_code == 2 and "comma list of sizes" in bad.output
 
 
+def test_tune_takes_the_builds_hf_overrides(tiny):
+    """--hf-overrides decides kernels as in `vtool build` (here RMSNorm's eps, a constant in its
+    kernel): the tasks tune lists are the overridden build's (other hashes for every RMSNorm, the
+    rest unchanged); text that is not JSON is refused by name."""
+    from vtool.toolchain.cli import main
+
+    def listing(*extra: str) -> dict[str, str]:
+        listed = CliRunner().invoke(main, ["tune", "--model", str(tiny), "--target", TARGET, "--list", *extra])
+        assert listed.exit_code == 0, listed.output
+        return dict(line.rsplit("  ", 1) for line in listed.output.splitlines() if "  " in line)
+
+    plain, overridden = listing(), listing("--hf-overrides", '{"rms_norm_eps": 0.25}')
+    assert plain.keys() == overridden.keys()
+    changed = {label for label in plain if plain[label] != overridden[label]}
+    assert changed and all(label.startswith("rms_norm") for label in changed), changed
+    bad = CliRunner().invoke(main, ["tune", "--model", str(tiny), "--target", TARGET, "--list", "--hf-overrides", "{x"])
+    assert bad.exit_code != 0 and "--hf-overrides is not JSON" in bad.output
+
+
 def test_reshape_kernels_are_not_tuned_and_no_record_touches_them(kernels, tmp_path):
     """A reshape kernel becomes a view after the schedules (no kernel runs); a record that
     scheduled or bucket-dispatched it would make it a real copy kernel (on an H200 this

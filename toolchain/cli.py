@@ -132,20 +132,22 @@ def _bucket_list(ctx: click.Context, param: click.Parameter, value: str) -> tupl
 @_attention_option
 @quantization_option
 @activations_option
+@hf_overrides_option
 def tune(model: str | None, revision: str | None, target: str, dtype: str, trials: int, budget_minutes: float | None, pattern: str | None,
          prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...], output: str | None, force: bool,
-         list_only: bool, recheck: bool, gemm: str, attention: str, quantization: str, activations: str) -> None:
+         list_only: bool, recheck: bool, gemm: str, attention: str, quantization: str, activations: str,
+         hf_overrides: str | None) -> None:
     """Tune the model's kernels with MetaSchedule and write tuning records (interrupt with
     Ctrl-C; a rerun resumes). `vtool build` applies the records for its target. Give the
-    build's own --dtype/--gemm/--attention/--quantization/--activations: they decide which
-    kernels exist, and a record applies only to the kernel it was tuned on."""
+    build's own --dtype/--gemm/--attention/--quantization/--activations/--hf-overrides: they
+    decide which kernels exist, and a record applies only to the kernel it was tuned on."""
     from vtool.toolchain.tune import TuneOptions
     from vtool.toolchain.tune_cli import run_tune
 
     opts = TuneOptions(trials=trials, budget_minutes=budget_minutes, pattern=pattern, prefill_buckets=prefill_buckets,
                        decode_buckets=decode_buckets, output=Path(output) if output else None, force=force,
                        dtype=dtype, quantization=quantization, gemm=gemm, attention=attention,
-                       activations=activations)
+                       activations=activations, hf_overrides=hf_overrides or "")
     sys.exit(run_tune(resolve_model(model, revision), target, opts, list_only, console, out, recheck))
 
 

@@ -214,12 +214,13 @@ class TuneOptions:
     gemm: str = "auto"
     attention: str = "auto"
     activations: str = "auto"
+    hf_overrides: str = ""  # --hf-overrides, as the build's: config fields decide kernels (eps, rope, shapes)
     seed: int = 0
 
     def build_options(self) -> BuildOptions:
         """The build options whose kernels are tuned (records never apply while tuning)."""
         return BuildOptions(dtype=self.dtype, quantization=self.quantization, activations=self.activations,
-                            gemm=self.gemm, attention=self.attention, records=False)
+                            gemm=self.gemm, attention=self.attention, records=False, hf_overrides=self.hf_overrides)
 
 
 def _mcpu_target(target: Any) -> Any:
