@@ -250,8 +250,10 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
     """Generate text from a prompt (builds the model on first use)."""
     runtime_process(threads)
     from vtool.runtime.weights.checkpoint import open_checkpoint
+    from vtool.runtime.weights.hf_overrides import parse_hf_overrides
     from vtool.runtime.run_cmd import RunOptions, run_completion
 
+    parse_hf_overrides(hf_overrides)  # bad JSON refused before the model is fetched or opened
     model_path = resolve_model(model, revision)
     checkpoint = open_checkpoint(model_path)
     spec = _speculative(speculative_config, target, dtype)
@@ -339,6 +341,7 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
     """Serve an OpenAI-compatible API (builds the model on first use)."""
     runtime_process(threads)
     from vtool.runtime.weights.checkpoint import open_checkpoint
+    from vtool.runtime.weights.hf_overrides import parse_hf_overrides
     from vtool.runtime.engine.engine import EngineConfig
     from vtool.runtime.serving.serve_cmd import ServeOptions
     from vtool.runtime.serving.serve_cmd import serve as run_server
@@ -362,6 +365,7 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
                         default_chat_template_kwargs=default_chat_template_kwargs,
                         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                         structured_outputs_config=structured_outputs_config)
+    parse_hf_overrides(hf_overrides)  # bad JSON refused before the model is fetched or opened
     model_path = resolve_model(model, revision)
     checkpoint = open_checkpoint(model_path)
     run_server(artifact_for(model_path, artifact, target, dtype, quantization, activations, hf_overrides), checkpoint,

@@ -187,3 +187,12 @@ def test_bench_serves_the_build_its_overrides_make(tiny_model_dir, tmp_path):
         refused = vtool(*bench, *flags)
         assert refused.returncode != 0 and message in refused.stderr + refused.stdout, refused.stderr
         assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_bad_json_is_refused_before_the_model_is_looked_for(command, tmp_path):
+    """The flag is checked first: with a model that does not exist, the error is still the JSON's."""
+    done = subprocess.run([sys.executable, "-m", "vtool.toolchain.cli", command, "--model", str(tmp_path / "absent"),
+                           "--hf-overrides", "{x"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--hf-overrides is not JSON" in done.stderr + done.stdout, done.stderr
+    assert "Traceback" not in done.stderr
