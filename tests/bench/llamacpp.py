@@ -36,9 +36,10 @@ What it does, all cached and idempotent:
 
 For serving comparisons (serve_vs_llama_server.py, spec_vs_llamacpp.py) the same build folder
 also builds `llama-server` (build_llama_server(), on first use, at nice 10; or `--build-server`
-here); tests/test_bench_llama_server.py uses a quicker-to-compile build of it in a folder of its
-own unless that one exists (SERVER_FLAVORS) and llama_server() runs one on 127.0.0.1 (falling back to --no-repack
-when it dies while starting, as it does with repacking on an AMX Xeon).
+here). tests/test_bench_llama_server.py takes that release build when it exists, else a
+quicker-to-compile one in a folder of its own (SERVER_FLAVORS, `--server-flavor quick`).
+llama_server() runs one on 127.0.0.1 (falling back to --no-repack when it dies while starting,
+as it does with repacking on an AMX Xeon).
 
 Why: decode (tg128) on CPU is bound by memory bandwidth, so the fair comparison is t/s
 against the roofline bandwidth / weight bytes per token (tests/bench/membw.py measures the
