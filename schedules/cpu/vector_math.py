@@ -63,6 +63,13 @@ def _let(name: str, value: tirx.PrimExpr, lanes: int, body) -> tirx.PrimExpr:  #
     return tirx.Let(var, value, body(var))
 
 
+def _is_nan(x: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
+    """x is a NaN: its magnitude bits above infinity's (0x7f800000). `x != x` would do in C, but
+    TVM's simplifier may fold it to false."""
+    bits = T.reinterpret(_typed("int32", lanes), x) & _int_const(0x7FFFFFFF, lanes)
+    return bits > _int_const(0x7F800000, lanes)
+
+
 def polynomial_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
     """e^x for a float32 (scalar or vector) expression, as vectorizable arithmetic."""
     lanes = _lanes(x)
@@ -93,7 +100,9 @@ def polynomial_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
         value = _let("exp_xc", T.min(T.max(xv, c(EXP_MIN)), c(EXP_MAX)), lanes, with_clamped)
         value = T.Select(xv > c(EXP_MAX), c(float("inf")), value)
         value = T.Select(xv < c(EXP_MIN), c(0.0), value)
-        return T.Select(T.isnan(xv), xv, value)  # the clamp would turn a NaN into a number
+        # the clamp would turn a NaN into a number; NaN tested on its bits, as T.isnan has no
+        # vector form in TVM's VectorizeLoop, which then made the whole loop scalar
+        return T.Select(_is_nan(xv, lanes), xv, value)
 
     return _let("exp_x", x, lanes, body)
 
