@@ -12,7 +12,8 @@ replaces that PrimFunc, same name and signature, by:
   * causal rows visiting only their visible keys (kv_len - qo_len + row + 1);
   * online softmax over tiles of TILE keys (base-2, as TVM's kernels: scores are scaled
     by log2(e) * sm_scale, lse = m + log2(d)), so nothing of kv_len size is stored;
-  * the q.k dot products and the p.v updates vectorized over the head dimension.
+  * the q.k dot products and the p.v updates vectorized over the head dimension; a tile's 16
+    scores come out as one vector (`_scores`) and its weights by a vector exp2 (`_exp2`).
 
 Only `rotary_mode == 0` is handled: vtool's KV cache is made with RopeMode.NORMAL
 (models/decoder.py), so the rotary embedding is applied before the cache and the attention
@@ -33,8 +34,8 @@ from tvm.script import tirx as T
 from vtool.schedules.softcap import capper, softcap_of
 
 NAME = "batch_prefill_ragged_kv"
-TILE = 16  # keys per online-softmax step
 LANES = 16  # float32 lanes of the dot products (AVX-512); the head dim must be a multiple of it
+TILE = LANES  # keys per online-softmax step: one vector of scores
 LOG2E = math.log2(math.e)
 
 
@@ -64,10 +65,19 @@ def rewrite_prefill_ragged(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | No
     return new.with_attrs(func.attrs) if func.attrs is not None else new
 
 
+def _balanced(j: tirx.PrimExpr, n: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The query of the j-th (query, head) group of a parallel prefill loop: 0, n-1, 1, n-2, ...
+    A causal query's work grows with its index, and TVM's parallel loop hands each thread one
+    contiguous run of the range: in query order the thread with the last queries had about 3/4
+    of a fresh prompt's attention while the other waited. Alternating short and long queries
+    gives every run about the same work."""
+    return T.if_then_else(j % 2 == 0, j // 2, n - 1 - j // 2)
+
+
 def _kernel(h_kv: int, h_q: int, d_qk: int, d_v: int, softcap: float = 0.0) -> tirx.PrimFunc:
     """`softcap`: the attention logit soft-cap of the kernel replaced (schedules/softcap.py; 0: none)."""
     group = h_q // h_kv
-    n_dc, n_vc = d_qk // LANES, d_v // LANES
+    n_vc = d_v // LANES
     neg = -5e4  # TVM's kernels' "minus infinity" (finite: exp2 of a difference stays defined)
     cap = capper(softcap)
 
@@ -99,18 +109,17 @@ def _kernel(h_kv: int, h_q: int, d_qk: int, d_v: int, softcap: float = 0.0) -> t
         T.Assert(rotary_mode == 0, "vtool's CPU prefill attention takes rotary_mode 0 (rope applied before the cache)")
         for b in T.serial(batch_size):
             for qh in T.parallel((q_indptr[b + 1] - q_indptr[b]) * h_q):
-                q_idx: T.let[T.int32] = qh // h_q
+                n_q: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                q_idx: T.let[T.int32] = _balanced(qh // h_q, n_q)
                 h: T.let[T.int32] = qh % h_q
                 hk: T.let[T.int32] = h // group
                 q_row: T.let[T.int32] = q_indptr[b] + q_idx
                 kv0: T.let[T.int32] = kv_indptr[b]
                 n_kv: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
-                n_q: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
                 n_keys: T.let[T.int32] = T.if_then_else(causal > 0, T.min(n_kv - n_q + q_idx + 1, n_kv), n_kv)
                 scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
                 with T.sblock("attn"):
                     acc = T.sblock_alloc_buffer((d_v,), "float32")
-                    part = T.sblock_alloc_buffer((LANES,), "float32")
                     s = T.sblock_alloc_buffer((TILE,), "float32")
                     st = T.sblock_alloc_buffer((4,), "float32")  # m, d, tile max, scratch
                     for i in T.vectorized(d_v):
@@ -119,19 +128,15 @@ def _kernel(h_kv: int, h_q: int, d_qk: int, d_v: int, softcap: float = 0.0) -> t
                     st[1] = T.float32(0)
                     for kt in T.serial((n_keys + TILE - 1) // TILE):
                         st[2] = T.float32(neg)
+                        # the tile's 16 scores at once (keys past n_keys masked; their rows
+                        # clamped to the sequence's last key, so no load leaves k), then their max
+                        s[T.Ramp(0, 1, LANES)] = T.Select(
+                            T.Ramp(0, 1, LANES) < T.Broadcast(n_keys - kt * TILE, LANES),
+                            cap(_ragged_scores(q, k, q_row, h, hk, kv0 + kt * TILE, kv0 + n_kv - 1, d_qk)
+                                * T.Broadcast(scale, LANES)),
+                            T.Broadcast(T.float32(neg), LANES))
                         for t in T.serial(TILE):
-                            if kt * TILE + t < n_keys:
-                                for j in T.vectorized(LANES):
-                                    part[j] = q[q_row, h, j] * k[kv0 + kt * TILE + t, hk, j]
-                                for c in T.unroll(1, n_dc):
-                                    for j in T.vectorized(LANES):
-                                        part[j] = part[j] + q[q_row, h, c * LANES + j] * k[kv0 + kt * TILE + t, hk, c * LANES + j]
-                                for j in T.vectorized(8):  # a tree, not a 16-add chain
-                                    part[j] = part[j] + part[j + 8]
-                                for j in T.vectorized(4):
-                                    part[j] = part[j] + part[j + 4]
-                                s[t] = cap(((part[0] + part[2]) + (part[1] + part[3])) * scale)
-                                st[2] = T.max(st[2], s[t])
+                            st[2] = T.max(st[2], s[t])
                         # st[2] = the tile's max; rescale what is accumulated when it rises
                         if st[2] > st[0]:
                             st[3] = T.exp2(st[0] - st[2])
@@ -139,13 +144,15 @@ def _kernel(h_kv: int, h_q: int, d_qk: int, d_v: int, softcap: float = 0.0) -> t
                             for i in T.vectorized(d_v):
                                 acc[i] = acc[i] * st[3]
                             st[0] = st[2]
+                        # the tile's weights in vector registers (a libm exp2f call per key spilled
+                        # every register around it: 15% of a 512-token prompt of the default model)
+                        s[T.Ramp(0, 1, LANES)] = _exp2(s[T.Ramp(0, 1, LANES)] - T.Broadcast(st[0], LANES))
                         for t in T.serial(TILE):
                             if kt * TILE + t < n_keys:
-                                st[3] = T.exp2(s[t] - st[0])
-                                st[1] = st[1] + st[3]
+                                st[1] = st[1] + s[t]
                                 for c in T.unroll(n_vc):
                                     for j in T.vectorized(LANES):
-                                        acc[c * LANES + j] = acc[c * LANES + j] + st[3] * v[kv0 + kt * TILE + t, hk, c * LANES + j]
+                                        acc[c * LANES + j] = acc[c * LANES + j] + s[t] * v[kv0 + kt * TILE + t, hk, c * LANES + j]
                     for i in T.vectorized(d_v):
                         output[q_row, h, i] = T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0))
                     lse[q_row, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(neg))
@@ -306,10 +313,23 @@ def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float =
 
 def _page_scores(q: tirx.Buffer, pages: tirx.Buffer, q_row: tirx.PrimExpr, h: tirx.PrimExpr, page: tirx.PrimExpr,
                  hk: tirx.PrimExpr, d: int) -> tirx.PrimExpr:
-    """float32x16, lane t = q[q_row, h] . key t of `page` (a page of LANES keys): each key's
-    products summed over the head dim into one vector, then the 16 vectors reduced together
-    by a transpose-and-add tree (4 levels of two shuffles and an add), in place of a
-    horizontal sum per key. A lane only ever adds values of its own key."""
+    """float32x16, lane t = q[q_row, h] . key t of `page` (a page of LANES keys)."""
+    vt = f"float32x{LANES}"
+    return _scores(q, q_row, h, d, lambda t, c: pages.vload([page, 0, hk, t, c * LANES], vt))
+
+
+def _ragged_scores(q: tirx.Buffer, k: tirx.Buffer, q_row: tirx.PrimExpr, h: tirx.PrimExpr, hk: tirx.PrimExpr,
+                   first: tirx.PrimExpr, last: tirx.PrimExpr, d: int) -> tirx.PrimExpr:
+    """float32x16, lane t = q[q_row, h] . k[min(first + t, last), hk] (ragged keys [rows, heads, d])."""
+    vt = f"float32x{LANES}"
+    return _scores(q, q_row, h, d, lambda t, c: k.vload([T.min(first + t, last), hk, c * LANES], vt))
+
+
+def _scores(q: tirx.Buffer, q_row: tirx.PrimExpr, h: tirx.PrimExpr, d: int, key) -> tirx.PrimExpr:  # noqa: ANN001
+    """float32x16, lane t = q[q_row, h] . key t, where key(t, c) loads lanes c*16 .. c*16 + 15 of
+    key t: each key's products summed over the head dim into one vector, then the 16 vectors
+    reduced together by a transpose-and-add tree (4 levels of two shuffles and an add), in place
+    of a horizontal sum per key. A lane only ever adds values of its own key."""
     n_c = d // LANES
     vt = f"float32x{LANES}"
     bindings = []  # (var, value): each vector computed once (TIR would repeat a shared subexpression)
@@ -317,7 +337,7 @@ def _page_scores(q: tirx.Buffer, pages: tirx.Buffer, q_row: tirx.PrimExpr, h: ti
     for t in range(LANES):
         v = None
         for c in range(n_c):
-            term = q.vload([q_row, h, c * LANES], vt) * pages.vload([page, 0, hk, t, c * LANES], vt)
+            term = q.vload([q_row, h, c * LANES], vt) * key(t, c)
             v = term if v is None else v + term
         var = tirx.Var(f"dot{t}", vt)
         bindings.append((var, v))
@@ -441,14 +461,14 @@ def _paged_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: 
         T.Assert(rotary_mode == 0, "vtool's CPU paged prefill attention takes rotary_mode 0 (rope applied before the cache)")
         for b in T.serial(batch_size):
             for qh in T.parallel((q_indptr[b + 1] - q_indptr[b]) * h_q):
-                q_idx: T.let[T.int32] = qh // h_q
+                n_q: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                q_idx: T.let[T.int32] = _balanced(qh // h_q, n_q)
                 h: T.let[T.int32] = qh % h_q
                 hk: T.let[T.int32] = h // group
                 q_row: T.let[T.int32] = q_indptr[b] + q_idx
                 first: T.let[T.int32] = page_indptr[b]
                 n_pages: T.let[T.int32] = page_indptr[b + 1] - page_indptr[b]
                 n_kv: T.let[T.int32] = T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
-                n_q: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
                 n_keys: T.let[T.int32] = T.if_then_else(causal > 0, T.max(T.min(n_kv - n_q + q_idx + 1, n_kv), 0),
                                                         n_kv)
                 scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
