@@ -17,7 +17,7 @@ import pytest
 import torch
 from eager_parity import compare_greedy, eager_model
 from hf_oracle import greedy
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from vtool.models.config import ConfigError, parse_hf_config, source_config
 from vtool.models.rope import inverse_frequencies, yarn_inverse_frequencies
@@ -63,10 +63,16 @@ yarn_configs = st.fixed_dictionaries(
 
 @settings(max_examples=150, deadline=None)
 @given(rope=yarn_configs, head_dim=st.sampled_from([16, 32, 64, 80, 128, 256]))
+# found by a CI run: 3 ulp apart in one frequency
+@example(rope={"rope_type": "yarn", "rope_theta": 1e6, "factor": 61.46875, "original_max_position_embeddings": 32768,
+               "beta_fast": 8}, head_dim=128)
 def test_yarn_frequencies_and_attention_factor_equal_transformers(rope, head_dim):
     ours, our_factor = _ours(rope, head_dim, 4 * rope["original_max_position_embeddings"])
     theirs, their_factor = _transformers_rope(rope, head_dim, 4 * rope["original_max_position_embeddings"])
-    np.testing.assert_array_max_ulp(ours, theirs, maxulp=2)  # float32 pow: torch and float64-rounded differ by an ulp at times
+    # float32 pow: torch and float64-rounded differ by an ulp at times, and transformers blends the
+    # interpolated and extrapolated frequencies in float32 (two more roundings) where vtool rounds
+    # once: 3 ulp seen. A wrong ramp or factor is thousands of ulp off.
+    np.testing.assert_array_max_ulp(ours, theirs, maxulp=3)
     assert our_factor == pytest.approx(their_factor, rel=1e-12)
 
 
