@@ -373,8 +373,8 @@ def test_padding_on_tvms_paged_kv_cache_leaves_the_real_rows_unchanged(tiny_sess
     calls: list[tuple[int, bool]] = []
     forward = padded.runner.decode_buckets.forward
 
-    def counted(step):  # noqa: ANN001, ANN202
-        out = forward(step)
+    def counted(step, *rest):  # noqa: ANN001, ANN002, ANN202
+        out = forward(step, *rest)
         calls.append((len(step.sequences), out is not None))
         return out
 
@@ -557,8 +557,8 @@ def test_captured_padded_batch_decode_matches_uncaptured(cuda_artifacts, name, d
     taken: list[tuple[int, bool]] = []
     forward = padded.runner.decode_buckets.forward
 
-    def counted(step):  # noqa: ANN001, ANN202
-        out = forward(step)
+    def counted(step, *rest):  # noqa: ANN001, ANN002, ANN202
+        out = forward(step, *rest)
         taken.append((len(step.sequences), out is not None))
         return out
 

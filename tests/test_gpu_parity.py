@@ -549,6 +549,92 @@ def test_smollm2_engine_samples_on_the_gpu_like_the_host(smollm2):
         assert ours == theirs, f"{kind}: device {ours} vs host {theirs}"
 
 
+def _scripted_engine_run(session, prompts, chain: bool, script: dict[int, list[tuple[str, Any]]],
+                         max_num_seqs: int = 8) -> tuple[dict[str, list[int]], dict[str, str], Any]:
+    """Step an engine, doing script[k] (("add", (rid, ids, params)) or ("abort", rid)) before call k;
+    the tokens and finish reason of each request, and the engine (its blocks checked after)."""
+    from vtool.runtime.engine.engine import Engine, EngineConfig
+
+    engine = Engine(session, EngineConfig(max_num_seqs=max_num_seqs, enable_prefix_caching=False,
+                                          gpu_memory_utilization=0.3, chain_steps=chain))
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    for call in range(20 * STEPS):
+        for action, arg in script.get(call, ()):
+            if action == "add":
+                rid, ids, params = arg
+                engine.add_request(rid, ids, params, with_text=False)
+                tokens[rid] = []
+            else:
+                engine.abort(arg)
+                reasons[arg] = "abort"
+        if not engine.has_unfinished() and call > max(script):
+            break
+        for out in engine.step_core():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+    assert not engine.has_unfinished(), "the engine stopped making progress"
+    blocks = engine.kv.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks, "blocks still held after every request ended"
+    assert engine.kv.in_sync(), "block mirror and TVM disagree"
+    return tokens, reasons, engine
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_smollm2_chained_steps_change_no_token(smollm2):
+    """Steps queued before the previous step's tokens are back, their input tokens gathered on the
+    device (engine/chained_steps.py), give exactly the tokens of steps that wait for them: greedy
+    and seeded requests of different lengths, two arriving while others decode, one aborted halfway.
+    Length-limited requests keep both runs' batches identical step for step (a request at its
+    limit ends the chain), so the tokens must match bit for bit."""
+    session, tokenizer, prompts, _ = smollm2
+
+    def params(i: int, max_tokens: int) -> SamplingParams:
+        kind = [dict(temperature=0.0), dict(temperature=0.8, seed=7 + i), dict(temperature=1.0, top_p=0.9, seed=i),
+                dict(temperature=0.7, top_k=20, min_p=0.05, seed=3 * i)][i % 4]
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kind)
+
+    lengths = [STEPS, STEPS // 2, STEPS + 9, 5, STEPS, 12]
+    script = {0: [("add", (f"r{i}", prompts[i % len(prompts)], params(i, lengths[i]))) for i in range(4)],
+              7: [("add", ("r4", prompts[1][:9], params(4, lengths[4])))],
+              11: [("abort", "r2")],
+              19: [("add", ("r5", prompts[2], params(5, lengths[5])))]}
+    waited, waited_reasons, plain = _scripted_engine_run(session, prompts, False, script)
+    chained, chained_reasons, engine = _scripted_engine_run(session, prompts, True, script)
+    print(f"[chained steps] {engine.counters.chained_steps} of {engine.counters.steps} steps chained; "
+          f"{plain.counters.steps} steps without")
+    assert plain.counters.chained_steps == 0
+    assert engine.counters.chained_steps >= STEPS // 2, "hardly any step was chained"
+    assert chained_reasons == waited_reasons
+    for rid in waited:
+        assert chained[rid] == waited[rid], f"{rid}: chained {chained[rid]} vs waiting {waited[rid]}"
+        if rid != "r2":
+            assert len(chained[rid]) == lengths[int(rid[1:])]
+    assert 0 < len(chained["r2"]) < lengths[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_smollm2_a_stop_token_ends_a_chained_request_where_it_should(smollm2):
+    """A request that a stop token ends has one more step queued behind it when its chain runs: that
+    step's token is dropped and its blocks are freed; the output ends at the stop token, as
+    without chaining."""
+    session, tokenizer, prompts, _ = smollm2
+    greedy = SamplingParams(max_tokens=STEPS, ignore_eos=True, temperature=0.0)
+    free, _, _ = _scripted_engine_run(session, prompts, False, {0: [("add", ("r0", prompts[0], greedy))]})
+    stop = free["r0"][STEPS // 2]
+    first = free["r0"].index(stop)
+    stopping = SamplingParams(max_tokens=STEPS, temperature=0.0, stop_token_ids=[stop])
+    for chain in (False, True):
+        tokens, reasons, engine = _scripted_engine_run(session, prompts, chain,
+                                                       {0: [("add", ("r0", prompts[0], stopping))]})
+        assert tokens["r0"] == free["r0"][: first + 1], f"chain={chain}"
+        assert reasons == {"r0": "stop"}
+        assert (engine.counters.chained_steps > 0) == chain
+
+
 # -- (c) FlashInfer attention (`vtool build --attention flashinfer`) ----------------------------
 # Libraries built elsewhere with FlashInfer's kernels (they need flashinfer-python and minutes
 # of nvcc at build time, so they are prebuilt): VTOOL_GPU_FLASHINFER_ARTIFACTS names a folder

@@ -16,6 +16,7 @@ from vtool import VtoolError
 # cudaDeviceAttr values (driver_types.h; stable since CUDA 5).
 _ATTR_CC_MAJOR = 75
 _ATTR_CC_MINOR = 76
+_EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
 
 # The vtool target (targets/table.py) to build for a compute capability: arch-specific
 # ("a") rows where the table has them, as nvcc names them.
@@ -132,6 +133,21 @@ class CudaRuntime:
         self._check(self._lib.cudaSetDevice(index), "cudaSetDevice")
         self._check(self._lib.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)), "cudaMemGetInfo")
         return free.value, total.value
+
+    def event_create(self) -> ctypes.c_void_p:
+        """A CUDA event without timing (the cheap kind), for ordering host work after the device's."""
+        event = ctypes.c_void_p()
+        self._check(self._lib.cudaEventCreateWithFlags(ctypes.byref(event), _EVENT_DISABLE_TIMING),
+                    "cudaEventCreateWithFlags")
+        return event
+
+    def event_record(self, event: ctypes.c_void_p) -> None:
+        """Record the event on the legacy default stream, where TVM queues its kernels and copies."""
+        self._check(self._lib.cudaEventRecord(event, None), "cudaEventRecord")
+
+    def event_synchronize(self, event: ctypes.c_void_p) -> None:
+        """Wait until the work queued before the event's last record is done."""
+        self._check(self._lib.cudaEventSynchronize(event), "cudaEventSynchronize")
 
     def gpu(self, index: int = 0) -> GpuInfo:
         """The GPU at `index`, or a CudaError that says why there is none."""

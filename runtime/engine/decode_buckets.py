@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from vtool.runtime.artifact.tvm_runtime import global_func
+from vtool.runtime.engine.chained_steps import DeviceTokens, fill_token_ids
 
 # The entry points' names, as toolchain/families.py writes them (a test holds them equal).
 CAPTURED_ENTRY = "batch_decode_captured"
@@ -131,18 +132,21 @@ class DecodeBuckets:
         free = blocks.num_free_blocks - sum(blocks.blocks_needed(s, 1) for s in seq_ids)
         return plan_padding(len(seq_ids), self.sizes, free)
 
-    def forward(self, step: Any) -> Any | None:
+    def forward(self, step: Any, device_tokens: DeviceTokens | None = None) -> Any | None:
         """Run an all-decode SchedulerOutput padded: the logits of its own rows ([n, 1, V]
         float32, a view on the device), or None when this step runs unpadded instead (then
-        nothing was done)."""
+        nothing was done). device_tokens: the rows' input tokens are on the device, drawn by
+        the step before (a chained step, engine/chained_steps.py)."""
         sequences = step.sequences
         seq_ids = [s.seq_id for s in sequences]
         plan = self.plan(seq_ids)
         if plan is None:
             return None
         m, kv = self.model, self.kv
-        tokens = np.asarray([s.token_ids[0] for s in sequences] + [PAD_TOKEN] * plan.pages, dtype=np.int32)
-        flat = m.function("embed")(m.upload(tokens, slot="ids"), m.params)
+        tokens = [s.token_ids[0] for s in sequences] + [PAD_TOKEN] * plan.pages
+        ids = m.upload(np.asarray(tokens, dtype=np.int32), slot="ids") if device_tokens is None else \
+            fill_token_ids(m, tokens, device_tokens, self._create_view)
+        flat = m.function("embed")(ids, m.params)
         added: list[int] = []
         try:
             for pad in plan.pad_ids:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from vtool import VtoolError
+from vtool.runtime.engine.chained_steps import DeviceTokens, chain_rows, chained_step
 from vtool.runtime.engine.grammar_stage import GrammarStage
 from vtool.runtime.engine.kv_blocks import blocks_for_window
 from vtool.runtime.engine.kv_cache import PagedKVCache, cache_layers, frees_window, sliding_window, window_kept
@@ -41,6 +43,7 @@ log = logging.getLogger("vtool.engine")
 
 DEFAULT_KV_MEMORY_BYTES = 1 << 30  # CPU default budget for K/V when --num-blocks is not given
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+NO_CHAINED_STEPS_ENV = "VTOOL_NO_CHAINED_STEPS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,11 @@ class EngineConfig:
     # On a GPU, launch step N+1 before building step N's outputs (vLLM's async scheduling);
     # False runs one step at a time. The CPU always does (its launches are the computation).
     async_scheduling: bool = True
+    # With async_scheduling on a GPU, queue a plain decode step before the previous step's tokens
+    # are back, its input tokens read on the device (chained_steps.py). Off: every step waits for
+    # the previous one's tokens (VTOOL_NO_CHAINED_STEPS=1 turns it off too, for A/B runs).
+    chain_steps: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get(NO_CHAINED_STEPS_ENV, "") in ("", "0"))
     # Structured output: append the tokens a grammar forces without a decode step each
     # (engine/grammar_stage.py); False decodes them one step at a time.
     grammar_jump_forward: bool = True
@@ -132,6 +140,8 @@ class EngineCounters:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
     propose_seconds: float = 0.0
+    # Steps queued behind the one before, their tokens read on the device (chained_steps.py).
+    chained_steps: int = 0
 
 
 @dataclasses.dataclass
@@ -226,6 +236,15 @@ class Engine:
         self.last_step_tokens = 0
         # Overlapped steps (step_core) where a launch returns before the device is done.
         self._overlap = config.async_scheduling and self.runner.queues_work
+        # Chained steps (chained_steps.py): the next step queued before the last one's tokens are
+        # back, when the device draws them; not with speculation (drafts need the tokens on the
+        # host) nor the window-freeing cache (CPU only).
+        self._chains = self._overlap and config.chain_steps and self.speculator is None and not self.kv.frees \
+            and self.runner.device_sampler is not None
+        if self._chains:
+            from vtool.runtime.artifact.tvm_runtime import cuda_runtime
+
+            self.kv.fence_steps(cuda_runtime())
         self._in_flight: _Launched | None = None
         self._failed: list[CoreOutput] = []  # requests ended outside a step, reported by the next
 
@@ -323,17 +342,22 @@ class Engine:
 
         On a GPU (config.async_scheduling) the steps overlap: this collects the step launched
         by the previous call, schedules and launches the next one, and only then builds the
-        collected step's outputs, so that host work runs while the device computes. Its
-        outputs therefore come one call later; has_unfinished() stays true until the last
-        launched step has been collected."""
+        collected step's outputs, so that host work runs while the device computes. When the
+        next step is known without the collected step's tokens (plain decoding, nobody to
+        admit), it is launched first, chained to the device's draw, so the device never waits
+        for the host between the two (chained_steps.py). Outputs therefore come one call
+        later; has_unfinished() stays true until the last launched step has been collected."""
         collected = []
         if self.grammar.has_pending:
             self._admit_compiled()
+        chained = None
         if self._in_flight is not None:
             launched, self._in_flight = self._in_flight, None
+            chained = self._launch_chained(launched)  # before the wait, when the next step is known
             collected.append(self._collect(launched))
-        launched = self._launch()
-        if launched is not None:
+        if chained is not None:
+            self._in_flight = chained
+        elif (launched := self._launch()) is not None:
             if self._overlap:
                 self._in_flight = launched
             else:
@@ -366,6 +390,31 @@ class Engine:
             request.first_scheduled_time = request.first_scheduled_time or now
         self.counters.steps += 1
         return _Launched(requests, self.runner.launch(scheduled))
+
+    def _launch_chained(self, launched: _Launched) -> _Launched | None:
+        """Queue the next step right behind a launched one, its input tokens read on the device
+        from the launched step's draw (engine/chained_steps.py), when that step is known without
+        them; None: the next step needs the scheduler, after the launched step is collected."""
+        if not self._chains:
+            return None
+        t0 = time.perf_counter()
+        flight, scheduler = launched.flight, self.scheduler
+        running = scheduler.running
+        rows = chain_rows(launched.requests, flight.step,
+                          flight.on_device and flight.draw is not None and flight.pending_draw is None,
+                          running, bool(scheduler.waiting) and len(running) < self.config.max_num_seqs,
+                          self.config.max_num_batched_tokens, self.output_processor.room)
+        blocks = self.kv.blocks
+        if rows is None or sum(blocks.blocks_needed(r.seq_id, 1) for r in running) > blocks.num_free_blocks:
+            self.counters.schedule_seconds += time.perf_counter() - t0
+            return None  # the scheduler evicts cached prefixes or preempts for blocks; not here
+        requests = [launched.requests[i] for i in rows]
+        step = chained_step(requests, [flight.step.sequences[i] for i in rows])
+        self.counters.schedule_seconds += time.perf_counter() - t0
+        self.last_step_tokens = step.num_tokens
+        self.counters.steps += 1
+        self.counters.chained_steps += 1
+        return _Launched(requests, self.runner.launch(step, DeviceTokens(flight.draw.tokens, tuple(rows))))
 
     def _collect(self, launched: _Launched) -> tuple[list[tuple[Request, Any, str | None, int | None, float | None,
                                                                 list[int]]], float]:

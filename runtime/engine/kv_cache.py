@@ -87,6 +87,8 @@ class PagedKVCache:
         self._begin, self._end = self._f["kv_state_begin_forward"], self._f["kv_state_end_forward"]
         self._last_key: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # begin_forward's
         self._last_shapes: tuple[Any, Any] = ()
+        self._cuda: Any = None  # fence_steps
+        self._recorded = False
         self.max_num_seqs = max_num_seqs  # TVM sizes a step's arrays by it: no step may run more rows
         # TVM may round the page count up; the mirror starts from what TVM reports.
         self.blocks = KVBlockManager(self.tvm_free_blocks(), block_size)
@@ -122,6 +124,23 @@ class PagedKVCache:
             self.blocks.pop(seq_id, num_tokens)
             self._f["kv_state_popn"](self.handle, seq_id, num_tokens)
 
+    def fence_steps(self, cuda: Any) -> None:
+        """Let a step be queued before the one before it has run (chained steps, on a GPU).
+
+        TVM's cache copies a step's page tables and positions into one device buffer at the step's
+        first attention call, from one page-locked host buffer, on a copy stream of its own that
+        TVM creates non-blocking: the copy does not wait for the kernels already queued on the
+        default stream. Steps queued only after the previous one is done never noticed; a step
+        queued while the one before still runs would rewrite that buffer under the earlier step's
+        attention kernels (an illegal address on the H200 once the shapes differ). So end_forward
+        records an event behind the step's model work, and the next begin_forward waits for it:
+        at most until the previous step's logits are computed, so its draw and the rest of this
+        step's queueing still overlap. When the previous step was collected first (every step
+        that is not chained), the event has fired long before."""
+        self._cuda = cuda
+        self._model_done = cuda.event_create()
+        self._recorded = False
+
     def begin_forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
         for seq_id, n in zip(seq_ids, lengths):
             self.blocks.append(seq_id, n)
@@ -129,10 +148,15 @@ class PagedKVCache:
         key = (tuple(seq_ids), tuple(lengths))
         if key != self._last_key:
             self._last_key, self._last_shapes = key, (self._shape(list(key[0])), self._shape(list(key[1])))
+        if self._recorded:
+            self._cuda.event_synchronize(self._model_done)  # the previous step no longer reads TVM's buffers
         self._begin(self.handle, *self._last_shapes)
 
     def end_forward(self) -> None:
         self._end(self.handle)
+        if self._cuda is not None:
+            self._cuda.event_record(self._model_done)
+            self._recorded = True
 
     def in_sync(self) -> bool:
         """Whether the mirror agrees with TVM's own count (checked by the tests)."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from vtool import VtoolError
 from vtool.runtime.artifact.tvm_runtime import global_func
+from vtool.runtime.engine.chained_steps import DeviceTokens, fill_token_ids
 from vtool.runtime.engine.decode_buckets import CAPTURED_VERIFY_ENTRY, DecodeBuckets, captured_verify_tokens
 from vtool.runtime.engine.kv_cache import PagedKVCache
 from vtool.runtime.engine.step_types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SequenceResult
@@ -141,10 +142,11 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         return self.finish(self.launch(step))
 
-    def launch(self, step: SchedulerOutput) -> InFlightStep:
+    def launch(self, step: SchedulerOutput, device_tokens: DeviceTokens | None = None) -> InFlightStep:
         """Queue the step: the model, and the draw when the device samples every row that
         samples (its inputs, grammar masks included, uploaded first: a host-to-device copy
-        waits for the queued work)."""
+        waits for the queued work). device_tokens: an all-decode step whose input tokens the
+        step before drew on the device (engine/chained_steps.py)."""
         t0 = time.perf_counter()
         sequences = step.sequences
         to_sample = [i for i, s in enumerate(sequences) if s.sample]
@@ -154,7 +156,7 @@ class ModelRunner:
                 and self.device_sampler.can_sample(samplers)):
             # a grammar mask is filled on a worker while the model step is queued
             prepared = self.device_sampler.prepare_batch(samplers, defer_mask=True)
-        logits = self._forward(step)
+        logits = self._forward(step, device_tokens)
         draw = pending = None
         if prepared is not None and prepared.mask_job is not None:
             pending = prepared  # queue_draw: after the caller's host work, while the model step runs
@@ -289,13 +291,15 @@ class ModelRunner:
             shape = self._shapes[dims] = self.model.ffi.Shape(list(dims))
         return shape
 
-    def _forward(self, step: SchedulerOutput) -> StepLogits:
+    def _forward(self, step: SchedulerOutput, device_tokens: DeviceTokens | None = None) -> StepLogits:
         """Run the batch; the logits of the rows the sequences want, left on the device."""
         m = self.model
         sequences = step.sequences
         all_decode = step.all_decode
+        if device_tokens is not None and not all_decode:
+            raise VtoolError("a step whose tokens are on the device must be all decode")
         if all_decode and self.decode_buckets is not None:  # CUDA graphs, padded (decode_buckets.py)
-            padded = self.decode_buckets.forward(step)
+            padded = self.decode_buckets.forward(step, device_tokens)
             if padded is not None:
                 owners = [i if s.num_logit_rows else -1 for i, s in enumerate(sequences)]
                 return StepLogits(m, padded, self.vocab_size, owners)
@@ -306,7 +310,9 @@ class ModelRunner:
             tokens = [t for s in sequences for t in s.token_ids]
             lengths = [s.num_tokens for s in sequences]
         seq_ids = [s.seq_id for s in sequences]
-        flat = m.function("embed")(m.upload_ints(tokens, "ids"), m.params)
+        ids = m.upload_ints(tokens, "ids") if device_tokens is None else \
+            fill_token_ids(m, tokens, device_tokens, self._create_view)
+        flat = m.function("embed")(ids, m.params)
         self.kv.begin_forward(seq_ids, lengths)
         try:
             if all_decode:
