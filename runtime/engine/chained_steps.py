@@ -19,6 +19,14 @@ What that changes, and what it does not:
   and the write the queued step makes to them comes before any later use, in stream order.
 - New requests are admitted by the scheduler: when one could be, the engine waits for step
   N as before.
+- TVM's KV cache copies each step's page tables on a non-blocking stream of its own, so the
+  next step's copy must not start under a running step: PagedKVCache.fence_steps makes each
+  begin_forward wait for the previous step's model work (its logits), which leaves only the
+  previous step's draw overlapped with this step's queueing.
+
+Off by default (EngineConfig.chain_steps, VTOOL_CHAINED_STEPS=1): on the H200 with an 8B-shape
+model at 64 sequences the waiting engine's step already equals the model step plus its draw, so
+chaining measured no faster (docs/BENCHMARKS.md, "Chained decode steps").
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ log = logging.getLogger("vtool.engine")
 
 DEFAULT_KV_MEMORY_BYTES = 1 << 30  # CPU default budget for K/V when --num-blocks is not given
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
-NO_CHAINED_STEPS_ENV = "VTOOL_NO_CHAINED_STEPS"
+CHAINED_STEPS_ENV = "VTOOL_CHAINED_STEPS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +68,11 @@ class EngineConfig:
     # False runs one step at a time. The CPU always does (its launches are the computation).
     async_scheduling: bool = True
     # With async_scheduling on a GPU, queue a plain decode step before the previous step's tokens
-    # are back, its input tokens read on the device (chained_steps.py). Off: every step waits for
-    # the previous one's tokens (VTOOL_NO_CHAINED_STEPS=1 turns it off too, for A/B runs).
+    # are back, its input tokens read on the device (chained_steps.py). Off by default
+    # (VTOOL_CHAINED_STEPS=1 turns it on): correct, but on the H200 it measured no faster than
+    # waiting for the tokens (docs/BENCHMARKS.md, "Chained decode steps").
     chain_steps: bool = dataclasses.field(
-        default_factory=lambda: os.environ.get(NO_CHAINED_STEPS_ENV, "") in ("", "0"))
+        default_factory=lambda: os.environ.get(CHAINED_STEPS_ENV, "") not in ("", "0"))
     # Structured output: append the tokens a grammar forces without a decode step each
     # (engine/grammar_stage.py); False decodes them one step at a time.
     grammar_jump_forward: bool = True
