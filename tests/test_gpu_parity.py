@@ -549,7 +549,7 @@ def test_smollm2_engine_samples_on_the_gpu_like_the_host(smollm2):
         assert ours == theirs, f"{kind}: device {ours} vs host {theirs}"
 
 
-def _scripted_engine_run(session, prompts, chain: bool, script: dict[int, list[tuple[str, Any]]],
+def _scripted_engine_run(session, chain: bool, script: dict[int, list[tuple[str, Any]]],
                          max_num_seqs: int = 8) -> tuple[dict[str, list[int]], dict[str, str], Any]:
     """Step an engine, doing script[k] (("add", (rid, ids, params)) or ("abort", rid)) before call k;
     the tokens and finish reason of each request, and the engine (its blocks checked after)."""
@@ -601,8 +601,8 @@ def test_smollm2_chained_steps_change_no_token(smollm2):
               7: [("add", ("r4", prompts[1][:9], params(4, lengths[4])))],
               11: [("abort", "r2")],
               19: [("add", ("r5", prompts[2], params(5, lengths[5])))]}
-    waited, waited_reasons, plain = _scripted_engine_run(session, prompts, False, script)
-    chained, chained_reasons, engine = _scripted_engine_run(session, prompts, True, script)
+    waited, waited_reasons, plain = _scripted_engine_run(session, False, script)
+    chained, chained_reasons, engine = _scripted_engine_run(session, True, script)
     print(f"[chained steps] {engine.counters.chained_steps} of {engine.counters.steps} steps chained; "
           f"{plain.counters.steps} steps without")
     assert plain.counters.chained_steps == 0
@@ -623,12 +623,12 @@ def test_smollm2_a_stop_token_ends_a_chained_request_where_it_should(smollm2):
     without chaining."""
     session, tokenizer, prompts, _ = smollm2
     greedy = SamplingParams(max_tokens=STEPS, ignore_eos=True, temperature=0.0)
-    free, _, _ = _scripted_engine_run(session, prompts, False, {0: [("add", ("r0", prompts[0], greedy))]})
+    free, _, _ = _scripted_engine_run(session, False, {0: [("add", ("r0", prompts[0], greedy))]})
     stop = free["r0"][STEPS // 2]
     first = free["r0"].index(stop)
     stopping = SamplingParams(max_tokens=STEPS, temperature=0.0, stop_token_ids=[stop])
     for chain in (False, True):
-        tokens, reasons, engine = _scripted_engine_run(session, prompts, chain,
+        tokens, reasons, engine = _scripted_engine_run(session, chain,
                                                        {0: [("add", ("r0", prompts[0], stopping))]})
         assert tokens["r0"] == free["r0"][: first + 1], f"chain={chain}"
         assert reasons == {"r0": "stop"}
