@@ -16,8 +16,14 @@ the split-KV decode kernel's scheme (schedules/cuda/decode_attention.py) with on
 token per row of the grid: (token, query head, split) blocks, then the merge. Each token
 reads the cached K/V again, which costs nothing at a few tokens and a lot at thousands,
 so the kernel keeps TVM's own for longer steps: the function put in place of
-`batch_prefill_paged_kv` branches on the step's token count on the host
-(`replace_prefill_paged_attention`). Rope is applied before K is stored (RopeMode.NORMAL),
+`batch_prefill_paged_kv` branches on the step's token count beyond one per sequence on the
+host (`replace_prefill_paged_attention`).
+
+The same holds for a served step that admits a new prompt beside running decodes (63
+decodes and one 128-token prompt: 191 tokens). TVM's tiled kernel gave each decode row a
+32-row tile of its own walking the context: in such steps it took two thirds of the GPU
+time on the H200 (8B shape, 64 sequences; `tests/bench/mixed_steps.py --profile`), where
+FlashInfer's prefill kernel made the mixed step cost a fifth more than a decode step. Rope is applied before K is stored (RopeMode.NORMAL),
 so only `rotary_mode == 0` takes the short path.
 """
 from __future__ import annotations
@@ -30,8 +36,12 @@ from vtool.schedules.cuda.decode_attention import LANES, WARPS, split_kv_macros
 from vtool.schedules.softcap import softcap_of
 
 PAGED_PREFILL_SYMBOL = "batch_prefill_paged_kv"  # TVM's kernel this one goes in front of
-# Steps of at most this many tokens take the split-KV path (verification steps: sequences
-# times 1 + k; the captured batch_verify's bound is 128 too).
+# Steps with fewer than this many tokens beyond one per sequence take the split-KV path:
+# verification steps (sequences times 1 + k; the captured batch_verify's bound is 128 too),
+# and a served step that mixes a new prompt into running decodes. Every decode row of such a
+# step is a decode query; a fresh prompt has no cached pages, so its rows cost the split-KV
+# kernel nothing; only many rows of one sequence over a long cached context (a later chunk of
+# a long prompt) re-read it row by row, and those steps have more rows than this.
 SHORT_STEP_TOKENS = 128
 
 
@@ -167,7 +177,7 @@ def dispatcher(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
         q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32", offset_factor=1)
         output = T.match_buffer(var_output, (total_len, H_qo, D), dtype)
         lse = T.match_buffer(var_lse, (total_len, H_qo), "float32")
-        if total_len <= SHORT_STEP_TOKENS and rotary_mode == 0:
+        if total_len - batch_size < SHORT_STEP_TOKENS and rotary_mode == 0:
             T.evaluate(T.call_cpacked(SHORT_SYMBOL, q, q_indptr, pages, page_indptr, page_values, length_info,
                                      k_rope_pos_offset, q_rope_position, output, lse,
                                      causal, rotary_mode, rope_scale, rope_theta, sm_scale))
