@@ -114,3 +114,30 @@ def test_a_softcapped_model_is_refused_and_auto_falls_back_to_tir(monkeypatch):
     notices: list[str] = []
     assert fa.resolve_attention("auto", "cuda", "bfloat16", gemma2, notices.append) == "tir"
     assert len(notices) == 1 and "attn_logit_softcapping" in notices[0]
+
+
+def test_the_cuda_build_extra_pins_the_flashinfer_the_build_checks_against():
+    """`pip install 'vtool[cuda-build]'` is how a CUDA build gets FlashInfer's attention by
+    default (`--attention auto`); the extra must install the one version whose plan TVM 0.27's
+    runtime calls, which is what the build's own check names."""
+    import configparser
+    from pathlib import Path
+
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    extra = [line.strip() for line in cfg["options.extras_require"]["cuda-build"].splitlines()
+             if line.strip() and not line.strip().startswith("#")]
+    assert extra == [f"flashinfer-python=={fa.TESTED_FLASHINFER}"]
+
+
+def test_the_helper_finds_console_scripts_of_an_unactivated_venv(monkeypatch):
+    """ninja comes with the cuda-build extra as a console script beside the venv's python; a
+    build run as .venv/bin/vtool (venv not activated) must still find it."""
+    import os
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setenv("PATH", "/usr/bin")
+    monkeypatch.delenv(fa.FLASHINFER_PATH_ENV, raising=False)
+    path = fa._flashinfer_env()["PATH"].split(os.pathsep)
+    assert path[0] == "/usr/bin" and str(Path(sys.executable).parent) in path

@@ -187,6 +187,11 @@ def _flashinfer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         # flashinfer's ninja comes with it when installed with --target
         if (Path(path) / "bin").is_dir():
             env["PATH"] = os.pathsep.join([str(Path(path) / "bin"), env.get("PATH", "")])
+    # a venv's console scripts (ninja, which `pip install 'vtool[cuda-build]'` puts there) are
+    # beside its python, which is not on PATH unless the venv is activated
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in env.get("PATH", "").split(os.pathsep):
+        env["PATH"] = os.pathsep.join([env.get("PATH", ""), bin_dir]) if env.get("PATH") else bin_dir
     env.update(extra or {})
     return env
 
