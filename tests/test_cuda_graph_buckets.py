@@ -736,3 +736,47 @@ def test_short_steps_attend_as_decode_and_long_steps_as_before(cuda_artifacts):
     chunked = max(float(np.abs(whole[s] - whole[1]).max()) for s in (2, 3))
     print(f"\n[gpu short steps] verify rows vs decode {worst:.3g}; chunked vs whole prompt {chunked:.3g}")
     assert worst <= TOLERANCE["float32"] and chunked <= TOLERANCE["float32"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt_len", [100, 150])
+def test_a_step_admitting_a_prompt_beside_decodes_attends_as_each_alone(cuda_artifacts, prompt_len):
+    """A served step that admits a fresh prompt beside running decodes: 6 decodes and a
+    100-token prompt (100 rows beyond one per sequence: the split-KV kernel) or a 150-token one
+    (TVM's tiled kernel). Each decode row equals decoding that sequence alone (a fork of it)
+    and the prompt's last row equals prefilling it alone (float32)."""
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.runtime.weights.checkpoint import open_checkpoint
+
+    if "float32" not in cuda_artifacts.get("llama3-rope", {}):
+        pytest.skip("no llama3-rope float32 artifact")  # head_dim 32: the short kernel's lanes split it
+    checkpoint, artifact = cuda_artifacts["llama3-rope"]["float32"]
+    model = CompiledModel(artifact, open_checkpoint(checkpoint))
+    h = Harness.make(model, 300, 32)
+    rng = np.random.default_rng(prompt_len)
+
+    def ids(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(3, model.vocab_size, size=n)]
+
+    running = list(range(6))
+    for seq in running:
+        h.prefill(seq, ids(20 + 9 * seq))
+    nxt = {seq: ids(1)[0] for seq in running}
+    alone = {}
+    for seq in running:
+        h.fork(seq, 100 + seq)
+        alone[seq] = h.decode({100 + seq: nxt[seq]})[100 + seq]
+        h.leave(100 + seq)
+    prompt = ids(prompt_len)
+    prompt_alone = h.prefill(50, prompt)
+    h.leave(50)
+    h.kv.add(60)
+    step = SchedulerOutput(tuple(
+        ScheduledSequence(f"r{s}", s, (nxt[s],), len(h.tokens[s]), 1, False, return_logits=True) for s in running)
+        + (ScheduledSequence("r60", 60, tuple(prompt), 0, 1, False, return_logits=True),))
+    results = h.runner.execute(step).results
+    decode_diff = max(float(np.abs(results[i].logits[-1] - alone[s]).max()) for i, s in enumerate(running))
+    prompt_diff = float(np.abs(results[-1].logits[-1] - prompt_alone).max())
+    print(f"\n[gpu mixed step, {prompt_len}-token prompt] decode rows vs alone {decode_diff:.3g}; "
+          f"prompt vs alone {prompt_diff:.3g}")
+    assert decode_diff <= TOLERANCE["float32"] and prompt_diff <= TOLERANCE["float32"]
