@@ -29,9 +29,10 @@ plan in flashinfer 0.6's tvm-ffi form. flashinfer 0.6.16 added `uniform_q_len` t
 prefill plan (0.7 adds `fixed_uniform_q_len` too): a library built from those fails at the
 first prefill with an argument-count error. So 0.6.15.post1 is the newest that fits; the
 build checks the binding's signature rather than trusting the version number. flashinfer
-is not a vtool dependency: install it anywhere (`pip install --target DIR
+is not a dependency of vtool itself: the `cuda-build` extra pins it (`pip install
+'vtool[cuda-build]'`), or install it anywhere (`pip install --target DIR
 flashinfer-python==0.6.15.post1 --no-deps` plus nvidia-ml-py, einops, tabulate, ninja,
-tqdm) and point VTOOL_FLASHINFER_PATH at DIR, or have it importable.
+tqdm) and point VTOOL_FLASHINFER_PATH at DIR.
 
 Model side: `use_attention(model, "flashinfer")` makes DecoderForCausalLM's
 create_tir_paged_kv_cache build a FlashInferPagedKVCache (models/decoder.py reads
@@ -429,9 +430,10 @@ def _helper_probe() -> dict[str, Any]:
         from flashinfer.jit import env as jit_env
     except ImportError as err:
         raise FlashInferError(
-            f"--attention flashinfer needs the flashinfer-python package at build time ({err}); install "
-            f"flashinfer-python=={TESTED_FLASHINFER} (pip install --target DIR ... --no-deps, plus nvidia-ml-py einops "
-            f"tabulate ninja tqdm) and set {FLASHINFER_PATH_ENV}=DIR") from None
+            f"--attention flashinfer needs the flashinfer-python package at build time ({err}); "
+            f"pip install 'vtool[cuda-build]' (flashinfer-python=={TESTED_FLASHINFER}), or install it anywhere "
+            f"(pip install --target DIR ... --no-deps, plus nvidia-ml-py einops tabulate ninja tqdm) and set "
+            f"{FLASHINFER_PATH_ENV}=DIR") from None
     from flashinfer.version import __version__
 
     why = _binding_fits(jit_env.FLASHINFER_CSRC_DIR)
