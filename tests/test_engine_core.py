@@ -122,6 +122,35 @@ def test_the_step_profile_counts_every_part_of_the_engines_time(server):
     assert parts["forward"] > parts["schedule"]  # a model step costs more than deciding it
 
 
+def test_step_durations_by_kind_reach_metrics(server):
+    """vtool:engine_step_seconds{kind}: a prompt admitted while another request decodes runs in
+    a mixed step; the decode steps of the two are decode steps; no step is longer than the wall
+    time around it."""
+    def count(kind: str) -> float:
+        return server.metric("vtool:engine_step_seconds_count", model_name=MODEL, kind=kind)
+
+    before = {k: count(k) for k in ("decode", "mixed", "prefill")}
+    seconds_before = sum(server.metric("vtool:engine_step_seconds_sum", model_name=MODEL, kind=k)
+                         for k in ("decode", "mixed", "prefill"))
+    start = time.monotonic()
+    response = _long_stream(server.url)
+    lines = response.iter_lines()
+    seen = 0
+    for line in lines:
+        seen += line.startswith("data: {")
+        if seen == 3:
+            break
+    httpx.post(f"{server.url}/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi", "max_tokens": 4})
+    response.close()
+    _wait(lambda: server.metric("vllm:num_requests_running", model_name=MODEL) == 0, 30, "the abort")
+    wall = time.monotonic() - start
+    grown = {k: count(k) - before[k] for k in before}
+    assert grown["prefill"] >= 1 and grown["mixed"] >= 1 and grown["decode"] >= 3, grown
+    seconds = sum(server.metric("vtool:engine_step_seconds_sum", model_name=MODEL, kind=k)
+                  for k in ("decode", "mixed", "prefill")) - seconds_before
+    assert 0 < seconds <= wall, (seconds, wall)
+
+
 def test_a_stop_string_found_on_the_api_side_ends_the_request_in_the_core(server):
     body = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "temperature": 0,

@@ -87,6 +87,10 @@ def test_scheduler_output_is_what_the_requests_need(session):
         scheduled = engine.scheduler.schedule()
         assert scheduled.num_tokens <= config.max_num_batched_tokens
         assert len(scheduled.sequences) <= config.max_num_seqs
+        prompt_chunks = [engine.requests[s.request_id].num_computed < len(engine.requests[s.request_id].prompt_ids)
+                         and (s.num_tokens > 1 or s.num_computed == 0) for s in scheduled.sequences]
+        assert scheduled.kind == ("decode" if not any(prompt_chunks) else "prefill" if all(prompt_chunks)
+                                  else "mixed")  # a 1-token last chunk over a cached prefix costs as a decode
         for s in scheduled.sequences:
             request = engine.requests[s.request_id]
             assert s.token_ids == tuple(request.all_ids[request.num_computed: request.num_computed + s.num_tokens])
@@ -104,6 +108,17 @@ def test_scheduler_output_is_what_the_requests_need(session):
         steps += 1
         assert steps < 500
     assert engine.kv.in_sync()
+
+
+def test_step_kind_tells_decodes_from_prompt_chunks():
+    decode = _sequence(0, [5], 10, 1)
+    verify = ScheduledSequence("s1", 1, (5, 6, 7), 10, 3, True, sampler=object(), draft_ids=(6, 7))
+    fresh = _sequence(2, [1, 2, 3], 0, 1)
+    one_token_prompt = _sequence(3, [9], 0, 1)
+    later_chunk = _sequence(4, [1, 2], 3, 0)
+    assert SchedulerOutput((decode, verify)).kind == "decode"
+    assert SchedulerOutput((fresh,)).kind == SchedulerOutput((one_token_prompt, later_chunk)).kind == "prefill"
+    assert SchedulerOutput((decode, fresh)).kind == SchedulerOutput((verify, later_chunk)).kind == "mixed"
 
 
 def test_grammar_mask_seam_constrains_greedy_to_the_allowed_tokens(session, folder):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from vtool.runtime.engine.request import FinishedRequestStats
-from vtool.runtime.serving.metrics import ServerMetrics, one_two_five_buckets
+from vtool.runtime.serving.metrics import STEP_KINDS, ServerMetrics, one_two_five_buckets
 
 SETTINGS = settings(max_examples=80, deadline=None)
 LABELS = {"model_name": "m", "engine": "0"}
@@ -233,6 +233,21 @@ def test_observe_iteration(steps):
     for n in steps:
         metrics.observe_iteration(n)
     assert_histogram(scrape(metrics), "vllm:iteration_tokens_total", steps)
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.sampled_from(STEP_KINDS), st.floats(0, 10, allow_nan=False)), max_size=30))
+def test_observe_step_fills_one_series_per_kind(steps):
+    metrics = ServerMetrics("m")
+    for kind, seconds in steps:
+        metrics.observe_step(kind, seconds)
+    families = scrape(metrics)
+    for kind in STEP_KINDS:  # every kind's series exists from the start
+        buckets, count, total = histogram(families, "vtool:engine_step_seconds", {**LABELS, "kind": kind})
+        observed = [t for k, t in steps if k == kind]
+        assert count == len(observed) and total == pytest.approx(sum(observed), rel=1e-9, abs=1e-9)
+        for le, cumulative in buckets.items():
+            assert cumulative == sum(1 for v in observed if v <= le), (kind, le)
 
 
 def test_cache_config_info_carries_the_cache_config_as_labels():

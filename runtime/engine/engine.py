@@ -151,12 +151,14 @@ class _Launched:
 
     requests: list[Request]
     flight: InFlightStep
+    launched_at: float  # perf_counter when its launch began
 
 
 class EngineObserver(Protocol):
     """What the engine reports as it runs (serving/metrics.py's ServerMetrics is one)."""
 
     def observe_iteration(self, num_tokens: int) -> None: ...
+    def observe_step(self, kind: str, seconds: float) -> None: ...
     def observe_first_token(self, seconds: float) -> None: ...
     def observe_inter_token(self, seconds: float) -> None: ...
     def observe_finished_request(self, stats: FinishedRequestStats) -> None: ...
@@ -234,6 +236,7 @@ class Engine:
         self.grammar = GrammarStage(self.tokenizer, self.vocab_size, session.stop_ids, config.grammar_jump_forward)
         self.counters = EngineCounters()
         self.observer: EngineObserver | None = None
+        self._collected_at = 0.0  # perf_counter when the last step's tokens were in (step timing)
         self.last_step_tokens = 0
         # Overlapped steps (step_core) where a launch returns before the device is done.
         self._overlap = config.async_scheduling and self.runner.queues_work
@@ -390,7 +393,8 @@ class Engine:
         for request in requests:
             request.first_scheduled_time = request.first_scheduled_time or now
         self.counters.steps += 1
-        return _Launched(requests, self.runner.launch(scheduled))
+        launched_at = time.perf_counter()
+        return _Launched(requests, self.runner.launch(scheduled), launched_at)
 
     def _launch_chained(self, launched: _Launched) -> _Launched | None:
         """Queue the next step right behind a launched one, its input tokens read on the device
@@ -415,7 +419,8 @@ class Engine:
         self.last_step_tokens = step.num_tokens
         self.counters.steps += 1
         self.counters.chained_steps += 1
-        return _Launched(requests, self.runner.launch(step, DeviceTokens(flight.draw.tokens, tuple(rows))))
+        launched_at = time.perf_counter()
+        return _Launched(requests, self.runner.launch(step, DeviceTokens(flight.draw.tokens, tuple(rows))), launched_at)
 
     def _collect(self, launched: _Launched) -> tuple[list[tuple[Request, Any, str | None, int | None, float | None,
                                                                 list[int]]], float]:
@@ -424,6 +429,11 @@ class Engine:
         step ran are skipped: their blocks are already free and nothing they computed counts."""
         ran = self.runner.finish(launched.flight)
         t0 = time.perf_counter()
+        if self.observer is not None:
+            # A step's time on the critical path: from its launch, or from the previous step's
+            # collection when it was queued behind that one (overlapped steps), to its tokens.
+            self.observer.observe_step(launched.flight.step.kind, t0 - max(launched.launched_at, self._collected_at))
+        self._collected_at = t0
         now = time.monotonic()
         taken = []
         for request, sequence, result in zip(launched.requests, launched.flight.step.sequences, ran.results):

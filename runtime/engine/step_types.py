@@ -77,6 +77,14 @@ class SchedulerOutput:
         """Every sequence computes exactly one token (the decode entry points serve it)."""
         return all(s.num_tokens == 1 for s in self.sequences)
 
+    @property
+    def kind(self) -> str:
+        """"decode" (every sequence decodes one token or verifies drafts), "prefill" (prompt
+        chunks only) or "mixed" (prompt chunks beside decoding sequences): steps of one kind
+        cost alike, so the server times them apart (vtool:engine_step_seconds)."""
+        prompts = sum(1 for s in self.sequences if s.num_computed == 0 or s.num_tokens > 1 + len(s.draft_ids))
+        return "decode" if prompts == 0 else "prefill" if prompts == len(self.sequences) else "mixed"
+
 
 @dataclasses.dataclass
 class SequenceResult:

@@ -6,7 +6,9 @@ every series carries model_name and engine (the engine core's index, "0" here), 
 Where each kind comes from:
 - gauges and the token/preemption/prefix-cache counters: update_from_engine(Engine.stats()),
   called when /metrics is scraped; counters advance by what changed since the last call.
-- per-step: observe_iteration(num_tokens) once per engine step (vllm:iteration_tokens_total).
+- per-step: observe_iteration(num_tokens) once per engine step (vllm:iteration_tokens_total),
+  and observe_step(kind, seconds) (vtool's own vtool:engine_step_seconds{kind}: where a
+  server's time goes between decode steps and steps that admit prompts).
 - per finished request: observe_finished_request(FinishedRequestStats), from the engine core:
   request_success, e2e latency and vLLM's request-level histograms (queue, prefill, decode,
   inference time; prompt and generation tokens; n, max_tokens).
@@ -33,6 +35,11 @@ _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 
                             120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+# vtool's own: engine step durations, from a sub-millisecond decode step of a small model to
+# a prefill wave of a large one
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25,
+                 0.5, 1.0, 2.5, 5.0)
+STEP_KINDS = ("decode", "mixed", "prefill")  # SchedulerOutput.kind
 
 # vLLM's finish reasons: every one has its request_success series from the start (at 0)
 FINISH_REASONS = ("stop", "length", "abort")
@@ -74,8 +81,8 @@ class ServerMetrics:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, labels + list(extra), registry=r)
 
-        def histogram(name: str, doc: str, buckets: Any) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+        def histogram(name: str, doc: str, buckets: Any, extra: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(name, doc, labels + list(extra), buckets=buckets, registry=r)
 
         # scheduler state
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
@@ -104,6 +111,11 @@ class ServerMetrics:
         self.spec_accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                              "Accepted tokens per draft position.", ("position",))
         self.engine_steps = counter("vtool:engine_steps", "Engine steps run.")
+        self.step_seconds = histogram(
+            "vtool:engine_step_seconds",
+            "Seconds per engine step on the critical path (launch, or the previous step's tokens when queued "
+            "behind it, to this step's tokens), by kind: decode (every sequence decodes), mixed (prompt chunks "
+            "beside decoding sequences), prefill (prompt chunks only).", _STEP_BUCKETS, ("kind",))
         self.engine_phase_seconds = counter(
             "vtool:engine_step_phase_seconds",
             "Host seconds the engine core spent per part of its steps: schedule, forward (model launch), "
@@ -153,6 +165,8 @@ class ServerMetrics:
             metric.labels(m, e)
         for reason in FINISH_REASONS:
             self.success.labels(m, e, reason)
+        for kind in STEP_KINDS:
+            self.step_seconds.labels(m, e, kind)
         for reason in WAITING_REASONS:
             self.waiting_by_reason.labels(m, e, reason)
         self._last_engine: dict[str, int] = {}
@@ -178,6 +192,10 @@ class ServerMetrics:
         """One engine step. vLLM counts, per step, the tokens generated plus the whole prompt of
         each request whose first token came in that step."""
         self._of(self.iteration_tokens).observe(num_tokens)
+
+    def observe_step(self, kind: str, seconds: float) -> None:
+        """One engine step's duration by kind (SchedulerOutput.kind)."""
+        self.step_seconds.labels(self.model_name, self.engine, kind).observe(seconds)
 
     def observe_finished_request(self, stats: FinishedRequestStats) -> None:
         """One finished request (one engine request: each of n choices is one). An aborted
