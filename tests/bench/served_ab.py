@@ -1,0 +1,152 @@
+"""Served A/B on one machine (issue 13): `vtool serve` of each artifact in turn, never two at
+once, each on a port of its own, driven by `vtool bench --url` with the same prompts, the
+artifacts alternating over rounds (machines of one kind differ by ~8%, runs on one machine by
+~5%: compare within a call).
+
+    python tests/bench/served_ab.py --model CKPT ART_A [ART_B ...] [--labels a,b] [--rounds 2]
+        [--runs 64x64,64x512,1x8] [--input-len 128] [--output-len 128] [--max-num-seqs 64]
+        [--max-num-batched-tokens 8192] [--max-model-len 1024] [--out results.json]
+
+Each server is started (the runtime's own command: `python -m vtool.runtime.cli serve`), warmed
+up with one run of the first --runs entry, then measured at every `CONCURRENCYxPROMPTS` entry
+(fresh prompts of exactly --input-len tokens, ignore_eos). Besides the bench's figures, each
+run reports the server's own step durations by kind from /metrics (vtool:engine_step_seconds:
+decode steps, and the mixed and prefill steps that admit prompts), so a slower run says whether
+its decode steps or its admissions were slower. One JSON line per run on stdout; --out writes
+them all.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+from vtool.runtime.bench.local_server import free_port, stop_process, wait_healthy
+
+KEYS = ("output_throughput", "duration", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_itl_ms",
+        "p90_itl_ms", "p99_itl_ms", "completed", "failed")
+KINDS = ("decode", "mixed", "prefill")
+
+
+def parse_runs(text: str) -> list[tuple[int, int]]:
+    """"64x64,64x512,1x8" -> [(64, 64), (64, 512), (1, 8)] (concurrency, prompts)."""
+    runs = []
+    for part in text.split(","):
+        concurrency, _, prompts = part.strip().partition("x")
+        if not (concurrency.isdigit() and prompts.isdigit()) or int(concurrency) < 1 or int(prompts) < 1:
+            raise SystemExit(f"--runs: {part!r} is not CONCURRENCYxPROMPTS (e.g. 64x512)")
+        runs.append((int(concurrency), int(prompts)))
+    return runs
+
+
+@contextlib.contextmanager
+def server(model: Path, artifact: Path, a: argparse.Namespace, log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vtool.runtime.cli", "serve", "--model", str(model), "--artifact", str(artifact),
+           "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(a.max_num_seqs),
+           "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-model-len", str(a.max_model_len),
+           "--disable-log-requests"]
+    log_path = log_dir / f"serve-{artifact.name}-{port}.log"
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url, a.startup_timeout, log_path, f"vtool serve of {artifact}")
+        yield url
+    finally:
+        stop_process(proc, 30)
+
+
+def step_kinds(url: str) -> dict[str, tuple[float, float]]:
+    """(count, seconds) of vtool:engine_step_seconds per kind, as the server has them now."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {kind: [0.0, 0.0] for kind in KINDS}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        if family.name != "vtool:engine_step_seconds":
+            continue
+        for sample in family.samples:
+            kind = sample.labels.get("kind")
+            if kind in out and sample.name.endswith("_count"):
+                out[kind][0] += sample.value
+            elif kind in out and sample.name.endswith("_sum"):
+                out[kind][1] += sample.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def bench(url: str, a: argparse.Namespace, concurrency: int, prompts: int, seed: int) -> dict[str, Any]:
+    from rich.console import Console
+
+    from vtool.runtime.bench.command import BenchOptions, bench_main
+
+    opts = BenchOptions(model=None, url=url, endpoint="completions", num_prompts=prompts, input_len=a.input_len,
+                        output_len=a.output_len, concurrency=[concurrency], ignore_eos=True, seed=seed,
+                        tokenizer=str(a.tokenizer or a.model), fresh_prompts=True)
+    return bench_main(opts, console=Console(file=io.StringIO(), width=160))["runs"][0]
+
+
+def measure(label: str, url: str, a: argparse.Namespace, runs: list[tuple[int, int]], round_index: int) -> list[dict]:
+    bench(url, a, *runs[0], seed=1_000_000 + round_index)  # warm-up: its own prompts
+    results = []
+    for i, (concurrency, prompts) in enumerate(runs):
+        before = step_kinds(url)
+        run = bench(url, a, concurrency, prompts, seed=round_index * 100 + i)
+        after = step_kinds(url)
+        steps = {}
+        for kind in KINDS:
+            n, s = after[kind][0] - before[kind][0], after[kind][1] - before[kind][1]
+            steps[kind] = {"steps": int(n), "mean_ms": round(1e3 * s / n, 3) if n else None,
+                           "seconds": round(s, 3)}
+        result = {"label": label, "round": round_index, "concurrency": concurrency, "prompts": prompts,
+                  **{k: (round(run[k], 2) if isinstance(run.get(k), float) else run.get(k)) for k in KEYS},
+                  "server_steps": steps}
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("artifacts", nargs="+", type=Path)
+    ap.add_argument("--model", required=True, type=Path, help="the checkpoint every artifact serves")
+    ap.add_argument("--tokenizer", type=Path, help="the bench's local tokenizer (default: --model)")
+    ap.add_argument("--labels", help="comma-separated, one per artifact (default: folder names)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--runs", default="64x64,64x512,1x8", help="CONCURRENCYxPROMPTS,... (the first also warms up)")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    runs = parse_runs(a.runs)
+    labels = a.labels.split(",") if a.labels else [p.name for p in a.artifacts]
+    if len(labels) != len(a.artifacts):
+        raise SystemExit(f"--labels names {len(labels)} artifacts, {len(a.artifacts)} given")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="served-ab-") as tmp:
+        log_dir = Path(os.environ.get("SERVED_AB_LOGS", tmp))
+        for round_index in range(a.rounds):
+            order = list(zip(labels, a.artifacts))
+            if round_index % 2:
+                order.reverse()  # alternate who goes first
+            for label, artifact in order:
+                with server(a.model, artifact, a, log_dir) as url:
+                    results += measure(label, url, a, runs, round_index)
+    if a.out:
+        a.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
