@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -80,6 +81,19 @@ def _long_stream(url: str, max_tokens: int = 500) -> httpx.Response:
     return client.send(request, stream=True)
 
 
+def _stream_started(url: str, chunks: int = 3) -> tuple[httpx.Response, Any]:
+    """A long stream whose first `chunks` token chunks have arrived (it is decoding now), and its
+    line iterator: the caller keeps both, since a line iterator that is dropped closes the stream."""
+    response = _long_stream(url)
+    lines = response.iter_lines()
+    seen = 0
+    for line in lines:
+        seen += line.startswith("data: {")
+        if seen == chunks:
+            return response, lines
+    raise AssertionError(f"the stream ended before {chunks} chunks")
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     s = Server(tiny_model_dir, tmp_path_factory.mktemp("core") / "server.log")
@@ -98,13 +112,7 @@ def test_the_engine_core_is_its_own_process(server):
 
 def test_a_disconnected_stream_is_aborted_in_the_core_and_frees_its_blocks(server):
     before = server.metric("vllm:generation_tokens_total", model_name=MODEL)
-    response = _long_stream(server.url)
-    chunks = response.iter_lines()
-    seen = 0
-    for line in chunks:
-        seen += line.startswith("data: {")
-        if seen == 3:
-            break
+    response, _lines = _stream_started(server.url)
     assert server.metric("vllm:num_requests_running", model_name=MODEL) == 1
     response.close()  # the client goes away mid-stream
     _wait(lambda: server.metric("vllm:num_requests_running", model_name=MODEL) == 0, 30, "the abort")
@@ -133,13 +141,7 @@ def test_step_durations_by_kind_reach_metrics(server):
     seconds_before = sum(server.metric("vtool:engine_step_seconds_sum", model_name=MODEL, kind=k)
                          for k in ("decode", "mixed", "prefill"))
     start = time.monotonic()
-    response = _long_stream(server.url)
-    lines = response.iter_lines()
-    seen = 0
-    for line in lines:
-        seen += line.startswith("data: {")
-        if seen == 3:
-            break
+    response, _lines = _stream_started(server.url)
     httpx.post(f"{server.url}/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi", "max_tokens": 4})
     response.close()
     _wait(lambda: server.metric("vllm:num_requests_running", model_name=MODEL) == 0, 30, "the abort")
