@@ -721,6 +721,7 @@ def test_run_bench_end_to_end(server, tmp_path):
             for k in (f"mean_{m}_ms", f"median_{m}_ms", f"std_{m}_ms", f"p50_{m}_ms", f"p90_{m}_ms", f"p99_{m}_ms"):
                 assert isinstance(run[k], float), k
         assert "ttfts" not in run                          # only with save_detailed
+        assert run["server_steps"] is None                 # no vtool /metrics behind this server
     c1, c4 = report["runs"]
     assert c1["duration"] > 3 * per_req - 0.05          # one at a time
     assert c4["duration"] < 2 * per_req                 # all at once
@@ -731,6 +732,31 @@ def test_run_bench_end_to_end(server, tmp_path):
                   "End-to-end Latency", "Output token throughput (tok/s)", "Peak concurrent requests", "Summary",
                   "Error 0"):
         assert title in text, title
+
+
+@given(st.lists(st.tuples(st.sampled_from(("decode", "mixed", "prefill")), st.floats(0, 5, allow_nan=False)),
+                max_size=40), st.integers(0, 20))
+def test_server_steps_between_two_snapshots(steps, already):
+    """What a level took, from two scrapes of a server whose counters already hold earlier steps."""
+    from vtool.runtime.bench import server_steps as ss
+
+    def snapshot(items):
+        return {k: (float(sum(1 for kind, _ in items if kind == k)), sum(t for kind, t in items if kind == k))
+                for k in ss.KINDS}
+
+    earlier = [("decode", 0.01)] * already
+    got = ss.between(snapshot(earlier), snapshot(earlier + steps))
+    for kind in ss.KINDS:
+        mine = [t for k, t in steps if k == kind]
+        assert got[kind]["steps"] == len(mine)
+        if mine:
+            assert got[kind]["mean_ms"] == pytest.approx(1e3 * sum(mine) / len(mine), abs=2e-3)
+        else:
+            assert got[kind]["mean_ms"] is None
+    line = ss.describe(got)
+    assert line.startswith("server steps: ") and all((f" {k} (" in line) == any(s == k for s, _ in steps)
+                                                     for k in ss.KINDS)
+    assert ss.between(None, snapshot(steps)) is None and ss.describe(None) is None
 
 
 def test_bench_main_chat_synthetic(server, tmp_path):

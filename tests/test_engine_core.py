@@ -4,6 +4,7 @@ never a hang, and several API servers share one core."""
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import os
 import re
 import signal
@@ -151,6 +152,24 @@ def test_step_durations_by_kind_reach_metrics(server):
     seconds = sum(server.metric("vtool:engine_step_seconds_sum", model_name=MODEL, kind=k)
                   for k in ("decode", "mixed", "prefill")) - seconds_before
     assert 0 < seconds <= wall, (seconds, wall)
+
+
+def test_vtool_bench_reports_the_servers_own_steps(server, tiny_model_dir):
+    """`vtool bench --url` against vtool serve: each level's report carries the steps the server
+    took by kind, from its /metrics before and after."""
+    from rich.console import Console
+
+    from vtool.runtime.bench.command import BenchOptions, bench_main
+
+    out = io.StringIO()
+    opts = BenchOptions(model=None, url=server.url, num_prompts=4, input_len=8, output_len=6, concurrency=[2],
+                        ignore_eos=True, tokenizer=str(tiny_model_dir), fresh_prompts=True)
+    run = bench_main(opts, console=Console(file=out, width=160))["runs"][0]
+    steps = run["server_steps"]
+    assert run["completed"] == 4 and steps["decode"]["steps"] >= 5, steps
+    assert steps["prefill"]["steps"] + steps["mixed"]["steps"] >= 2, steps  # 4 prompts, at most 2 at once
+    assert all((v["mean_ms"] is None) == (v["steps"] == 0) for v in steps.values()), steps
+    assert "server steps: " in out.getvalue()
 
 
 def test_a_stop_string_found_on_the_api_side_ends_the_request_in_the_core(server):

@@ -40,6 +40,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vtool import VtoolError
+from vtool.runtime.bench import server_steps
 from vtool.runtime.bench.client import (ENDPOINT_PATHS, RequestInput, api_base, auth_headers, endpoint_url,
                                         fetch_models, make_client, run_requests)
 from vtool.runtime.bench.metrics import (DEFAULT_PERCENTILES, METRIC_NAMES, BenchMetrics, RequestRecord,
@@ -681,7 +682,7 @@ def _inputs(prompts: Sequence[BenchPrompt], model: str, api_url: str, output_len
 async def _run_all(url: str, model: str, prompt_sets: Sequence[Sequence[BenchPrompt]], warmup_prompt: BenchPrompt | None,
                    output_len: int, levels: Sequence[int], endpoint: str, api_key: str | None, console: Console,
                    request_rate: float, burstiness: float, ignore_eos: bool, seed: int, warmup: bool,
-                   extra_body: dict[str, Any] | None) -> list[tuple[int, list[RequestRecord], float]]:
+                   extra_body: dict[str, Any] | None) -> list[tuple[int, list[RequestRecord], float, Any]]:
     api_url = endpoint_url(url, endpoint)  # type: ignore[arg-type]
     if warmup:
         console.print("Starting initial single prompt test run...", highlight=False)
@@ -699,6 +700,7 @@ async def _run_all(url: str, model: str, prompt_sets: Sequence[Sequence[BenchPro
         # cache that one filled: reset it. Best effort: a server without the endpoint (not
         # vLLM-compatible) is measured as it is; fresh prompts per level need no reset.
         await _reset_prefix_cache(url, api_key)
+        before = await server_steps.scrape(url, api_key)
         with Progress(TextColumn("[bold]concurrency {task.fields[level]}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("[red]{task.fields[failed]} failed"), TimeElapsedColumn(),
                       console=console, transient=False) as bar:
@@ -717,7 +719,8 @@ async def _run_all(url: str, model: str, prompt_sets: Sequence[Sequence[BenchPro
                     request_rate=request_rate, burstiness=burstiness, seed=seed, on_done=done, client=client)
             finally:
                 await client.aclose()
-        results.append((level, records, duration))
+        after = await server_steps.scrape(url, api_key) if before is not None else None
+        results.append((level, records, duration, server_steps.between(before, after)))
     return results
 
 
@@ -829,7 +832,7 @@ def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt] | Sequ
         "goodput_slo_ms": goodput,
         "runs": [],
     }
-    for (level, records, duration), prompts_sent in zip(results, prompt_sets):
+    for (level, records, duration, steps), prompts_sent in zip(results, prompt_sets):
         m = calculate_metrics(records, duration, percentiles, count_tokens, goodput, count_method)
         errors = [r.error for r in records if not r.success]
         if errors:
@@ -837,13 +840,17 @@ def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt] | Sequ
             for i, e in enumerate(errors[:10]):
                 console.print(f"  Error {i}: {e}", highlight=False, markup=False)
         console.print(result_table(m, level or None, request_rate))
+        if (line := server_steps.describe(steps)) is not None:
+            console.print(line, highlight=False)
         check = prompt_tokens_check(prompts_sent, records)
         _warn_counts(console, level, m, check)
         run: dict[str, Any] = {"max_concurrency": level or None, "request_rate": request_rate,
                                "burstiness": burstiness, "num_prompts": len(records), **m.to_dict(),
                                "prompt_tokens_check": check,
                                "stale_connection_retries": sum(r.retries for r in records),
-                               "failed_errors": errors[:10]}
+                               "failed_errors": errors[:10],
+                               # a vtool server's own steps by kind during the level (None: another server)
+                               "server_steps": steps}
         if save_detailed:
             run.update({
                 "input_lens": [r.prompt_len for r in records],

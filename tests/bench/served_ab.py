@@ -10,9 +10,9 @@ artifacts alternating over rounds (machines of one kind differ by ~8%, runs on o
 Each server is started (the runtime's own command: `python -m vtool.runtime.cli serve`), warmed
 up with one run of the first --runs entry, then measured at every `CONCURRENCYxPROMPTS` entry
 (fresh prompts of exactly --input-len tokens, ignore_eos). Besides the bench's figures, each
-run reports the server's own step durations by kind from /metrics (vtool:engine_step_seconds:
-decode steps, and the mixed and prefill steps that admit prompts), so a slower run says whether
-its decode steps or its admissions were slower. One JSON line per run on stdout; --out writes
+run reports the server's own step durations by kind, which `vtool bench --url` reads from
+/metrics (vtool:engine_step_seconds: decode steps, and the mixed and prefill steps that admit
+prompts), so a slower run says whether its decode steps or its admissions were slower. One JSON line per run on stdout; --out writes
 them all.
 """
 from __future__ import annotations
@@ -28,13 +28,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-import httpx
-
 from vtool.runtime.bench.local_server import free_port, stop_process, wait_healthy
 
 KEYS = ("output_throughput", "duration", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_itl_ms",
         "p90_itl_ms", "p99_itl_ms", "completed", "failed")
-KINDS = ("decode", "mixed", "prefill")
 
 
 def parse_runs(text: str) -> list[tuple[int, int]]:
@@ -66,23 +63,6 @@ def server(model: Path, artifact: Path, a: argparse.Namespace, log_dir: Path) ->
         stop_process(proc, 30)
 
 
-def step_kinds(url: str) -> dict[str, tuple[float, float]]:
-    """(count, seconds) of vtool:engine_step_seconds per kind, as the server has them now."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {kind: [0.0, 0.0] for kind in KINDS}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
-        if family.name != "vtool:engine_step_seconds":
-            continue
-        for sample in family.samples:
-            kind = sample.labels.get("kind")
-            if kind in out and sample.name.endswith("_count"):
-                out[kind][0] += sample.value
-            elif kind in out and sample.name.endswith("_sum"):
-                out[kind][1] += sample.value
-    return {k: (v[0], v[1]) for k, v in out.items()}
-
-
 def bench(url: str, a: argparse.Namespace, concurrency: int, prompts: int, seed: int) -> dict[str, Any]:
     from rich.console import Console
 
@@ -98,17 +78,10 @@ def measure(label: str, url: str, a: argparse.Namespace, runs: list[tuple[int, i
     bench(url, a, *runs[0], seed=1_000_000 + round_index)  # warm-up: its own prompts
     results = []
     for i, (concurrency, prompts) in enumerate(runs):
-        before = step_kinds(url)
         run = bench(url, a, concurrency, prompts, seed=round_index * 100 + i)
-        after = step_kinds(url)
-        steps = {}
-        for kind in KINDS:
-            n, s = after[kind][0] - before[kind][0], after[kind][1] - before[kind][1]
-            steps[kind] = {"steps": int(n), "mean_ms": round(1e3 * s / n, 3) if n else None,
-                           "seconds": round(s, 3)}
         result = {"label": label, "round": round_index, "concurrency": concurrency, "prompts": prompts,
                   **{k: (round(run[k], 2) if isinstance(run.get(k), float) else run.get(k)) for k in KEYS},
-                  "server_steps": steps}
+                  "server_steps": run["server_steps"]}  # the bench's scrape of vtool:engine_step_seconds
         print(json.dumps(result), flush=True)
         results.append(result)
     return results
