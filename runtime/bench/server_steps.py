@@ -51,8 +51,9 @@ async def scrape(url: str, api_key: str | None) -> Snapshot | None:
 
 
 def between(before: Snapshot | None, after: Snapshot | None) -> dict[str, dict[str, Any]] | None:
-    """Per kind: steps taken and their mean milliseconds between two snapshots."""
-    if before is None or after is None:
+    """Per kind: steps taken and their mean milliseconds between two snapshots; None when
+    either is missing or the counters went back (the server restarted in between)."""
+    if before is None or after is None or any(after[k][0] < before[k][0] for k in KINDS):
         return None
     out = {}
     for kind in KINDS:
