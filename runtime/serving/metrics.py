@@ -165,8 +165,8 @@ class ServerMetrics:
             metric.labels(m, e)
         for reason in FINISH_REASONS:
             self.success.labels(m, e, reason)
-        for kind in STEP_KINDS:
-            self.step_seconds.labels(m, e, kind)
+        # made once: observe_step runs on every engine step
+        self._step_series = {kind: self.step_seconds.labels(m, e, kind) for kind in STEP_KINDS}
         for reason in WAITING_REASONS:
             self.waiting_by_reason.labels(m, e, reason)
         self._last_engine: dict[str, int] = {}
@@ -195,7 +195,7 @@ class ServerMetrics:
 
     def observe_step(self, kind: str, seconds: float) -> None:
         """One engine step's duration by kind (SchedulerOutput.kind)."""
-        self.step_seconds.labels(self.model_name, self.engine, kind).observe(seconds)
+        self._step_series[kind].observe(seconds)
 
     def observe_finished_request(self, stats: FinishedRequestStats) -> None:
         """One finished request (one engine request: each of n choices is one). An aborted

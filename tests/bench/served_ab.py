@@ -7,7 +7,8 @@ artifacts alternating over rounds (machines of one kind differ by ~8%, runs on o
         [--runs 64x64,64x512,1x8] [--input-len 128] [--output-len 128] [--max-num-seqs 64]
         [--max-num-batched-tokens 8192] [--max-model-len 1024] [--out results.json]
 
-Each server is started (the runtime's own command: `python -m vtool.runtime.cli serve`), warmed
+Each server is started (runtime/bench/local_server.py: the runtime's own `vtool serve --artifact`
+on a free port, stopped before the next), warmed
 up with one run of the first --runs entry, then measured at every `CONCURRENCYxPROMPTS` entry
 (fresh prompts of exactly --input-len tokens, ignore_eos). Besides the bench's figures, each
 run reports the server's own step durations by kind, which `vtool bench --url` reads from
@@ -18,17 +19,14 @@ them all.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from vtool.runtime.bench.local_server import free_port, stop_process, wait_healthy
+from rich.console import Console
+
+from vtool.runtime.bench.local_server import local_server
 
 KEYS = ("output_throughput", "duration", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_itl_ms",
         "p90_itl_ms", "p99_itl_ms", "completed", "failed")
@@ -45,27 +43,7 @@ def parse_runs(text: str) -> list[tuple[int, int]]:
     return runs
 
 
-@contextlib.contextmanager
-def server(model: Path, artifact: Path, a: argparse.Namespace, log_dir: Path) -> Iterator[str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "vtool.runtime.cli", "serve", "--model", str(model), "--artifact", str(artifact),
-           "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(a.max_num_seqs),
-           "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-model-len", str(a.max_model_len),
-           "--disable-log-requests"]
-    log_path = log_dir / f"serve-{artifact.name}-{port}.log"
-    with open(log_path, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, url, a.startup_timeout, log_path, f"vtool serve of {artifact}")
-        yield url
-    finally:
-        stop_process(proc, 30)
-
-
 def bench(url: str, a: argparse.Namespace, concurrency: int, prompts: int, seed: int) -> dict[str, Any]:
-    from rich.console import Console
-
     from vtool.runtime.bench.command import BenchOptions, bench_main
 
     opts = BenchOptions(model=None, url=url, endpoint="completions", num_prompts=prompts, input_len=a.input_len,
@@ -100,7 +78,6 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     runs = parse_runs(a.runs)
@@ -108,15 +85,16 @@ def main() -> None:
     if len(labels) != len(a.artifacts):
         raise SystemExit(f"--labels names {len(labels)} artifacts, {len(a.artifacts)} given")
     results = []
-    with tempfile.TemporaryDirectory(prefix="served-ab-") as tmp:
-        log_dir = Path(os.environ.get("SERVED_AB_LOGS", tmp))
-        for round_index in range(a.rounds):
-            order = list(zip(labels, a.artifacts))
-            if round_index % 2:
-                order.reverse()  # alternate who goes first
-            for label, artifact in order:
-                with server(a.model, artifact, a, log_dir) as url:
-                    results += measure(label, url, a, runs, round_index)
+    console = Console(stderr=True)
+    for round_index in range(a.rounds):
+        order = list(zip(labels, a.artifacts))
+        if round_index % 2:
+            order.reverse()  # alternate who goes first
+        for label, artifact in order:
+            # the runtime's own `vtool serve --artifact` on a free port, stopped before the next
+            with local_server(a.model, artifact, a.max_num_seqs, a.max_num_batched_tokens, None, console,
+                              ["--max-model-len", str(a.max_model_len)]) as (url, _tokenizer):
+                results += measure(label, url, a, runs, round_index)
     if a.out:
         a.out.write_text(json.dumps(results, indent=1))
 
