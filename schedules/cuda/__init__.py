@@ -28,6 +28,7 @@ from tvm.s_tir import dlight as dl  # noqa: E402
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule  # noqa: E402
 
 from vtool.schedules.cuda.bf16_tensorcore import schedule_bf16_matmul  # noqa: E402
+from vtool.schedules.cuda.dequantize import schedule_dequantize  # noqa: E402
 from vtool.schedules.cuda.moe import schedule_moe  # noqa: E402
 from vtool.schedules.cuda.quantized import schedule_quantized  # noqa: E402
 
@@ -39,6 +40,7 @@ DEFAULT_RULES = ("Matmul", "GEMV", "Reduction", "GeneralReduction", "Fallback")
 def describe() -> dict:
     """What the manifest records about the schedules."""
     return {"quantized": "GGUF-block matmuls: a GEMV up to 8 rows of x, else dlight Matmul (schedules/cuda/quantized.py)",
+            "dequantize": "prompts' whole-weight dequantization: 16-byte stores in block order (schedules/cuda/dequantize.py)",
             "low_batch_dispatch": [{"max_n": limit, "rule": f"LowBatchGEMV({bucket})"} for limit, bucket in LOW_BATCH_BUCKETS]
             + [{"rule": "bf16 WMMA tensor cores, else Matmul"}],
             "default_rules": ["vtool.BF16TensorCoreMatmul", "vtool.RowReduction"]
@@ -111,10 +113,12 @@ def cuda_schedule_pass() -> tvm.transform.Pass:
         for gv, func in mod.functions_items():
             if isinstance(func, tirx.PrimFunc):
                 target = func.attrs.get("target") if func.attrs is not None else None
-                # the MoE and GGUF-block kernels (models/moe.py, models/quantized_linear.py) by
-                # block name, then GEMV-shaped kernels
+                # the MoE and GGUF-block kernels (models/moe.py, models/quantized_linear.py: the
+                # matmuls and the prompts' whole-weight dequantization) by block name, then
+                # GEMV-shaped kernels
                 target = target or tvm.target.Target.current()
-                scheduled = schedule_moe(func) or schedule_quantized(func, target) or low_batch_dispatch(func, target)
+                scheduled = (schedule_moe(func) or schedule_dequantize(func) or schedule_quantized(func, target)
+                             or low_batch_dispatch(func, target))
                 if scheduled is not None:
                     updates[gv] = scheduled
         for gv, func in updates.items():

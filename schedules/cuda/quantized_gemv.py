@@ -125,7 +125,8 @@ def _rewrite(node, fn):
     raise Unsupported(f"epilogue node {type(node).__name__}")
 
 
-def _has_select(stmt) -> bool:
+def has_select(stmt) -> bool:
+    """Whether an expression (or a BufferStore) holds a select: the IQ4 formats' level tables."""
     try:
         return any(isinstance(n, tirx.Select) for n in _nodes(stmt))
     except Unsupported:
@@ -140,7 +141,7 @@ def _format(parts: dict, dequant_body) -> str:
     if names == {"qweight", "scale"}:
         if str(qweight.dtype) == "int8":
             return "Q8_0"
-        if _has_select(dequant_body):
+        if has_select(dequant_body):
             raise Unsupported("IQ4_NL")
         return "Q4_0"
     if names == {"qweight", "scale", "min"}:
