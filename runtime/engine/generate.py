@@ -22,6 +22,10 @@ from vtool.runtime.sampling.params import SamplingParams, check_token_ids
 
 PAGE_SIZE = 16
 PREFILL_CHUNK = 512
+# On a GPU a prompt goes in larger chunks: each forward has a fixed cost there (a model whose
+# weights stay in GGUF blocks dequantizes all of them once per prompt forward), and 2048
+# positions of activations are small beside the weights.
+GPU_PREFILL_CHUNK = 2048
 
 
 @dataclasses.dataclass
@@ -61,8 +65,10 @@ class Generator:
 
     @property
     def chunk(self) -> int:
-        """Tokens fed per prefill call: PREFILL_CHUNK, or the sliding window when smaller."""
-        return min(PREFILL_CHUNK, self.window or PREFILL_CHUNK)
+        """Tokens fed per prefill call: PREFILL_CHUNK (GPU_PREFILL_CHUNK on a GPU), or the
+        sliding window when smaller."""
+        chunk = GPU_PREFILL_CHUNK if self.model.on_gpu else PREFILL_CHUNK
+        return min(chunk, self.window or chunk)
 
     def _fresh_sequence(self, tokens_needed: int) -> None:
         """A KV cache with room for `tokens_needed`, holding one empty sequence."""
@@ -71,7 +77,7 @@ class Generator:
             capacity = min(capacity, blocks_for_window(self.kept, PAGE_SIZE) * PAGE_SIZE)
         if self._kv is None or capacity > self._kv_capacity:
             shape = self.model.ffi.Shape
-            sizes = [shape([1]), shape([capacity]), shape([PREFILL_CHUNK]), shape([PAGE_SIZE])]
+            sizes = [shape([1]), shape([capacity]), shape([max(self.chunk, PREFILL_CHUNK)]), shape([PAGE_SIZE])]
             self._kv = self.model.function(SLIDING_CACHE)(*sizes) if self.kept else \
                 self.model.function("create_tir_paged_kv_cache")(*sizes, shape([0]))
             self._kv_capacity = capacity
