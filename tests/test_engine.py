@@ -181,3 +181,29 @@ def test_prompt_logprobs_survive_a_warm_prefix_cache(session):
     assert len(first.prompt_logprobs) == len(ids) and first.prompt_logprobs[0] is None
     for pos in range(1, len(ids)):
         assert ids[pos] in first.prompt_logprobs[pos]  # the actual prompt token is always reported
+
+
+def test_decode_steps_through_batch_verify_give_decodes_tokens(session):
+    """What a GPU library whose weights stay in blocks does past a few sequences
+    (runtime/engine/block_decode.py): an all-decode step runs as batch_verify with one token
+    per sequence. Here forced on the CPU build at every batched step: the same greedy tokens
+    as each request alone, and the steps did go through batch_verify."""
+    ids = [session.tokenizer.encode(p) for p in PROMPTS]
+    alone = {}
+    for i, prompt_ids in enumerate(ids):
+        alone.update(run_all(Engine(session, EngineConfig(enable_prefix_caching=False)),
+                             [(f"r{i}", prompt_ids, greedy())])[0])
+    engine = Engine(session, EngineConfig(enable_prefix_caching=False))
+    engine.runner.block_gemv_rows = 1
+    entries: list[str] = []
+    real = engine.runner._multi_token_entry
+
+    def recorded(step, num_rows):  # noqa: ANN001, ANN202 - the real method, its answers kept
+        entry = real(step, num_rows)
+        entries.append(entry if not step.all_decode else f"decode:{entry}")
+        return entry
+
+    engine.runner._multi_token_entry = recorded
+    batched, _ = run_all(engine, [(f"r{i}", p, greedy()) for i, p in enumerate(ids)])
+    assert batched == alone
+    assert entries.count("decode:batch_verify") >= 10  # 3 sequences decoding together for 11 steps

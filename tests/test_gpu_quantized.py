@@ -237,11 +237,17 @@ def test_matches_transformers_on_the_same_file(gpu, _exact_float32, name, dtype,
 
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.parametrize("batch", [3, 12, 40])
-def test_engine_batches_give_each_sequence_its_own_tokens(gpu, _exact_float32, batch, tmp_path_factory):
-    """Batched decode through the block GEMV (3 rows; 12 rows: the 16-row bucket, groups of
-    rows) and through the tiled matmul (40 rows, past quantized.LOW_BATCH): every sequence's
-    greedy tokens equal transformers' for it alone."""
+@pytest.mark.parametrize("batch, gemv_rows", [(3, ""), (12, ""), (40, ""), (12, "-1"), (40, "-1")])
+def test_engine_batches_give_each_sequence_its_own_tokens(gpu, _exact_float32, batch, gemv_rows, tmp_path_factory,
+                                                          monkeypatch):
+    """Batched decode through the block GEMV (3 rows), through batch_verify's prompt path (12
+    and 40 rows, past runtime/engine/block_decode.py's GEMV_MAX_ROWS: weights dequantized, then
+    the dense matmul) and, with that turned off (VTOOL_BLOCK_GEMV_ROWS=-1), through the GEMV's
+    16-row bucket (12 rows, groups of rows) and the tiled matmul (40 rows, past
+    quantized.LOW_BATCH): every sequence's greedy tokens equal transformers' for it alone."""
+    from vtool.runtime.engine.block_decode import ROWS_ENV
+
+    monkeypatch.setenv(ROWS_ENV, gemv_rows)
     from test_gpu_parity import _run_engine, hf_greedy
     from vtool.runtime.engine.engine import Engine, EngineConfig
     from vtool.runtime.sampling.params import SamplingParams

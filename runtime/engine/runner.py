@@ -18,6 +18,7 @@ import numpy as np
 
 from vtool import VtoolError
 from vtool.runtime.artifact.tvm_runtime import global_func
+from vtool.runtime.engine.block_decode import prompt_path_rows
 from vtool.runtime.engine.chained_steps import DeviceTokens, fill_token_ids
 from vtool.runtime.engine.decode_buckets import CAPTURED_VERIFY_ENTRY, DecodeBuckets, captured_verify_tokens
 from vtool.runtime.engine.kv_cache import PagedKVCache
@@ -120,6 +121,9 @@ class ModelRunner:
         self._shapes: dict[tuple[int, ...], Any] = {}  # _shape's
         self.decode_buckets = DecodeBuckets.for_model(model, kv)  # None: no captured batch_decode
         self.verify_graph_tokens = captured_verify_tokens(model)  # 0: no captured batch_verify
+        # weights kept in blocks on a GPU: decode steps past this many sequences run as
+        # batch_verify, through the prompt path's matmuls (block_decode.py); None: never
+        self.block_gemv_rows = prompt_path_rows(model)
 
     def _make_device_sampler(self) -> DeviceSampler | None:
         """The library's sampling functions on a GPU (the full logits then stay there), or
@@ -296,6 +300,9 @@ class ModelRunner:
         m = self.model
         sequences = step.sequences
         all_decode = step.all_decode
+        if all_decode and device_tokens is None and self.block_gemv_rows is not None \
+                and len(sequences) > self.block_gemv_rows:
+            all_decode = False  # one token per sequence through batch_verify (block_decode.py)
         if device_tokens is not None and not all_decode:
             raise VtoolError("a step whose tokens are on the device must be all decode")
         if all_decode and self.decode_buckets is not None:  # CUDA graphs, padded (decode_buckets.py)

@@ -4,6 +4,7 @@ such steps).
 
     python tests/bench/mixed_steps.py --artifact DIR --model CKPT [--batch 64] [--prompt 128]
                                       [--steps 160] [--arrive-every 4] [--profile 8]
+                                      [--tokenizer DIR]
 
 `--batch` requests of `--prompt` random token ids decode without end (ignore_eos); after a
 warm-up, every `--arrive-every` steps the oldest request is aborted and a new one with a fresh
@@ -30,7 +31,19 @@ def make_engine(artifact: Path, model: Path, a: argparse.Namespace):  # noqa: AN
     from vtool.runtime.session import open_session
     from vtool.runtime.weights.checkpoint import open_checkpoint
 
-    session = open_session(str(artifact), open_checkpoint(str(model)), None, a.prompt + a.context + 64)
+    if a.tokenizer is None:
+        session = open_session(str(artifact), open_checkpoint(str(model)), None, a.prompt + a.context + 64)
+    else:  # a GGUF file written by shape_gguf.py carries no vocabulary: the tokenizer comes from a folder
+        from vtool.runtime.artifact.library import CompiledModel
+        from vtool.runtime.engine.generate import Generator
+        from vtool.runtime.session import Session
+        from vtool.runtime.text.tokenizer import Tokenizer
+
+        ckpt = open_checkpoint(str(model))
+        compiled = CompiledModel(artifact, ckpt)
+        length = a.prompt + a.context + 64
+        session = Session(ckpt, compiled, Tokenizer.from_dir(a.tokenizer, None), [], length,
+                          Generator(compiled, length))
     return Engine(session, EngineConfig(max_num_seqs=a.batch, max_num_batched_tokens=max(8192, a.batch * a.prompt),
                                         enable_prefix_caching=False, gpu_memory_utilization=0.3,
                                         max_model_len=a.prompt + a.context + 64))
@@ -119,6 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifact", required=True, type=Path)
     ap.add_argument("--model", required=True, type=Path)
+    ap.add_argument("--tokenizer", type=Path, help="a folder with tokenizer.json (for a GGUF file without a vocabulary)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--context", type=int, default=512, help="tokens each request may decode (never reached)")
