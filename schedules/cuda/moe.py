@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 
+from vtool.schedules.cuda.quantized_gemv import find_block
+
 GEMV_BLOCK = "moe_gemv"  # models/moe.py's names (schedules/ does not import models/)
 ROUTE_BLOCK = "moe_route"
 ROWS = 4
@@ -21,19 +23,12 @@ LANES = 32
 THREADS = 64
 
 
-def _block(sch: s_tir.Schedule, name: str) -> s_tir.SBlockRV | None:
-    try:
-        return sch.get_sblock(name)
-    except Exception:  # noqa: BLE001 - no such block
-        return None
-
-
 def schedule_moe(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """`func` scheduled, or None when it is neither MoE kernel."""
     if func.attrs is not None and func.attrs.get("tirx.is_scheduled", False):
         return None
     sch = s_tir.Schedule(func)
-    gemv = _block(sch, GEMV_BLOCK)
+    gemv = find_block(sch, GEMV_BLOCK)
     if gemv is not None:
         t, j, n, c = sch.get_loops(gemv)
         dtypes = {str(sch.get(loop).loop_var.ty.dtype) for loop in (t, j, n, c)}
@@ -52,7 +47,7 @@ def schedule_moe(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
         sch.bind(ni, "threadIdx.y")
         sch.bind(ci, "threadIdx.x")
         return sch.mod["main"].with_attr("tirx.is_scheduled", True)
-    route = _block(sch, ROUTE_BLOCK)
+    route = find_block(sch, ROUTE_BLOCK)
     if route is not None:
         (t,) = sch.get_loops(route)
         bx, tx = sch.split(t, [None, THREADS])

@@ -31,6 +31,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 
 from vtool.schedules.cuda import quantized_gemv
+from vtool.schedules.cuda.quantized_gemv import find_block
 
 MATMUL_BLOCK = "vtool_qmatmul"  # models/quantized_linear.py's names (schedules/ does not import models/)
 DEQUANT_BLOCK = "vtool_dequant"
@@ -46,22 +47,15 @@ ROW_BUCKETS = (1, 4, LOW_BATCH)
 OLD_BUCKETS = (1, 2, 4, OLD_BATCH)
 
 
-def _block(sch: s_tir.Schedule, name: str) -> s_tir.SBlockRV | None:
-    try:
-        return sch.get_sblock(name)
-    except Exception:  # noqa: BLE001 - no such block
-        return None
-
-
 def has_quantized_matmul(func: tirx.PrimFunc) -> bool:
-    return _block(s_tir.Schedule(func), MATMUL_BLOCK) is not None
+    return find_block(s_tir.Schedule(func), MATMUL_BLOCK) is not None
 
 
 def _gemv(func: tirx.PrimFunc, bucket: int = LOW_BATCH) -> tirx.PrimFunc:
     """The GEMV schedule; a symbolic row count takes `bucket` rows of threads (at most that many rows)."""
     sch = s_tir.Schedule(func)
     matmul = sch.get_sblock(MATMUL_BLOCK)
-    dequant = _block(sch, DEQUANT_BLOCK)
+    dequant = find_block(sch, DEQUANT_BLOCK)
     if dequant is not None:
         sch.compute_inline(dequant)
     # The epilogue: elementwise blocks after the matmul. All but the last are inlined into the

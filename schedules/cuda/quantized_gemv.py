@@ -62,7 +62,8 @@ class Unsupported(Exception):
     """The function is not one this kernel takes: the caller keeps the scheduled expression."""
 
 
-def _sblock(sch: s_tir.Schedule, name: str):
+def find_block(sch: s_tir.Schedule, name: str) -> s_tir.SBlockRV | None:
+    """The block named `name`, or None."""
     try:
         return sch.get_sblock(name)
     except Exception:  # noqa: BLE001 - no such block
@@ -125,8 +126,7 @@ def _rewrite(node, fn):
     raise Unsupported(f"epilogue node {type(node).__name__}")
 
 
-def has_select(stmt) -> bool:
-    """Whether an expression (or a BufferStore) holds a select: the IQ4 formats' level tables."""
+def _has_select(stmt) -> bool:
     try:
         return any(isinstance(n, tirx.Select) for n in _nodes(stmt))
     except Unsupported:
@@ -141,7 +141,7 @@ def _format(parts: dict, dequant_body) -> str:
     if names == {"qweight", "scale"}:
         if str(qweight.dtype) == "int8":
             return "Q8_0"
-        if has_select(dequant_body):
+        if _has_select(dequant_body):
             raise Unsupported("IQ4_NL")
         return "Q4_0"
     if names == {"qweight", "scale", "min"}:
@@ -160,8 +160,8 @@ class _Analysis:
 
     def __init__(self, func: tirx.PrimFunc):
         sch = s_tir.Schedule(func)
-        matmul = _sblock(sch, MATMUL_BLOCK)
-        dequant = _sblock(sch, DEQUANT_BLOCK)
+        matmul = find_block(sch, MATMUL_BLOCK)
+        dequant = find_block(sch, DEQUANT_BLOCK)
         if matmul is None or dequant is None:
             raise Unsupported("blocks")
         self.parts = {}
