@@ -1,6 +1,6 @@
-"""Build-time quantization of a float checkpoint: `--quantization q4_0|q4_1|q8_0`.
+"""Build-time quantization of a float checkpoint: `--quantization q4_0|q4_1|q8_0|q4_k`.
 
-The schemes are GGML's 32-weight block formats that vtool's CPU kernels already run, so a
+The schemes are GGML block formats that vtool's CPU and CUDA kernels already run, so a
 safetensors (bf16/f16/f32) model gets the same kernels as a GGUF file of that type:
 
   q8_0  w = d*q, q int8                    8.5 bits per weight
@@ -8,11 +8,17 @@ safetensors (bf16/f16/f32) model gets the same kernels as a GGUF file of that ty
   q4_1  w = d*q + m, q 0..15, a per-group min   5 bits: the int4 group-quantized scheme
         (MLC-LLM's q4f16_1 and llama.cpp's Q4_1 are the same idea; a min follows a group's
         range better than a symmetric scale)
+  q4_k  llama.cpp's Q4_K: 256-weight super-blocks of 8 groups of 32, each group a 6-bit
+        scale and min of the super-block's float16 d and dmin, fitted by weighted least
+        squares             4.5 bits; the 4-bit type of llama.cpp's Q4_K_M files
 
-The blocks are made by gguf-py's reference quantizer (gguf.quants.quantize, bit for bit
-llama.cpp's quantize_row_*_ref), one tensor at a time: gguf-py widens 16 rows at a time to
-float32, so neither a float32 copy of the model nor of one tensor is ever held, and the
-source tensors are read through the checkpoint's memory map.
+The Q8_0/Q4_0/Q4_1/Q5_0 blocks are made by gguf-py's reference quantizer
+(gguf.quants.quantize, bit for bit llama.cpp's quantize_row_*_ref); gguf-py cannot make
+K-quants, so Q4_K's come from toolchain/q4_k_quantizer.py, a numpy port of
+quantize_row_q4_K_ref (its blocks equal llama-quantize's: tests/bench/q4_k_vs_llama_quantize.py).
+One tensor at a time: gguf-py widens 16 rows at a time to float32 (the Q4_K port 64), so
+neither a float32 copy of the model nor of one tensor is ever held, and the source tensors
+are read through the checkpoint's memory map.
 
 Which weight gets which format (`plan_formats`) follows llama.cpp's rule for its Q4_0/Q4_1
 files: every linear weight takes the scheme's type except the output matrix (lm_head, or
@@ -40,10 +46,14 @@ from vtool.models.weights import weight_modules
 from vtool.runtime.weights.checkpoint import Checkpoint
 from vtool.runtime.weights.default_model import sha256_of
 from vtool.runtime.weights.weights_file import STORED_DTYPES, WEIGHTS_NAME, source_fingerprint
+from vtool.toolchain.q4_k_quantizer import quantize_q4_k
 
 # --quantization value -> the GGML type of its linear weights
-SCHEMES: dict[str, str] = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0"}
+SCHEMES: dict[str, str] = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K"}
+# a weight whose columns do not fit the scheme's type takes this one (llama.cpp's rule for Q4_K)
+FALLBACK: dict[str, str] = {"Q4_K": "Q5_0"}
 OUTPUT_FORMAT = "Q8_0"  # lm_head / tied embedding (see the module docstring)
+Q4_K_ROWS = 64  # rows widened to float32 at a time by the Q4_K port
 GGUF_ARCH = "vtool-weights"  # general.architecture: not a model llama.cpp could load (HF names)
 
 
@@ -59,6 +69,8 @@ def plan_formats(c: ModelConfig, shapes: dict[str, tuple[int, ...]], scheme: str
     for module, sources in weight_modules(c).items():
         output = module == "lm_head" or (module == "model.embed_tokens" and c.tie_word_embeddings)
         fmt = OUTPUT_FORMAT if output else base
+        if not all(keepable(fmt, *shapes[s]) for s in sources) and fmt in FALLBACK:
+            fmt = FALLBACK[fmt]
         if all(keepable(fmt, *shapes[s]) for s in sources):
             kept[module] = fmt
         else:
@@ -93,7 +105,7 @@ def write_weights(ckpt: Checkpoint, sources: dict[str, str], scheme: str, folder
     path = Path(folder) / WEIGHTS_NAME
     writer = gguf.GGUFWriter(str(path), GGUF_ARCH)
     writer.add_string("vtool.quantization", scheme)
-    writer.add_string("vtool.quantizer", f"gguf-py {_gguf_version()} gguf.quants.quantize")
+    writer.add_string("vtool.quantizer", _quantizer())
     for name, fmt in sources.items():
         info = infos[name]
         if info.dtype not in STORED_DTYPES:
@@ -103,7 +115,7 @@ def write_weights(ckpt: Checkpoint, sources: dict[str, str], scheme: str, folder
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         nbytes = math.prod(info.shape[:-1]) * (info.shape[-1] // block) * type_size
         writer.add_tensor_info(name, info.shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
-    progress(f"quantizing {len(sources)} weights to {scheme} (gguf-py)")
+    progress(f"quantizing {len(sources)} weights to {scheme}")
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -111,7 +123,7 @@ def write_weights(ckpt: Checkpoint, sources: dict[str, str], scheme: str, folder
         for name, fmt in sources.items():
             # The stored dtype: a view of the mapped file, widened 16 rows at a time by gguf-py.
             data = ckpt.load(name, STORED_DTYPES[infos[name].dtype])
-            writer.write_tensor_data(gguf.quants.quantize(data, gguf.GGMLQuantizationType[fmt]))
+            writer.write_tensor_data(quantize_blocks(data, fmt))
             del data
     finally:
         writer.close()
@@ -120,7 +132,22 @@ def write_weights(ckpt: Checkpoint, sources: dict[str, str], scheme: str, folder
         counts[fmt] = counts.get(fmt, 0) + 1
     return {"file": WEIGHTS_NAME, "scheme": scheme, "bytes": path.stat().st_size, "sha256": sha256_of(path),
             "tensors": counts, "source_format": ckpt.format, "sources": sorted(sources),
-            "source_fingerprint": source_fingerprint(ckpt, sources), "quantizer": f"gguf-py {_gguf_version()}"}
+            "source_fingerprint": source_fingerprint(ckpt, sources), "quantizer": _quantizer()}
+
+
+def quantize_blocks(data: np.ndarray, fmt: str) -> np.ndarray:
+    """A float [..., K] tensor as GGML `fmt` blocks: gguf-py's quantizer, Q4_K's port for Q4_K."""
+    import gguf
+
+    if fmt == "Q4_K":
+        rows = data.reshape(-1, data.shape[-1])
+        out = np.concatenate([quantize_q4_k(rows[i:i + Q4_K_ROWS]) for i in range(0, len(rows), Q4_K_ROWS)])
+        return out.reshape(*data.shape[:-1], out.shape[-1])
+    return gguf.quants.quantize(data, gguf.GGMLQuantizationType[fmt])
+
+
+def _quantizer() -> str:
+    return f"gguf-py {_gguf_version()} gguf.quants.quantize; Q4_K: vtool's port of quantize_row_q4_K_ref"
 
 
 def _gguf_version() -> str:

@@ -19,6 +19,9 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
     # GQA 4/2, head_dim 16 = hidden/heads, untied
     "llama-gqa": dict(arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0),
+    # rows of 256 (Q4_K's super-block) except down's 288 (--quantization q4_k's Q5_0 fallback), untied
+    "llama-k256": dict(arch="llama", hidden_size=256, intermediate_size=288, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0),
     # head_dim 32 != hidden/heads = 12, tied, Llama-3 rope scaling
     "llama3-rope": dict(arch="llama", hidden_size=48, intermediate_size=96, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,

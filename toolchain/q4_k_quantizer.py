@@ -1,0 +1,131 @@
+"""GGML's Q4_K quantizer (llama.cpp's `quantize_row_q4_K_ref`, no importance matrix) in numpy,
+for `--quantization q4_k` of a float checkpoint. gguf-py dequantizes K-quants but cannot
+make them, so this ports the reference: the same search, in float32, with the same order
+of every float32 sum, so that blocks come out as llama-quantize writes them (checked
+against llama.cpp's binary by tests/bench/q4_k_vs_llama_quantize.py; see docs/BUILD.md).
+
+A super-block is 256 weights: 8 sub-blocks of 32, each with a 6-bit scale and a 6-bit min
+(of the super-block's float16 d and dmin), and 4-bit quants: w = d*sc*q - dmin*m.
+Per sub-block, make_qkx2_quants fits scale and min by weighted least squares (weights
+sqrt(mean(x^2)) + |x|) over 21 candidate scales; the 8 scales and mins are then rounded to
+6 bits and the quants recomputed with the rounded values.
+
+Every block of a tensor is processed at once, as arrays [blocks, 32], summed left to right
+where the C code sums sequentially.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+QK_K = 256
+SUB = 32
+BLOCK_BYTES = 144  # d, dmin (float16), scales[12], qs[128]
+NMAX = 15
+RMIN, RDELTA, NSTEP = -1.0, 0.1, 20
+
+F32 = np.float32
+
+
+def _nearest_int(v: np.ndarray) -> np.ndarray:
+    """GGML's nearest_int: add 1.5 * 2^23 in float32 and read the low mantissa bits (round
+    half to even; |v| < 2^22)."""
+    shifted = (v.astype(F32) + F32(12582912.0)).astype(F32)
+    return (shifted.view(np.int32) & 0x007FFFFF) - 0x00400000
+
+
+def _seq_sum(terms: np.ndarray) -> np.ndarray:
+    """Sum over the last axis in order, in float32 (C's `s += t` loop): ufunc.accumulate adds
+    left to right, where numpy's reductions would sum pairwise and round differently."""
+    return np.add.accumulate(terms.astype(F32, copy=False), axis=-1, dtype=F32)[..., -1]
+
+
+def _make_qkx2_quants(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """make_qkx2_quants(32, 15, x, weights, L, &the_min, Laux, -1, 0.1, 20, false) for every row
+    of x [n, 32]: (scale [n], the_min [n] (= -min), L [n, 32] uint8)."""
+    mn = x.min(axis=1)
+    mx = x.max(axis=1)
+    sum_w = _seq_sum(w)
+    sum_x = _seq_sum((w * x).astype(F32))
+    mn = np.where(mn > 0, F32(0), mn).astype(F32)
+    flat = mx == mn  # every value equal (after the min is capped at 0): no quants, scale 0
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        span = (mx - mn).astype(F32)
+        iscale = (F32(NMAX) / span).astype(F32)
+        scale = (F32(1) / iscale).astype(F32)
+        L = np.clip(_nearest_int((iscale[:, None] * (x - mn[:, None]).astype(F32)).astype(F32)), 0, NMAX)
+        diff = (((scale[:, None] * L.astype(F32)).astype(F32) + mn[:, None]).astype(F32) - x).astype(F32)
+        best = _seq_sum((w * (diff * diff).astype(F32)).astype(F32))
+        for step in range(NSTEP + 1):
+            # the C loop reads `min` as it goes: a better fit moves it for the later steps
+            span = (mx - mn).astype(F32)
+            iscale = ((F32(RMIN) + (F32(RDELTA) * F32(step)).astype(F32)).astype(F32) + F32(NMAX)).astype(F32)
+            iscale = (iscale / span).astype(F32)
+            laux = np.clip(_nearest_int((iscale[:, None] * (x - mn[:, None]).astype(F32)).astype(F32)), 0, NMAX)
+            lf = laux.astype(F32)
+            wl = (w * lf).astype(F32)
+            sum_l = _seq_sum(wl)
+            sum_l2 = _seq_sum((wl * lf).astype(F32))
+            sum_xl = _seq_sum((wl * x).astype(F32))
+            det = ((sum_w * sum_l2).astype(F32) - (sum_l * sum_l).astype(F32)).astype(F32)
+            this_scale = (((sum_w * sum_xl).astype(F32) - (sum_x * sum_l).astype(F32)).astype(F32) / det).astype(F32)
+            this_min = (((sum_l2 * sum_x).astype(F32) - (sum_l * sum_xl).astype(F32)).astype(F32) / det).astype(F32)
+            positive = this_min > 0
+            this_scale = np.where(positive, (sum_xl / sum_l2).astype(F32), this_scale)
+            this_min = np.where(positive, F32(0), this_min)
+            d2 = (((this_scale[:, None] * lf).astype(F32) + this_min[:, None]).astype(F32) - x).astype(F32)
+            err = _seq_sum((w * (d2 * d2).astype(F32)).astype(F32))
+            better = ~flat & (det > 0) & (err < best)
+            L = np.where(better[:, None], laux, L)
+            best = np.where(better, err, best)
+            scale = np.where(better, this_scale, scale)
+            mn = np.where(better, this_min, mn)
+    L = np.where(flat[:, None], 0, L).astype(np.uint8)
+    scale = np.where(flat, F32(0), scale).astype(F32)
+    return scale, (-mn).astype(F32), L
+
+
+def quantize_q4_k(data: np.ndarray) -> np.ndarray:
+    """A float [..., K] tensor (K % 256 == 0) as Q4_K blocks: uint8 [..., K // 256 * 144]."""
+    x = np.ascontiguousarray(data, dtype=F32)
+    lead, k = x.shape[:-1], x.shape[-1]
+    if k % QK_K:
+        raise ValueError(f"Q4_K needs rows of a multiple of {QK_K} values, got {k}")
+    blocks = x.reshape(-1, QK_K // SUB, SUB)  # [super-blocks, 8, 32]
+    nb = blocks.shape[0]
+    subs = blocks.reshape(-1, SUB)
+    sum_x2 = _seq_sum((subs * subs).astype(F32))
+    av_x = np.sqrt((sum_x2 / F32(SUB)).astype(F32)).astype(F32)
+    weights = (av_x[:, None] + np.abs(subs)).astype(F32)
+    scales, mins, first = _make_qkx2_quants(subs, weights)
+    scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
+    # the C loop's running maxima start at 0 and take strictly larger values
+    max_scale = np.maximum(scales.max(axis=1), F32(0)).astype(F32)
+    max_min = np.maximum(mins.max(axis=1), F32(0)).astype(F32)
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(max_scale > 0, (F32(63) / max_scale).astype(F32), F32(0)).astype(F32)
+        inv_min = np.where(max_min > 0, (F32(63) / max_min).astype(F32), F32(0)).astype(F32)
+    # uint8_t ls = nearest_int(...): the int is truncated to 8 bits, then capped at 63
+    ls = np.minimum(_nearest_int((inv_scale[:, None] * scales).astype(F32)) & 0xFF, 63).astype(np.uint8)
+    lm = np.minimum(_nearest_int((inv_min[:, None] * mins).astype(F32)) & 0xFF, 63).astype(np.uint8)
+    packed = np.zeros((nb, 12), dtype=np.uint8)
+    packed[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
+    packed[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
+    packed[:, 8:12] = (ls[:, 4:8] & 0xF) | ((lm[:, 4:8] & 0xF) << 4)
+    d16 = (max_scale / F32(63)).astype(F32).astype(np.float16)
+    dmin16 = (max_min / F32(63)).astype(F32).astype(np.float16)
+    # the quants again, from the rounded (6-bit, float16) scales and mins
+    d = (d16.astype(F32)[:, None] * ls.astype(F32)).astype(F32)
+    dm = (dmin16.astype(F32)[:, None] * lm.astype(F32)).astype(F32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = _nearest_int(((blocks + dm[:, :, None]).astype(F32) / d[:, :, None]).astype(F32))
+    q = np.clip(q, 0, NMAX)
+    # a sub-block whose d is 0 keeps the search's quants (the C code skips it)
+    q = np.where((d == 0)[:, :, None], first.reshape(nb, 8, SUB), q).astype(np.uint8)
+    qs = q.reshape(nb, 4, 2, SUB)  # 64-weight groups: low nibbles the first 32, high the next
+    nibbles = (qs[:, :, 0, :] | (qs[:, :, 1, :] << 4)).reshape(nb, 128)
+    out = np.empty((nb, BLOCK_BYTES), dtype=np.uint8)
+    out[:, 0:2] = d16.reshape(nb, 1).view(np.uint8)
+    out[:, 2:4] = dmin16.reshape(nb, 1).view(np.uint8)
+    out[:, 4:16] = packed
+    out[:, 16:] = nibbles
+    return out.reshape(*lead, (k // QK_K) * BLOCK_BYTES)
