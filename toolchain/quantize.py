@@ -16,7 +16,7 @@ The Q8_0/Q4_0/Q4_1/Q5_0 blocks are made by gguf-py's reference quantizer
 (gguf.quants.quantize, bit for bit llama.cpp's quantize_row_*_ref); gguf-py cannot make
 K-quants, so Q4_K's come from toolchain/q4_k_quantizer.py, a numpy port of
 quantize_row_q4_K_ref (its blocks equal llama-quantize's: tests/bench/q4_k_vs_llama_quantize.py).
-One tensor at a time: gguf-py widens 16 rows at a time to float32 (the Q4_K port 64), so
+One tensor at a time: gguf-py widens 16 rows at a time to float32 (the Q4_K port too), so
 neither a float32 copy of the model nor of one tensor is ever held, and the source tensors
 are read through the checkpoint's memory map.
 
@@ -53,7 +53,7 @@ SCHEMES: dict[str, str] = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k
 # a weight whose columns do not fit the scheme's type takes this one (llama.cpp's rule for Q4_K)
 FALLBACK: dict[str, str] = {"Q4_K": "Q5_0"}
 OUTPUT_FORMAT = "Q8_0"  # lm_head / tied embedding (see the module docstring)
-Q4_K_ROWS = 64  # rows widened to float32 at a time by the Q4_K port
+Q4_K_ROWS = 16  # rows widened to float32 at a time by the Q4_K port (its arrays stay in cache)
 GGUF_ARCH = "vtool-weights"  # general.architecture: not a model llama.cpp could load (HF names)
 
 
