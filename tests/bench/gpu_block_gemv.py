@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 SHAPES = {"gateup": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}
@@ -139,10 +138,9 @@ def main() -> None:
         settings[name] = int(value)
         del args[i:i + 2]
     if args[:1] == ["build"] and len(args) == 2:
-        if os.environ.get("TVM_CUDA_COMPILE_MODE") != "nvcc":  # again, with the driver stub on the loader path
-            from vtool.toolchain.cuda import worker_env
+        from device_split import rerun_with_driver_stub  # beside this script
 
-            sys.exit(subprocess.call([sys.executable, *sys.argv], env=worker_env()))
+        rerun_with_driver_stub()
         build(args[1], fmt, settings)
     elif args[:1] == ["run"] and len(args) > 1:
         run(args[1:], fmt)

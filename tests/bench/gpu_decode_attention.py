@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 
 PAGE = 16
@@ -172,17 +170,9 @@ def run(lib_path: str) -> None:
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    if args[:1] == ["build"] and len(args) == 2:
-        if os.environ.get("TVM_CUDA_COMPILE_MODE") != "nvcc":  # again, with the driver stub on the loader path
-            from vtool.toolchain.cuda import worker_env
+    from device_split import build_or_run  # beside this script (the tests load this module alone)
 
-            sys.exit(subprocess.call([sys.executable, *sys.argv], env=worker_env()))
-        build(args[1])
-    elif args[:1] == ["run"] and len(args) == 2:
-        run(args[1])
-    else:
-        raise SystemExit(__doc__)
+    build_or_run(__doc__, build, run)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ fused kernel's largest error relative to the float32 product of the same bf16 we
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
@@ -83,10 +81,6 @@ def run(path):
             print(json.dumps({"shape": name, "n": n, "fused_us": round(fused, 1), "cublas_bf16_us": round(cub, 1), "rel_err": err}), flush=True)
 
 if __name__ == "__main__":
-    if sys.argv[1] == "build":
-        if os.environ.get("TVM_CUDA_COMPILE_MODE") != "nvcc":
-            from vtool.toolchain.cuda import worker_env
-            sys.exit(subprocess.call([sys.executable, *sys.argv], env=worker_env()))
-        build(sys.argv[2])
-    else:
-        run(sys.argv[2])
+    from device_split import build_or_run  # beside this script
+
+    build_or_run(__doc__, build, run)
