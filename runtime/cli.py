@@ -115,7 +115,7 @@ def artifact_option(fn: Callable) -> Callable:
 
 
 # toolchain/build.py QUANTIZATIONS (not imported here: this module never loads the compiler)
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q4_0", "q4_1", "q8_0", "q4_k")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
 
 
 def quantization_option(fn: Callable) -> Callable:

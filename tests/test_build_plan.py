@@ -33,7 +33,7 @@ from vtool.toolchain.plan import BuildOptions, cache_key, check_request, resolve
 TARGETS = ["host", *(r.name for r in ROWS), "sm_80,sm_90a"]
 # each option's values, then one it does not know
 DTYPES = ["float32", "float16", "bfloat16", "int8"]
-QUANTIZATIONS = ["auto", "none", "gguf", "q4_0", "q4_1", "q8_0", "q4_k", "q3"]
+QUANTIZATIONS = ["auto", "none", "gguf", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "q3"]
 ACTIVATIONS = ["auto", "decode", "q8_0", "none", "int4"]
 GEMMS = ["auto", "tir", "cublas", "cutlass"]
 ATTENTIONS = ["auto", "tir", "flashinfer", "flash"]

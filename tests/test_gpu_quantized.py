@@ -3,7 +3,7 @@ blocks on the GPU and the matmuls dequantize them in registers (schedules/cuda/q
 
 Without a GPU (CI, when nvcc is at hand): `vtool build --target sm_90a` of a tiny GGUF keeps its
 blocks (the manifest's params and quantized_weights say so) and a safetensors checkpoint
-quantized at build time (`--quantization q4_1`, `q4_k`) builds; both embed sm_90a SASS.
+quantized at build time (`--quantization q4_1`, `q4_k`, `q6_k`) builds; both embed sm_90a SASS.
 
 On a GPU: tiny llama GGUF files of test_quant_gguf.py's variants (every kept format, mixed
 files, a fused q|k|v of two formats) against transformers running the same file through its
@@ -87,7 +87,8 @@ def test_cuda_build_keeps_gguf_blocks(tmp_path):
 
 
 @pytest.mark.parametrize("scheme, shape, kept", [("q4_1", "llama-gqa", {"Q4_1": 9, "Q8_0": 1}),
-                                                  ("q4_k", "llama-k256", {"Q4_K": 7, "Q5_0": 2, "Q8_0": 1})])
+                                                  ("q4_k", "llama-k256", {"Q4_K": 7, "Q5_0": 2, "Q8_0": 1}),
+                                                  ("q6_k", "llama-k256", {"Q6_K": 7, "Q8_0": 3})])
 def test_cuda_build_quantizes_safetensors(tmp_path, scheme, shape, kept):
     _cuda_buildable()
     from tiny_models import make_tiny_model

@@ -1,10 +1,11 @@
 """Weights quantized at build time from a float safetensors checkpoint (`--quantization
-q4_0|q4_1|q8_0|q4_k`), on tiny transformers checkpoints stored as float32, bfloat16 and float16:
+q4_0|q4_1|q8_0|q4_k|q6_k`), on tiny transformers checkpoints stored as float32, bfloat16 and float16:
 
 - the artifact's weights file holds exactly gguf-py's quantize() of each source tensor (read
-  back with gguf-py's own reader, the source with the safetensors library); Q4_K, which
-  gguf-py cannot make, holds toolchain/q4_k_quantizer.py's blocks (held to llama.cpp's own in
-  test_q4_k_quantizer.py), and a weight whose columns are not a multiple of 256 takes Q5_0;
+  back with gguf-py's own reader, the source with the safetensors library); Q4_K and
+  Q6_K, which gguf-py cannot make, hold toolchain/q4_k_quantizer.py's and q6_k_quantizer.py's
+  blocks (held to llama.cpp's own in test_k_quantizers.py), and a weight whose columns are not
+  a multiple of 256 takes llama.cpp's fallback (Q5_0, Q8_0);
 - greedy tokens and logits equal transformers running the SAME weights: the written blocks
   dequantized by gguf-py and loaded into the transformers model (logits within 1e-4, as
   test_quant_gguf.py: the weights are equal, only summation order differs);
@@ -40,6 +41,8 @@ from vtool.runtime.artifact.manifest import ManifestError
 from vtool.runtime.sampling.params import SamplingParams
 from vtool.toolchain.build import build_artifact
 from vtool.toolchain.q4_k_quantizer import quantize_q4_k
+from vtool.toolchain.q6_k_quantizer import quantize_q6_k
+from vtool.toolchain.quantize import FALLBACK
 
 TOLERANCE = 1e-4
 TARGET = "x86-portable"  # the float decode path (see the module docstring)
@@ -56,6 +59,8 @@ VARIANTS = {
     "q8_0": ("q8_0", "qwen3-qknorm", "float16", {"Q8_0": 9}, []),
     # 256-wide rows Q4_K (the untied embedding too), down's 288-wide rows Q5_0, lm_head Q8_0
     "q4_k": ("q4_k", "llama-k256", "bfloat16", {"Q4_K": 7, "Q5_0": 2, "Q8_0": 1}, []),
+    # down's 288-wide rows Q8_0 (llama.cpp's fallback for Q6_K)
+    "q6_k": ("q6_k", "llama-k256", "float16", {"Q6_K": 7, "Q8_0": 3}, []),
     # hidden 48: q|k|v, gate|up and the embedding have 48 columns, not a multiple of 32
     "q4_1-partial": ("q4_1", "llama3-rope", "bfloat16", {"Q4_1": 6},
                      ["model.embed_tokens"] + [f"model.layers.{i}.{m}" for i in range(3)
@@ -144,12 +149,13 @@ def test_blocks_equal_gguf_py_quantize_of_the_source(variant):
     for t in tensors:
         output = t.name == "lm_head.weight" or (tied and t.name == "model.embed_tokens.weight")
         want = "Q8_0" if output else scheme.upper()
-        if want == "Q4_K" and source[t.name].shape[-1] % 256:
-            want = "Q5_0"  # llama.cpp's fallback for rows Q4_K cannot hold
+        if want in FALLBACK and source[t.name].shape[-1] % 256:
+            want = FALLBACK[want]  # llama.cpp's fallback for rows a K-quant cannot hold
         want_type = gguf.GGMLQuantizationType[want]
         assert t.tensor_type == want_type, f"{t.name}: {t.tensor_type.name}, expected {want_type.name}"
         floats = source[t.name].float().numpy()
-        expected = quantize_q4_k(floats) if want == "Q4_K" else gguf.quants.quantize(floats, want_type)
+        ports = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}  # held to llama.cpp in test_k_quantizers.py
+        expected = ports[want](floats) if want in ports else gguf.quants.quantize(floats, want_type)
         assert np.array_equal(np.asarray(t.data), expected), f"{t.name}: blocks differ from gguf-py's"
     # Norms and biases are never quantized; every 2-D weight that fits the tiles is.
     names = {t.name for t in tensors}
@@ -221,13 +227,13 @@ def test_refusals(tmp_path):
     from quant_gguf import Q, write_tiny_gguf
 
     gguf_file = write_tiny_gguf(tmp_path / "a.gguf", lambda name: Q.Q4_1)
-    for scheme in ("q4_0", "q4_1", "q8_0", "q4_k"):
+    for scheme in ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k"):
         with pytest.raises(VtoolError, match=f"--quantization {scheme} quantizes a float .* is a GGUF file, whose "
                                              "blocks are kept as they are: use --quantization gguf"):
             build_artifact(gguf_file, "host", quantization=scheme)
     folder = make_tiny_model("llama-gqa", tmp_path / "st")
     with pytest.raises(VtoolError, match="unknown quantization 'q4f16_1'; supported: auto, none, gguf, q4_0, "
-                                         "q4_1, q8_0, q4_k"):
+                                         "q4_1, q8_0, q4_k, q6_k"):
         build_artifact(folder, "host", quantization="q4f16_1")
 
 

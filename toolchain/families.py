@@ -50,7 +50,7 @@ class Family:
     label: str  # in messages: "--gemm cublas needs a CUDA target"
     device: str  # the tvm_ffi device type its libraries run on (the runtime's own table must agree)
     # --- which options apply
-    quantized_kernels: bool  # weights kept in GGML blocks: --quantization gguf, q4_0, q4_1, q8_0, q4_k
+    quantized_kernels: bool  # weights kept in GGML blocks: --quantization gguf, q4_0, q4_1, q8_0, q4_k, q6_k
     quantized_by_default: bool  # --quantization auto keeps a GGUF file's blocks (else dequantizes them)
     int8_isa: Callable[[TargetSpec], str | None]  # integer-dot ISA for --activations (None: float only)
     gemm: tuple[str, ...]  # --gemm backends, "tir" first

@@ -341,7 +341,7 @@ def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
 
 
 def _scheme_formats(scheme: str, ckpt: Checkpoint, cfg: ModelConfig, target_spec: TargetSpec) -> dict[str, str]:
-    """module -> GGML type for a build-time scheme (q4_0, q4_1, q8_0, q4_k), refusing what cannot work."""
+    """module -> GGML type for a build-time scheme (q4_0, q4_1, q8_0, q4_k, q6_k), refusing what cannot work."""
     if ckpt.format == "gguf":
         raise VtoolError(f"--quantization {scheme} quantizes a float (safetensors) checkpoint at build time, but "
                          f"{ckpt.path} is a GGUF file, whose blocks are kept as they are: use --quantization gguf "

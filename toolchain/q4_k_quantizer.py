@@ -2,7 +2,7 @@
 for `--quantization q4_k` of a float checkpoint. gguf-py dequantizes K-quants but cannot
 make them, so this ports the reference: the same search, in float32, with the same order
 of every float32 sum, so that blocks come out as llama-quantize writes them (checked
-against llama.cpp's binary by tests/bench/q4_k_vs_llama_quantize.py; see docs/BUILD.md).
+against llama.cpp's binary by tests/bench/k_quants_vs_llama_quantize.py; see docs/BUILD.md).
 
 A super-block is 256 weights: 8 sub-blocks of 32, each with a 6-bit scale and a 6-bit min
 (of the super-block's float16 d and dmin), and 4-bit quants: w = d*sc*q - dmin*m.

@@ -1,4 +1,4 @@
-"""Build-time quantization of a float checkpoint: `--quantization q4_0|q4_1|q8_0|q4_k`.
+"""Build-time quantization of a float checkpoint: `--quantization q4_0|q4_1|q8_0|q4_k|q6_k`.
 
 The schemes are GGML block formats that vtool's CPU and CUDA kernels already run, so a
 safetensors (bf16/f16/f32) model gets the same kernels as a GGUF file of that type:
@@ -11,12 +11,15 @@ safetensors (bf16/f16/f32) model gets the same kernels as a GGUF file of that ty
   q4_k  llama.cpp's Q4_K: 256-weight super-blocks of 8 groups of 32, each group a 6-bit
         scale and min of the super-block's float16 d and dmin, fitted by weighted least
         squares             4.5 bits; the 4-bit type of llama.cpp's Q4_K_M files
+  q6_k  llama.cpp's Q6_K: 256-weight super-blocks of 16 groups of 16, an int8 scale per
+        group of the float16 d, 6-bit quants    6.56 bits; near lossless
 
 The Q8_0/Q4_0/Q4_1/Q5_0 blocks are made by gguf-py's reference quantizer
 (gguf.quants.quantize, bit for bit llama.cpp's quantize_row_*_ref); gguf-py cannot make
-K-quants, so Q4_K's come from toolchain/q4_k_quantizer.py, a numpy port of
-quantize_row_q4_K_ref (its blocks equal llama-quantize's: tests/bench/q4_k_vs_llama_quantize.py).
-One tensor at a time: gguf-py widens 16 rows at a time to float32 (the Q4_K port too), so
+K-quants, so Q4_K's and Q6_K's come from toolchain/q4_k_quantizer.py and q6_k_quantizer.py,
+numpy ports of quantize_row_q4_K_ref and quantize_row_q6_K_ref (their blocks equal
+llama-quantize's: tests/bench/k_quants_vs_llama_quantize.py).
+One tensor at a time: gguf-py widens 16 rows at a time to float32 (the K-quant ports too), so
 neither a float32 copy of the model nor of one tensor is ever held, and the source tensors
 are read through the checkpoint's memory map.
 
@@ -47,13 +50,14 @@ from vtool.runtime.weights.checkpoint import Checkpoint
 from vtool.runtime.weights.default_model import sha256_of
 from vtool.runtime.weights.weights_file import STORED_DTYPES, WEIGHTS_NAME, source_fingerprint
 from vtool.toolchain.q4_k_quantizer import quantize_q4_k
+from vtool.toolchain.q6_k_quantizer import quantize_q6_k
 
 # --quantization value -> the GGML type of its linear weights
-SCHEMES: dict[str, str] = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K"}
-# a weight whose columns do not fit the scheme's type takes this one (llama.cpp's rule for Q4_K)
-FALLBACK: dict[str, str] = {"Q4_K": "Q5_0"}
+SCHEMES: dict[str, str] = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
+# a weight whose columns do not fit the scheme's type takes this one (llama.cpp's rules)
+FALLBACK: dict[str, str] = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 OUTPUT_FORMAT = "Q8_0"  # lm_head / tied embedding (see the module docstring)
-Q4_K_ROWS = 16  # rows widened to float32 at a time by the Q4_K port (its arrays stay in cache)
+K_QUANT_ROWS = 16  # rows widened to float32 at a time by the K-quant ports (their arrays stay in cache)
 GGUF_ARCH = "vtool-weights"  # general.architecture: not a model llama.cpp could load (HF names)
 
 
@@ -136,18 +140,21 @@ def write_weights(ckpt: Checkpoint, sources: dict[str, str], scheme: str, folder
 
 
 def quantize_blocks(data: np.ndarray, fmt: str) -> np.ndarray:
-    """A float [..., K] tensor as GGML `fmt` blocks: gguf-py's quantizer, Q4_K's port for Q4_K."""
+    """A float [..., K] tensor as GGML `fmt` blocks: gguf-py's quantizer, or vtool's ports for
+    the K-quants gguf-py cannot make."""
     import gguf
 
-    if fmt == "Q4_K":
+    port = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}.get(fmt)
+    if port is not None:
         rows = data.reshape(-1, data.shape[-1])
-        out = np.concatenate([quantize_q4_k(rows[i:i + Q4_K_ROWS]) for i in range(0, len(rows), Q4_K_ROWS)])
+        out = np.concatenate([port(rows[i:i + K_QUANT_ROWS]) for i in range(0, len(rows), K_QUANT_ROWS)])
         return out.reshape(*data.shape[:-1], out.shape[-1])
     return gguf.quants.quantize(data, gguf.GGMLQuantizationType[fmt])
 
 
 def _quantizer() -> str:
-    return f"gguf-py {_gguf_version()} gguf.quants.quantize; Q4_K: vtool's port of quantize_row_q4_K_ref"
+    return (f"gguf-py {_gguf_version()} gguf.quants.quantize; Q4_K, Q6_K: vtool's ports of quantize_row_q4_K_ref, "
+            "quantize_row_q6_K_ref")
 
 
 def _gguf_version() -> str:

@@ -1,4 +1,4 @@
-"""The weights a build quantized itself (`--quantization q4_0|q4_1|q8_0|q4_k` on a float checkpoint).
+"""The weights a build quantized itself (`--quantization q4_0|q4_1|q8_0|q4_k|q6_k` on a float checkpoint).
 
 They travel in the artifact folder as one GGUF file (written by gguf-py, read here with
 vtool's own header reader) holding, under their Hugging Face names and in HF row order,
