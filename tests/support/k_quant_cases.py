@@ -1,4 +1,4 @@
-"""The float32 inputs on which vtool's Q4_K quantizer is held to llama.cpp's
+"""The float32 inputs on which vtool's K-quant quantizers are held to llama.cpp's
 (tests/bench/k_quants_vs_llama_quantize.py runs llama-quantize on them; tests/test_k_quantizers.py
 holds the digests it printed): a tiny llama GGUF of tests/support/quant_gguf.py with float32
 weights, and the same file with its 2-D weights' first rows crafted to reach the quantizer's
