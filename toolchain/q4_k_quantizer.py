@@ -83,13 +83,19 @@ def _make_qkx2_quants(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndar
     return np.where(flat, F32(0), scale), -mn, np.where(flat, F32(0), L)
 
 
-def quantize_q4_k(data: np.ndarray) -> np.ndarray:
-    """A float [..., K] tensor (K % 256 == 0) as Q4_K blocks: uint8 [..., K // 256 * 144]."""
+def super_blocks(data: np.ndarray, fmt: str, group: int) -> tuple[tuple[int, ...], int, np.ndarray]:
+    """(leading shape, row length, the rows as float32 [super-blocks, 256 / group, group]) of a
+    float [..., K] tensor, K a multiple of 256 (else refused, naming `fmt`)."""
     x = np.ascontiguousarray(data, dtype=F32)
     lead, k = x.shape[:-1], x.shape[-1]
     if k % QK_K:
-        raise ValueError(f"Q4_K needs rows of a multiple of {QK_K} values, got {k}")
-    blocks = x.reshape(-1, QK_K // SUB, SUB)  # [super-blocks, 8, 32]
+        raise ValueError(f"{fmt} needs rows of a multiple of {QK_K} values, got {k}")
+    return lead, k, x.reshape(-1, QK_K // group, group)
+
+
+def quantize_q4_k(data: np.ndarray) -> np.ndarray:
+    """A float [..., K] tensor (K % 256 == 0) as Q4_K blocks: uint8 [..., K // 256 * 144]."""
+    lead, k, blocks = super_blocks(data, "Q4_K", SUB)  # [super-blocks, 8, 32]
     nb = blocks.shape[0]
     subs = np.ascontiguousarray(blocks.reshape(-1, SUB).T)  # [32, groups]: sums run down the columns
     av_x = np.sqrt(_seq_sum(subs * subs) / F32(SUB))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtool.toolchain.q4_k_quantizer import F32, QK_K, _nearest_int, _seq_sum
+from vtool.toolchain.q4_k_quantizer import F32, QK_K, _nearest_int, _seq_sum, super_blocks
 
 GROUP = 16
 NMAX = 32
@@ -56,11 +56,7 @@ def _make_qx_quants(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def quantize_q6_k(data: np.ndarray) -> np.ndarray:
     """A float [..., K] tensor (K % 256 == 0) as Q6_K blocks: uint8 [..., K // 256 * 210]."""
-    x = np.ascontiguousarray(data, dtype=F32)
-    lead, k = x.shape[:-1], x.shape[-1]
-    if k % QK_K:
-        raise ValueError(f"Q6_K needs rows of a multiple of {QK_K} values, got {k}")
-    blocks = x.reshape(-1, QK_K // GROUP, GROUP)  # [super-blocks, 16, 16]
+    lead, k, blocks = super_blocks(data, "Q6_K", GROUP)  # [super-blocks, 16, 16]
     nb = blocks.shape[0]
     scales, first = _make_qx_quants(np.ascontiguousarray(blocks.reshape(-1, GROUP).T))
     scales = scales.reshape(nb, 16)
