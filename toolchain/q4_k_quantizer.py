@@ -27,13 +27,13 @@ RMIN, RDELTA, NSTEP = -1.0, 0.1, 20
 F32 = np.float32
 
 
-def _nearest_int(v: np.ndarray) -> np.ndarray:
+def nearest_int(v: np.ndarray) -> np.ndarray:
     """GGML's nearest_int: add 1.5 * 2^23 in float32 and read the low mantissa bits (round
     half to even; |v| < 2^22)."""
     return ((v + F32(12582912.0)).view(np.int32) & 0x007FFFFF) - 0x00400000
 
 
-def _seq_sum(terms: np.ndarray) -> np.ndarray:
+def seq_sum(terms: np.ndarray) -> np.ndarray:
     """Sum of [32, n] over its first axis, element 0 first (C's `s += t` loop): numpy reduces a
     non-contiguous axis row by row into the result, where along a contiguous one it would
     sum pairwise and round differently."""
@@ -41,7 +41,7 @@ def _seq_sum(terms: np.ndarray) -> np.ndarray:
 
 
 def _quants(iscale: np.ndarray, x: np.ndarray, mn: np.ndarray) -> np.ndarray:
-    return np.clip(_nearest_int(iscale * (x - mn)), 0, NMAX).astype(F32)
+    return np.clip(nearest_int(iscale * (x - mn)), 0, NMAX).astype(F32)
 
 
 def _make_qkx2_quants(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -50,23 +50,23 @@ def _make_qkx2_quants(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndar
     L [32, n] as float32)."""
     mn = np.minimum(x.min(axis=0), F32(0))  # min capped at 0
     mx = x.max(axis=0)
-    sum_w = _seq_sum(w)
-    sum_x = _seq_sum(w * x)
+    sum_w = seq_sum(w)
+    sum_x = seq_sum(w * x)
     flat = mx == mn  # every value equal: no quants, scale 0
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = F32(NMAX) / (mx - mn)
         scale = F32(1) / iscale
         L = _quants(iscale, x, mn)
         diff = scale * L + mn - x
-        best = _seq_sum(w * (diff * diff))
+        best = seq_sum(w * (diff * diff))
         for step in range(NSTEP + 1):
             # the C loop reads `min` as it goes: a better fit moves it for the later steps
             iscale = (F32(RMIN) + F32(RDELTA) * F32(step) + F32(NMAX)) / (mx - mn)
             laux = _quants(iscale, x, mn)
             wl = w * laux
-            sum_l = _seq_sum(wl)
-            sum_l2 = _seq_sum(wl * laux)
-            sum_xl = _seq_sum(wl * x)
+            sum_l = seq_sum(wl)
+            sum_l2 = seq_sum(wl * laux)
+            sum_xl = seq_sum(wl * x)
             det = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
@@ -74,7 +74,7 @@ def _make_qkx2_quants(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndar
             this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
             this_min = np.where(positive, F32(0), this_min)
             d2 = this_scale * laux + this_min - x
-            err = _seq_sum(w * (d2 * d2))
+            err = seq_sum(w * (d2 * d2))
             better = ~flat & (det > 0) & (err < best)
             L = np.where(better, laux, L)
             best = np.where(better, err, best)
@@ -98,7 +98,7 @@ def quantize_q4_k(data: np.ndarray) -> np.ndarray:
     lead, k, blocks = super_blocks(data, "Q4_K", SUB)  # [super-blocks, 8, 32]
     nb = blocks.shape[0]
     subs = np.ascontiguousarray(blocks.reshape(-1, SUB).T)  # [32, groups]: sums run down the columns
-    av_x = np.sqrt(_seq_sum(subs * subs) / F32(SUB))
+    av_x = np.sqrt(seq_sum(subs * subs) / F32(SUB))
     weights = av_x + np.abs(subs)
     scales, mins, first = _make_qkx2_quants(subs, weights)
     first = first.T.reshape(nb, 8, SUB)
@@ -110,8 +110,8 @@ def quantize_q4_k(data: np.ndarray) -> np.ndarray:
         inv_scale = np.where(max_scale > 0, (F32(63) / max_scale).astype(F32), F32(0)).astype(F32)
         inv_min = np.where(max_min > 0, (F32(63) / max_min).astype(F32), F32(0)).astype(F32)
     # uint8_t ls = nearest_int(...): the int is truncated to 8 bits, then capped at 63
-    ls = np.minimum(_nearest_int((inv_scale[:, None] * scales).astype(F32)) & 0xFF, 63).astype(np.uint8)
-    lm = np.minimum(_nearest_int((inv_min[:, None] * mins).astype(F32)) & 0xFF, 63).astype(np.uint8)
+    ls = np.minimum(nearest_int((inv_scale[:, None] * scales).astype(F32)) & 0xFF, 63).astype(np.uint8)
+    lm = np.minimum(nearest_int((inv_min[:, None] * mins).astype(F32)) & 0xFF, 63).astype(np.uint8)
     packed = np.zeros((nb, 12), dtype=np.uint8)
     packed[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
     packed[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
@@ -122,7 +122,7 @@ def quantize_q4_k(data: np.ndarray) -> np.ndarray:
     d = (d16.astype(F32)[:, None] * ls.astype(F32)).astype(F32)
     dm = (dmin16.astype(F32)[:, None] * lm.astype(F32)).astype(F32)
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = _nearest_int(((blocks + dm[:, :, None]).astype(F32) / d[:, :, None]).astype(F32))
+        q = nearest_int(((blocks + dm[:, :, None]).astype(F32) / d[:, :, None]).astype(F32))
     q = np.clip(q, 0, NMAX)
     # a sub-block whose d is 0 keeps the search's quants (the C code skips it)
     q = np.where((d == 0)[:, :, None], first, q).astype(np.uint8)

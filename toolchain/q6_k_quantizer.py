@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtool.toolchain.q4_k_quantizer import F32, QK_K, _nearest_int, _seq_sum, super_blocks
+from vtool.toolchain.q4_k_quantizer import F32, QK_K, nearest_int, seq_sum, super_blocks
 
 GROUP = 16
 NMAX = 32
@@ -22,7 +22,7 @@ GROUP_MAX_EPS = F32(1e-15)
 
 
 def _levels(iscale: np.ndarray, x: np.ndarray) -> np.ndarray:
-    return np.clip(_nearest_int(iscale * x), -NMAX, NMAX - 1).astype(F32)
+    return np.clip(nearest_int(iscale * x), -NMAX, NMAX - 1).astype(F32)
 
 
 def _make_qx_quants(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -35,8 +35,8 @@ def _make_qx_quants(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = F32(-NMAX) / mx
         L = _levels(iscale, x)
-        sumlx = _seq_sum(w * x * L)
-        suml2 = _seq_sum(w * L * L)
+        sumlx = seq_sum(w * x * L)
+        suml2 = seq_sum(w * L * L)
         scale = np.where(suml2 != 0, sumlx / suml2, F32(0))
         best = scale * sumlx
         for step in range(-9, 10):
@@ -44,8 +44,8 @@ def _make_qx_quants(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
                 continue
             iscale = -(F32(NMAX) + F32(0.1) * F32(step)) / mx
             laux = _levels(iscale, x)
-            sumlx = _seq_sum(w * x * laux)
-            suml2 = _seq_sum(w * laux * laux)
+            sumlx = seq_sum(w * x * laux)
+            suml2 = seq_sum(w * laux * laux)
             better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
             L = np.where(better, laux, L)
             scale = np.where(better, sumlx / suml2, scale)
@@ -68,9 +68,9 @@ def quantize_q6_k(data: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = np.where(empty, F32(0), F32(-128.0) / max_scale)
         d16 = np.where(empty, F32(0), F32(1) / iscale).astype(np.float16)
-        sc = np.minimum(_nearest_int(iscale[:, None] * scales), 127).astype(np.int8)
+        sc = np.minimum(nearest_int(iscale[:, None] * scales), 127).astype(np.int8)
         d = d16.astype(F32)[:, None] * sc.astype(F32)  # [nb, 16]
-        q = np.clip(_nearest_int(blocks / d[:, :, None]), -NMAX, NMAX - 1)
+        q = np.clip(nearest_int(blocks / d[:, :, None]), -NMAX, NMAX - 1)
     q = np.where((d == 0)[:, :, None], first.astype(np.int32), q)
     L = (q + NMAX).astype(np.uint8).reshape(nb, 2, 4, 32)  # two halves of 128: four runs of 32
     ql = np.concatenate([L[:, :, 0] & 0xF | (L[:, :, 2] & 0xF) << 4, L[:, :, 1] & 0xF | (L[:, :, 3] & 0xF) << 4],

@@ -19,11 +19,11 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
+from vtool.runtime.weights.ggml_blocks import BLOCK as BLOCK_COLS  # weights per block of the 32-weight formats
+from vtool.runtime.weights.ggml_blocks import TILE_ROWS  # rows whose blocks lie side by side
 from vtool.schedules.cuda.quantized_gemv import find_block
 
 DEQUANT_WHOLE_BLOCK = "vtool_dequantize"  # models/quantized_linear.py's name (schedules/ does not import models/)
-TILE_ROWS = 4  # rows whose blocks lie side by side (runtime/weights/ggml_blocks.py)
-BLOCK_COLS = 32  # weights per block of the smallest format; every kept format's row is a multiple
 VECTOR_BYTES = 16  # a thread writes its weights in one 16-byte store: 8 bf16 / f16, 4 f32
 THREADS = 256
 
