@@ -7,6 +7,7 @@ errors compare (llama.cpp's build contracts `a*b + c` into FMA where the CPU has
 rounding numpy does not make, so a rare tie can go the other way).
 
     python tests/bench/k_quants_vs_llama_quantize.py [--type Q4_K|Q6_K] [--seeds 3] [--build] [--digest]
+    python tests/bench/k_quants_vs_llama_quantize.py --type Q4_K --speed   # seconds against llama-quantize
 
 Each seed runs twice: the tiny model's normal weights, and rows crafted to reach the
 quantizer's corners (zeros, constants, all positive, heavy tails, 1e-6 and 300 scales, a lone
@@ -88,11 +89,42 @@ def digest(seed: int, tool: Path, work: Path, corners: bool, qtype: str = "Q4_K"
     return h.hexdigest()
 
 
+SPEED_SHAPE = dict(hidden=1024, inter=2816, layers=4, heads=8, kv=4, vocab=4096)  # ~63 M weights
+
+
+def speed(tool: Path, work: Path, qtype: str, threads: int = 2) -> dict:
+    """Seconds to quantize one float32 GGUF of SPEED_SHAPE: llama-quantize (`threads` threads,
+    file in and out) against vtool's port on the same 2-D tensors (one thread, in memory)."""
+    import time
+
+    import gguf
+    from quant_gguf import write_tiny_gguf
+
+    from vtool.toolchain.quantize import quantize_blocks
+
+    src = write_tiny_gguf(work / "speed-f32.gguf", lambda _name: gguf.GGMLQuantizationType.F32, tie=False,
+                          shape=SPEED_SHAPE)
+    t0 = time.perf_counter()
+    subprocess.run([str(tool), "--pure", str(src), str(work / "speed-out.gguf"), qtype, str(threads)], check=True,
+                   capture_output=True)
+    theirs = time.perf_counter() - t0
+    tensors = [np.asarray(t.data, dtype=np.float32) for t in gguf.GGUFReader(src).tensors if len(t.data.shape) == 2]
+    t0 = time.perf_counter()
+    for data in tensors:
+        quantize_blocks(data, qtype)
+    ours = time.perf_counter() - t0
+    weights = sum(t.size for t in tensors)
+    return {"type": qtype, "weights": weights, "llama_quantize_s": round(theirs, 2), "threads": threads,
+            "vtool_s": round(ours, 2), "vtool_m_weights_per_s": round(weights / ours / 1e6, 1),
+            "ratio": round(ours / theirs, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--type", default="Q4_K", choices=["Q4_K", "Q6_K"])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--build", action="store_true", help="build llama-quantize first if missing")
+    ap.add_argument("--speed", action="store_true", help="time both quantizers on one larger file")
     ap.add_argument("--digest", action="store_true",
                     help="print the sha256 of llama-quantize's blocks of each seed's files (tests/test_k_quantizers.py holds them)")
     a = ap.parse_args()
@@ -105,6 +137,10 @@ def main() -> None:
             raise SystemExit(f"{tool} is not built: run with --build (or tests/bench/llamacpp.py)")
         build(root, jobs=2)
     rows = []
+    if a.speed:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps(speed(tool, Path(tmp), a.type)))
+        return
     if a.digest:
         with tempfile.TemporaryDirectory() as tmp:
             for seed in range(a.seeds):
