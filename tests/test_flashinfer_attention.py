@@ -141,3 +141,25 @@ def test_the_helper_finds_console_scripts_of_an_unactivated_venv(monkeypatch):
     monkeypatch.delenv(fa.FLASHINFER_PATH_ENV, raising=False)
     path = fa._flashinfer_env()["PATH"].split(os.pathsep)
     assert path[0] == "/usr/bin" and str(Path(sys.executable).parent) in path
+
+
+def test_the_helper_hides_the_cute_dsl_that_probes_the_gpu(tmp_path):
+    """flashinfer-python pulls nvidia-cutlass-dsl, whose kernels query the GPU when imported and
+    fail on a build machine without one (an AssertionError flashinfer does not catch). The
+    helper hides the package, so flashinfer's guarded `import cutlass` takes its ImportError
+    branch. A stand-in that fails the same way on import shows it."""
+    import subprocess
+    import sys
+
+    (tmp_path / "cutlass").mkdir()
+    (tmp_path / "cutlass" / "__init__.py").write_text("raise AssertionError('Torch not compiled with CUDA enabled')\n")
+    probe = ("import sys\n"
+             f"sys.path.insert(0, {str(tmp_path)!r})\n"
+             "from vtool.toolchain.flashinfer_attention import hide_gpu_probing_modules\n"
+             "hide_gpu_probing_modules()\n"
+             "try:\n    import cutlass\nexcept ImportError:\n    print('hidden')\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.stdout.strip() == "hidden", done.stderr
+    unhidden = subprocess.run([sys.executable, "-c", probe.replace("hide_gpu_probing_modules()\n", "")],
+                              capture_output=True, text=True)
+    assert "AssertionError" in unhidden.stderr  # without the helper's step the import fails as on a real machine

@@ -424,7 +424,21 @@ def _binding_fits(csrc: Path) -> str | None:
     return None
 
 
+# flashinfer's optional CuTe-DSL kernels (nvidia-cutlass-dsl, a dependency of flashinfer-python since
+# 0.6) ask torch for the GPU's properties when they are imported, which fails on a build machine
+# without one (an AssertionError flashinfer does not catch). The build needs only the attention
+# kernels' sources: the helper process hides the DSL, and flashinfer's import then skips those kernels.
+_HIDDEN_MODULES = ("cutlass",)
+
+
+def hide_gpu_probing_modules() -> None:
+    """Make `import cutlass` raise ImportError in this (helper) process (_HIDDEN_MODULES)."""
+    for name in _HIDDEN_MODULES:
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+
+
 def _helper_probe() -> dict[str, Any]:
+    hide_gpu_probing_modules()
     try:
         import flashinfer  # noqa: F401
         from flashinfer.jit import env as jit_env
