@@ -40,14 +40,16 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from vtool.models.config import ModelConfig
+from vtool.models.fp8_linear import Fp8Linear
 from vtool.models.quantized_linear import (Int8Kernels, QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear,
                                           decode_numerics, use_int8_gemv)
 from vtool.models.weights import SPLIT
 from vtool.models.rope import apply_rope, inverse_frequencies, longrope_inverse_frequencies, yarn_inverse_frequencies
 from vtool.models.softcap import softcap_kv_cache
+from vtool.runtime.weights.fp8_layout import FP8_FORMAT
 from vtool.models.window_cache import ENTRY as SLIDING_CACHE_ENTRY, frees_window, sliding_kv_cache
 
-# compiled module path ("model.layers.0.mlp.down_proj") -> GGML block format kept in memory
+# compiled module path ("model.layers.0.mlp.down_proj") -> GGML block format kept in memory, or FP8_FORMAT
 Formats = Mapping[str, str]
 
 class Linear(nn.Module):
@@ -74,13 +76,16 @@ class Linear(nn.Module):
 
 def make_linear(path: str, in_features: int, out_features: int, bias: bool, dtype: str,
                 formats: Formats, parts: tuple[int, ...] | None = None
-                ) -> Linear | QuantizedLinear | SplitQuantizedLinear:
-    """A QuantizedLinear where the build keeps `path`'s weight in blocks, else a Linear.
+                ) -> Linear | QuantizedLinear | SplitQuantizedLinear | Fp8Linear:
+    """A QuantizedLinear where the build keeps `path`'s weight in blocks, an Fp8Linear where it
+    keeps it in FP8 (models/fp8_linear.py), else a Linear.
     `parts`: a fused layer's rows per source (q, k, v), for a weight kept in several formats
     (a SplitQuantizedLinear)."""
     fmt = formats.get(path)
     if fmt is None:
         return Linear(in_features, out_features, bias, dtype)
+    if fmt == FP8_FORMAT:
+        return Fp8Linear(in_features, out_features, bias, dtype)
     if SPLIT in fmt:
         if parts is None or sum(parts) != out_features:
             raise ValueError(f"{path}: kept as {fmt!r} but the layer does not say its parts' rows")

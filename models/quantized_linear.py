@@ -208,7 +208,7 @@ def use_int8_gemv(model: nn.Module, kernels: Int8Kernels | None, rows: str = "de
     path): those over decode rows (one new position per sequence) or, with rows="all", every
     one. Returns how many layers can take them."""
     count = 0
-    for module in _modules(model):
+    for module in walk_modules(model):
         if isinstance(module, _QuantizedWeight):
             module.int8_kernels, module.int8_rows = kernels, rows
             count += kernels is not None and module.fmt in kernels.formats
@@ -219,7 +219,7 @@ def dequantize_prompts(model: nn.Module) -> int:
     """Make the quantized layers of `model` dequantize their weight for matmuls over prompts
     (see _QuantizedWeight.dequantize_prompts). Returns how many layers."""
     count = 0
-    for module in _modules(model):
+    for module in walk_modules(model):
         if isinstance(module, _QuantizedWeight):
             module.dequantize_prompts = True
             count += 1
@@ -231,7 +231,7 @@ def decode_numerics(model: nn.Module) -> Iterator[None]:
     """While an entry point is traced: the quantized layers that take integer-dot kernels in
     decode take them for every row, so a few positions scored together (speculative
     verification) get the activations decode gives each of them."""
-    changed = [m for m in _modules(model) if isinstance(m, _QuantizedWeight) and m.int8_kernels is not None
+    changed = [m for m in walk_modules(model) if isinstance(m, _QuantizedWeight) and m.int8_kernels is not None
                and m.int8_rows == "decode"]
     for module in changed:
         module.int8_rows = "all"
@@ -242,14 +242,14 @@ def decode_numerics(model: nn.Module) -> Iterator[None]:
             module.int8_rows = "decode"
 
 
-def _modules(module: nn.Module):  # noqa: ANN202 - a generator of modules
+def walk_modules(module: nn.Module):  # noqa: ANN202 - a generator of modules
     yield module
     for child in vars(module).values():
         if isinstance(child, nn.ModuleList):  # a Module whose children sit in a list
             for item in child:
-                yield from _modules(item)
+                yield from walk_modules(item)
         elif isinstance(child, nn.Module):
-            yield from _modules(child)
+            yield from walk_modules(child)
 
 
 class QuantizedLinear(_QuantizedWeight):

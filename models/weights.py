@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from vtool import VtoolError
 from vtool.models.config import ModelConfig
+from vtool.runtime.weights.fp8_layout import FP8_FORMAT, PARTS as FP8_PARTS
 from vtool.runtime.weights.ggml_blocks import QUANT_PARTS, keepable
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # stored types that are plain floats
@@ -76,7 +77,8 @@ def plan_parameters(named_params: Iterable[tuple[str, Any]],
 
     A part of a weight kept in blocks (module path in `formats`) carries
     `quant: {format, part}`: the runtime repacks its source tensors' blocks and binds that
-    part. Its sources are the HF weights (`<module>.weight`) the blocks come from.
+    part. Its sources are the HF weights (`<module>.weight`) the blocks come from. A part of
+    an FP8 weight (format FP8_FORMAT) carries `fp8: {part}` and the float weights it is made of.
     """
     formats = formats or {}
     plan = []
@@ -84,7 +86,12 @@ def plan_parameters(named_params: Iterable[tuple[str, Any]],
         module, leaf = name.rsplit(".", 1)
         entry: dict[str, Any] = {"name": name, "shape": [int(x) for x in param.shape], "dtype": str(param.dtype),
                                  "transform": "identity", "sources": [name]}
-        if module in formats and leaf in QUANT_PARTS:
+        if formats.get(module) == FP8_FORMAT and leaf in FP8_PARTS:
+            # both parts are made, at load, from the float weight (runtime/weights/fp8.py)
+            entry["fp8"] = {"part": leaf}
+            leaf = "weight"
+            entry["sources"] = [f"{module}.{leaf}"]
+        elif module in formats and leaf in QUANT_PARTS:
             entry["quant"] = {"format": formats[module], "part": leaf}
             leaf = "weight"
             entry["sources"] = [f"{module}.{leaf}"]

@@ -115,7 +115,7 @@ def artifact_option(fn: Callable) -> Callable:
 
 
 # toolchain/build.py QUANTIZATIONS (not imported here: this module never loads the compiler)
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "fp8")
 
 
 def quantization_option(fn: Callable) -> Callable:
@@ -124,7 +124,10 @@ def quantization_option(fn: Callable) -> Callable:
         help="gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K weights quantized in memory (CPU kernels dequantize "
              "inside the matmul; other types are dequantized at load); q4_1 (recommended), q4_0, q8_0: "
              "quantize a safetensors checkpoint's weights at build time into the artifact (GGML's 32-weight "
-             "groups; q4_1 is int4 with a per-group scale and min); none: dequantize every weight to "
+             "groups; q4_1 is int4 with a per-group scale and min; q4_k, q6_k: llama.cpp's K-quants); fp8: e4m3 "
+             "linear weights with a float32 scale per row, quantized from a float checkpoint when it loads (on "
+             "sm_89+ CUDA builds prompts and batches also quantize activations per token: W8A8 on the FP8 tensor "
+             "cores); none: dequantize every weight to "
              "--dtype at load; auto: gguf for a GGUF file on a CPU target, else none")(fn)
 
 

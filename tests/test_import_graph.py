@@ -15,7 +15,8 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent
 
 # Modules any room may import: the build/run contract and plain paths.
-CONTRACTS = {"vtool", "vtool.runtime.artifact.manifest", "vtool.runtime.weights.ggml_blocks", "vtool.runtime.paths"}
+CONTRACTS = {"vtool", "vtool.runtime.artifact.manifest", "vtool.runtime.weights.ggml_blocks",
+             "vtool.runtime.weights.fp8_layout", "vtool.runtime.paths"}
 
 COMPILER_ROOMS = ("vtool.toolchain", "vtool.models", "vtool.schedules")
 

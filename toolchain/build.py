@@ -34,14 +34,15 @@ from vtool.toolchain.families import family_of
 # The options and their resolution live in plan.py; these names stay importable from here.
 from vtool.toolchain.plan import (ACTIVATIONS, DTYPES, QUANT_TARGET_FAMILIES, QUANTIZATIONS,  # noqa: F401
                                   BuildOptions, BuildPlan, cache_key, check_request, compiler_source_digest,
-                                  resolve_activations, resolve_plan, resolve_quantization)
+                                  fp8_tensor_cores, resolve_activations, resolve_plan, resolve_quantization)
 from vtool.toolchain.quantize import write_weights
 
 Progress = Callable[[str], None]
 
 
 def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Progress,
-            formats: dict[str, str] | None = None, attention: str = "tir", activations: str = "decode"):
+            formats: dict[str, str] | None = None, attention: str = "tir", activations: str = "decode",
+            gemm: str = "tir"):
     import tvm
 
     from vtool.schedules.cpu.int8_gemv import Int8GemvKernels
@@ -57,6 +58,11 @@ def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Pro
 
         # in-register GEMVs for decode (schedules/cuda/quantized.py); prompts on tensor cores
         dequantize_prompts(model)
+        if fp8_tensor_cores(target_spec, gemm):
+            from vtool.models.fp8_linear import use_fp8_tensor_cores
+
+            # FP8 weights: prompts and batches W8A8 on the FP8 tensor cores (cuBLASLt), decode W8A16 GEMVs
+            use_fp8_tensor_cores(model)
     if attention != "tir":
         from vtool.toolchain.flashinfer_attention import use_attention
 
@@ -67,11 +73,12 @@ def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Pro
 
 
 def model_module(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Progress,
-                 formats: dict[str, str] | None = None, attention: str = "tir", activations: str = "decode"):
+                 formats: dict[str, str] | None = None, attention: str = "tir", activations: str = "decode",
+                 gemm: str = "tir"):
     """(tvm target, Relax module, params, entry points): everything a build compiles, before
     the pipeline. One place for it, so that `vtool tune` extracts the very kernels a build
     schedules (their structural hashes key the tuning records)."""
-    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress, formats, attention, activations)
+    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress, formats, attention, activations, gemm)
     for extra in family_of(target_spec).extra_modules(cfg):  # CUDA: the GPU sampler
         mod.update(extra)
     return target, mod, params, entry_points
@@ -168,7 +175,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
         fi = flashinfer_attention.build_objects(dtype, cfg.head_dim, target_spec.archs, progress)
     t0 = time.perf_counter()
     target, mod, params, entry_points = model_module(cfg, target_spec, dtype, progress, formats or None,
-                                                     attention=attention, activations="none")
+                                                     attention=attention, activations="none", gemm=gemm)
     graph_sizes = tuple(cuda_graph_sizes)
     entry_points = entry_points + graph_entry_points(graph_sizes, entry_points)  # the *_captured copies (pipeline.py)
     t_export = time.perf_counter() - t0

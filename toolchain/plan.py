@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 
 from vtool import VtoolError
 from vtool.models.config import ModelConfig, parse_hf_config, source_config
-from vtool.models.weights import check_checkpoint_shapes, format_runs, kept_formats, weight_modules
+from vtool.models.weights import FLOAT_TYPES, check_checkpoint_shapes, format_runs, kept_formats, weight_modules
 from vtool.runtime.weights.ggml_blocks import FORMATS as BLOCK_FORMATS
 from vtool.runtime.artifact.library import installed_versions
 from vtool.runtime.weights.checkpoint import Checkpoint
@@ -37,7 +37,9 @@ DTYPES = ("float32", "float16", "bfloat16")
 # --quantization: auto = gguf for a GGUF file on a target with quantized kernels, else none;
 # none = every weight dequantized to the dtype at load; gguf = keep the file's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K blocks.
 # q4_0/q4_1/q8_0 = quantize a float checkpoint's weights at build time (toolchain/quantize.py).
-QUANTIZATIONS = ("auto", "none", "gguf", *SCHEMES)
+# fp8 = e4m3 linear weights with a float32 scale per row, quantized from the float checkpoint when
+# the artifact loads (runtime/weights/fp8.py, models/fp8_linear.py), as vLLM's --quantization fp8.
+QUANTIZATIONS = ("auto", "none", "gguf", *SCHEMES, "fp8")
 # --activations: how the matmuls over weights kept in a format with integer-dot kernels
 # (models/int8_activations.py DOT_FORMATS; schedules/cpu/int8_gemv.py, kquant_gemv.py, kquant_gemm.py) take their
 # input: rows quantized to Q8_0 (Q8_K for the K-quants, as llama.cpp) and integer dot products everywhere ("q8_0",
@@ -59,7 +61,8 @@ _COMPILER_SOURCES = ("models", "schedules", "targets", "toolchain/pipeline.py", 
                      "toolchain/plan.py", "toolchain/families.py",
                      "toolchain/cuda.py", "toolchain/gemm_offload.py", "toolchain/native/cublas_gemm.cc",
                      "toolchain/flashinfer_attention.py", "toolchain/quantize.py",
-                     "runtime/weights/ggml_blocks.py")  # the block layout the kernels are compiled for
+                     "runtime/weights/ggml_blocks.py",  # the block layout the kernels are compiled for
+                     "runtime/weights/fp8_layout.py")  # and the FP8 one
 
 Notice = Callable[[str], None]
 
@@ -124,7 +127,15 @@ class BuildPlan:
         summary: dict[str, Any] = {"kept": counts, "dequantized": dict(sorted(self.dense.items()))}
         if self.left_float is not None:
             summary["float"] = sorted(self.left_float)
+        if self.quantization == "fp8":  # which matmuls quantize their activations too (models/fp8_linear.py)
+            summary["fp8_matmuls"] = {"decode": "W8A16",
+                                      "prompts_and_batches": "W8A8" if self.fp8_tensor_cores else "W8A16"}
         return summary
+
+    @property
+    def fp8_tensor_cores(self) -> bool:
+        """An FP8 build whose prompt and batched matmuls take W8A8 on the FP8 tensor cores."""
+        return self.quantization == "fp8" and fp8_tensor_cores(self.target, self.gemm)
 
     def as_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data: how the library is made, every option resolved.
@@ -322,6 +333,8 @@ def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
                          "(or auto)")
     if requested in SCHEMES:
         return requested, _scheme_formats(requested, ckpt, cfg, target_spec), {}
+    if requested == "fp8":
+        return "fp8", fp8_formats(ckpt, cfg), {}
     quantized_kernels = family_of(target_spec).quantized_kernels
     if requested == "auto" and (ckpt.format != "gguf" or not family_of(target_spec).quantized_by_default):
         return "none", {}, {}
@@ -355,6 +368,42 @@ def _scheme_formats(scheme: str, ckpt: Checkpoint, cfg: ModelConfig, target_spec
         raise VtoolError(f"--quantization {scheme}: no weight of {ckpt.path} fits the quantized kernels' tiles "
                          "(rows a multiple of 4, columns a multiple of 32); use --quantization none")
     return kept
+
+
+def fp8_formats(ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, str]:
+    """module -> FP8_FORMAT for --quantization fp8: every decoder linear (q|k|v, o, gate|up,
+    down) whose float weights fit; the embedding and lm_head keep the dtype, as in vLLM."""
+    from vtool.models.registry import model_family
+    from vtool.runtime.weights.fp8_layout import FP8_FORMAT, fits
+
+    if ckpt.format == "gguf":
+        raise VtoolError(f"--quantization fp8 quantizes a float (safetensors) checkpoint, but {ckpt.path} is a GGUF "
+                         "file: use --quantization gguf (or auto) to keep its blocks, or none")
+    if model_family(cfg.architecture).task != "generate" or cfg.family in FP8_REFUSED_FAMILIES:
+        raise VtoolError(f"--quantization fp8: the {cfg.family} family ({cfg.architecture}) has no FP8 layers yet; "
+                         "use --quantization none")
+    infos = ckpt.tensors()
+    kept = {}
+    for module, sources in weight_modules(cfg).items():
+        if module.rsplit(".", 1)[-1] not in FP8_LAYERS:
+            continue
+        if all(infos[s].dtype in FLOAT_TYPES and fits(*infos[s].shape) for s in sources):
+            kept[module] = FP8_FORMAT
+    if not kept:
+        raise VtoolError(f"--quantization fp8: no linear weight of {ckpt.path} is a float tensor whose columns are a "
+                         "multiple of 16; use --quantization none")
+    return kept
+
+
+def fp8_tensor_cores(target_spec: TargetSpec, gemm: str) -> bool:
+    """Whether an FP8 build for this target runs W8A8 matmuls: cuBLAS(Lt) matmuls and a GPU with
+    e4m3 tensor cores (sm_89 and newer; a fat binary's oldest arch decides)."""
+    return gemm == "cublas" and FP8_TENSOR_CORES in target_spec.features
+
+
+FP8_TENSOR_CORES = "fp8-e4m3"  # the target feature (targets/table.py) of e4m3 tensor-core GEMMs
+FP8_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # models/decoder.py's make_linear layers
+FP8_REFUSED_FAMILIES = ("qwen3_moe", "mixtral", "gpt2")  # their projections are not make_linear's
 
 
 def resolve_activations(requested: str, target_spec: TargetSpec, kept: Mapping[str, str]) -> str:

@@ -29,6 +29,7 @@ ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 # not weights): skipped when stored as integers; any other integer tensor is refused.
 INTEGER_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
 INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U8")
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 MAX_HEADER = 100 * 1024 * 1024  # a header larger than this is corruption, not a model
 
 
@@ -71,6 +72,10 @@ def read_header(file: Path) -> dict[str, _Entry]:
             raise CheckpointError(f"{file}: tensor {name!r} has a malformed header entry {meta!r}") from None
         if dtype in INTEGER_DTYPES and name.endswith(INTEGER_BUFFERS):
             continue
+        if dtype in FP8_DTYPES:  # an FP8 checkpoint (compressed-tensors, ModelOpt): not read yet
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has dtype {dtype}: FP8 checkpoints are not loaded yet; build the model's "
+                "bf16/f16 checkpoint with --quantization fp8 (its linear weights are made e4m3 when it loads)")
         if dtype not in DTYPES:
             raise CheckpointError(
                 f"{file}: tensor {name!r} has dtype {dtype}; supported weight dtypes: {', '.join(DTYPES)}"
