@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 from quant_gguf import VARIANTS, write_tiny_gguf  # noqa: E402
 
-from vtool import VtoolError  # noqa: E402
+from gpu_fixtures import cuda_buildable, exact_float32, sm90_gpu  # noqa: E402,F401  (fixtures)
 
 ARTIFACTS_ENV = "VTOOL_GPU_QUANT_ARTIFACTS"
 TARGET = "sm_90a"
@@ -45,16 +45,6 @@ CASES = [("q4_1", "float32"), ("q4_1", "bfloat16"), ("q8_0", "float32"), ("q4_0"
 STEPS = 16
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 11, 64, 5, 200, 31]
 TOLERANCE = 1e-4
-
-
-def _cuda_buildable() -> None:
-    pytest.importorskip("tvm", reason="the build needs the compiler (apache-tvm)")
-    from vtool.targets import buildable
-
-    try:
-        buildable(TARGET)
-    except VtoolError as e:
-        pytest.skip(f"no CUDA build here: {e}")
 
 
 def _build(name: str, dtype: str, folder: Path) -> tuple[Path, Path]:
@@ -74,7 +64,7 @@ def _build(name: str, dtype: str, folder: Path) -> tuple[Path, Path]:
 # -- without a GPU: the builds ---------------------------------------------------------------
 
 def test_cuda_build_keeps_gguf_blocks(tmp_path):
-    _cuda_buildable()
+    cuda_buildable()
     _path, artifact = _build("q4_k_m", "bfloat16", tmp_path / "q4_k_m")
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["quantization"] == "gguf"
@@ -90,7 +80,7 @@ def test_cuda_build_keeps_gguf_blocks(tmp_path):
                                                   ("q4_k", "llama-k256", {"Q4_K": 7, "Q5_0": 2, "Q8_0": 1}),
                                                   ("q6_k", "llama-k256", {"Q6_K": 7, "Q8_0": 3})])
 def test_cuda_build_quantizes_safetensors(tmp_path, scheme, shape, kept):
-    _cuda_buildable()
+    cuda_buildable()
     from tiny_models import make_tiny_model
     from vtool.toolchain.build import build_artifact
 
@@ -157,27 +147,7 @@ def test_block_gemv_arithmetic_on_the_host(fmt):
 
 # -- on a GPU --------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def gpu():
-    from test_gpu_parity import probe_gpu
-
-    info, reason = probe_gpu()
-    if info is None:
-        pytest.skip(reason)
-    if (info.major, info.minor) < (9, 0):
-        pytest.skip(f"these artifacts are built for {TARGET}; the GPU is {info.describe()}")
-    return info
-
-
-@pytest.fixture(scope="module")
-def _exact_float32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-def _case(gpu, name: str, dtype: str, tmp_path_factory) -> tuple[Path, Path]:
+def _case(sm90_gpu, name: str, dtype: str, tmp_path_factory) -> tuple[Path, Path]:
     root = os.environ.get(ARTIFACTS_ENV)
     if root:
         folder = Path(root) / name
@@ -213,12 +183,12 @@ def _generator(path: Path, artifact: Path) -> Any:
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("name, dtype", CASES)
-def test_matches_transformers_on_the_same_file(gpu, _exact_float32, name, dtype, tmp_path_factory):
+def test_matches_transformers_on_the_same_file(sm90_gpu, exact_float32, name, dtype, tmp_path_factory):
     from test_gpu_parity import (TINY_NEAR_TIE_REF_ERRS, bf16_reference, check_bfloat16, hf_greedy,
                                  hf_prompt_logits, max_abs)
     from vtool.runtime.sampling.params import SamplingParams
 
-    path, artifact = _case(gpu, name, dtype, tmp_path_factory)
+    path, artifact = _case(sm90_gpu, name, dtype, tmp_path_factory)
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["quantized_weights"]["kept"] == VARIANTS[name][2]
     gen = _generator(path, artifact)
@@ -241,7 +211,7 @@ def test_matches_transformers_on_the_same_file(gpu, _exact_float32, name, dtype,
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("batch, gemv_rows", [(3, ""), (12, ""), (40, ""), (12, "-1"), (40, "-1")])
-def test_engine_batches_give_each_sequence_its_own_tokens(gpu, _exact_float32, batch, gemv_rows, tmp_path_factory,
+def test_engine_batches_give_each_sequence_its_own_tokens(sm90_gpu, exact_float32, batch, gemv_rows, tmp_path_factory,
                                                           monkeypatch):
     """Batched decode through the block GEMV (3 rows), through batch_verify's prompt path (12
     and 40 rows, past runtime/engine/block_decode.py's GEMV_MAX_ROWS: weights dequantized, then
@@ -260,7 +230,7 @@ def test_engine_batches_give_each_sequence_its_own_tokens(gpu, _exact_float32, b
     from vtool.runtime.text.tokenizer import Tokenizer
     from vtool.runtime.weights.checkpoint import open_checkpoint
 
-    path, artifact = _case(gpu, "q4_k_m", "float32", tmp_path_factory)
+    path, artifact = _case(sm90_gpu, "q4_k_m", "float32", tmp_path_factory)
     hf = _hf(path, torch.float32)
     rng = np.random.default_rng(batch)
     prompts = [[1, *rng.integers(3, 250, int(rng.integers(2, 20))).tolist()] for _ in range(batch)]
@@ -279,14 +249,9 @@ def test_engine_batches_give_each_sequence_its_own_tokens(gpu, _exact_float32, b
 def _word_tokenizer(folder: Path) -> Path:
     """A word-level tokenizer.json over the tiny vocabulary ("t0", "t1", ...): the engine needs
     one, the tiny GGUF files carry none."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from word_tokenizer import write_word_tokenizer
 
-    vocab = VARIANTS["q4_k_m"][3]["vocab"]
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.save(str(folder / "tokenizer.json"))
-    return folder / "tokenizer.json"
+    return write_word_tokenizer(VARIANTS["q4_k_m"][3]["vocab"], folder)
 
 
 def prebuild(out: Path) -> None:

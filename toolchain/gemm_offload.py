@@ -9,7 +9,8 @@ that take many rows (OFFLOADED_FUNCTIONS), every `x @ W.T` whose weight is bf16/
 float32 when asked) becomes one call of `vtool_cublas_gemm_nt`, a cuBLAS GemmEx wrapper
 linked into the library (native/cublas_gemm.cc). The float32 accumulation the model
 asks for is kept: GemmEx computes in float32 and writes the dtype the graph wanted (the
-bf16 cast after the matmul folds into the call).
+bf16 cast after the matmul folds into the call). An FP8 build's W8A8 matmuls (e4m3 x e4m3,
+models/fp8_linear.py) become `vtool_cublaslt_fp8_gemm_nt` (cuBLASLt: GemmEx has no FP8).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ if TYPE_CHECKING:  # the compiler is imported only when a pass is made: resolve_
 GemmBackend = Literal["tir", "cublas"]
 GEMM_CHOICES = ("auto", "tir", "cublas")
 EXTERN_SYMBOL = "vtool_cublas_gemm_nt"
+FP8_SYMBOL = "vtool_cublaslt_fp8_gemm_nt"  # e4m3 x e4m3 on cuBLASLt (models/fp8_linear.py's W8A8 matmuls)
+FP8_DTYPE = "float8_e4m3fn"
 OFFLOADED_FUNCTIONS = ("prefill", "batch_prefill", "batch_decode", "batch_verify")
 SOURCE = Path(__file__).with_name("native") / "cublas_gemm.cc"
 _OFFLOADED_DTYPES = ("bfloat16", "float16", "float32")
@@ -68,10 +71,15 @@ def _rewriter(x_pat: Any, w_pat: Any):  # noqa: ANN202 - a rewrite_call callback
     def rewrite(expr: relax.Expr, matches) -> relax.Expr:
         x, w = matches[x_pat], matches[w_pat]
         xs, ws, out = x.ty, w.ty, expr.ty
-        if (ws.ndim != 2 or xs.dtype != ws.dtype or xs.dtype not in _OFFLOADED_DTYPES
-                or out.dtype not in _OFFLOADED_DTYPES):
+        if ws.ndim != 2 or xs.dtype != ws.dtype or out.dtype not in _OFFLOADED_DTYPES:
             return expr
-        return relax.call_dps_packed(EXTERN_SYMBOL, [x, w], out_ty=relax.TensorType(out.shape, out.dtype))
+        if xs.dtype == FP8_DTYPE:
+            symbol = FP8_SYMBOL
+        elif xs.dtype in _OFFLOADED_DTYPES:
+            symbol = EXTERN_SYMBOL
+        else:
+            return expr
+        return relax.call_dps_packed(symbol, [x, w], out_ty=relax.TensorType(out.shape, out.dtype))
 
     return rewrite
 
@@ -103,7 +111,8 @@ def offload_pass(functions: tuple[str, ...] = OFFLOADED_FUNCTIONS) -> tvm.transf
 
 def count_offloaded(mod: tvm.IRModule) -> int:
     """How many cuBLAS calls a module holds (the build reports it)."""
-    return str(mod).count(f'"{EXTERN_SYMBOL}"')
+    text = str(mod)
+    return text.count(f'"{EXTERN_SYMBOL}"') + text.count(f'"{FP8_SYMBOL}"')
 
 
 def compile_shim() -> Path:

@@ -2,6 +2,7 @@
 
     python tests/bench/gpu_decode_8b.py --artifact DIR [--checkpoint DIR] [--steps 128]
     python tests/bench/gpu_decode_8b.py --artifact DIR --checkpoint FILE.gguf    # weights kept in blocks
+    python tests/bench/gpu_decode_8b.py --artifact BF16_DIR --artifact FP8_DIR    # several builds, one run
 
 A .gguf checkpoint (tests/bench/shape_gguf.py writes one of the same shape) is measured with
 its own bytes as the roofline's numerator, and without the transformers peers (they run the
@@ -40,11 +41,24 @@ CONFIG_PATH = Path(__file__).with_name("llama8b_config.json")
 CONFIG = {k: v for k, v in json.loads(CONFIG_PATH.read_text()).items()
           if k not in ("architectures", "model_type", "torch_dtype")}
 RESULTS: list[dict] = []
+LABEL: dict[str, str] = {}  # the artifact being measured, added to every record while set
 
 
 def record(**kw) -> None:
+    kw = {**LABEL, **kw}
     RESULTS.append(kw)
     print(json.dumps(kw), flush=True)
+
+
+def manifest_weight_bytes(artifact: Path) -> int:
+    """Bytes of weights a decode step reads, from the artifact's own parameters: every one once
+    (bf16, FP8 with its row scales, GGUF block parts) except an untied embedding table, read one
+    row at a time."""
+    params = json.loads((Path(artifact) / "manifest.json").read_text())["params"]
+    names = {p["name"] for p in params}
+    skip = {"model.embed_tokens.weight"} if "lm_head.weight" in names else set()
+    sizes = {"float8_e4m3fn": 1, "uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
+    return sum(int(np.prod(p["shape"])) * sizes[p["dtype"]] for p in params if p["name"] not in skip)
 
 
 def make_checkpoint(folder: Path) -> None:
@@ -361,7 +375,8 @@ def logits_check(artifact: Path, checkpoint_dir: Path, n: int = 128) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--artifact", required=True, type=Path)
+    ap.add_argument("--artifact", required=True, type=Path, action="append",
+                    help="repeat to measure several builds of the same checkpoint in one run (bf16, fp8, ...)")
     ap.add_argument("--checkpoint", type=Path, default=Path("/tmp/llama8b-random"))
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
@@ -374,20 +389,26 @@ def main() -> None:
     if gguf_file is None:
         make_checkpoint(args.checkpoint)
     if args.logits_check:
-        logits_check(args.artifact, args.checkpoint)
+        logits_check(args.artifact[0], args.checkpoint)
         return
     bw = copy_bandwidth()
-    weight_bytes = weight_bytes_per_step(gguf_file)
-    record(step="copy_bandwidth", gb_s=round(bw, 1), weight_gb=round(weight_bytes / 1e9, 2),
-           roofline_ms=round(weight_bytes / bw / 1e6, 3))
-    bench_vtool(args.artifact, args.checkpoint, args.steps, args.profile, args.serving_split)
+    record(step="copy_bandwidth", gb_s=round(bw, 1))
+    for artifact in args.artifact:
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        LABEL["artifact"] = f"{artifact.name} ({manifest['dtype']}, quantization {manifest['quantization']})"
+        weight_bytes = weight_bytes_per_step(gguf_file) if gguf_file else manifest_weight_bytes(artifact)
+        record(step="roofline", weight_gb=round(weight_bytes / 1e9, 2), roofline_ms=round(weight_bytes / bw / 1e6, 3))
+        bench_vtool(artifact, args.checkpoint, args.steps, args.profile, args.serving_split)
+        by = {r["step"]: r for r in RESULTS if r.get("artifact") == LABEL["artifact"]}
+        record(step="vtool_decode_b1_model_only_vs_roofline",
+               percent_of_copy_bw=round(100 * by["roofline"]["roofline_ms"] / by["vtool_decode_b1_model_only"]
+                                        ["ms_per_token"], 1))
+    LABEL.clear()
     if not args.skip_hf and gguf_file is None:  # the peers run the bf16 safetensors checkpoint
         bench_transformers(args.checkpoint, args.steps)
-    by = {r["step"]: r for r in RESULTS}
-    roof = by["copy_bandwidth"]["roofline_ms"]
-    for key in ("vtool_decode_b1_model_only", "hf_static_compile_decode_b1"):
-        if key in by:
-            record(step=f"{key}_vs_roofline", percent_of_copy_bw=round(100 * roof / by[key]["ms_per_token"], 1))
+        ms = next(r["ms_per_token"] for r in RESULTS if r["step"] == "hf_static_compile_decode_b1")
+        record(step="hf_static_compile_decode_b1_vs_roofline",
+               percent_of_copy_bw=round(100 * weight_bytes_per_step() / bw / 1e6 / ms, 1))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu8b.json").write_text(json.dumps(RESULTS, indent=1))
 
