@@ -33,7 +33,7 @@ from vtool.toolchain.plan import BuildOptions, cache_key, check_request, resolve
 TARGETS = ["host", *(r.name for r in ROWS), "sm_80,sm_90a"]
 # each option's values, then one it does not know
 DTYPES = ["float32", "float16", "bfloat16", "int8"]
-QUANTIZATIONS = ["auto", "none", "gguf", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "q3"]
+QUANTIZATIONS = ["auto", "none", "gguf", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "fp8", "q3"]
 ACTIVATIONS = ["auto", "decode", "q8_0", "none", "int4"]
 GEMMS = ["auto", "tir", "cublas", "cutlass"]
 ATTENTIONS = ["auto", "tir", "flashinfer", "flash"]
@@ -117,7 +117,7 @@ def _flashinfer(installed: bool) -> None:
 
 def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attention):  # noqa: ANN001, C901
     from vtool.models.int8_activations import DOT_FORMATS, int8_isa
-    from vtool.models.weights import check_checkpoint_shapes, kept_formats
+    from vtool.models.weights import check_checkpoint_shapes, kept_formats, weight_modules
     from vtool.toolchain.cuda import check_attention_shape, check_prefill_tiling
     from vtool.toolchain.quantize import SCHEMES, plan_formats
 
@@ -131,10 +131,19 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
     if spec.family == "cuda":
         check_attention_shape(cfg)
         check_prefill_tiling(cfg, dtype)  # added with the rule (toolchain/cuda.py)
-    quants = ("auto", "none", "gguf", *SCHEMES)
+    quants = ("auto", "none", "gguf", *SCHEMES, "fp8")  # fp8: added with the plan (session 25)
     if quantization not in quants:
         raise VtoolError(f"unknown quantization {quantization!r}; supported: {', '.join(quants)}")
-    if quantization == "none" or (quantization == "auto" and (ckpt.format != "gguf" or spec.family not in families)):
+    if quantization == "fp8":
+        if ckpt.format == "gguf":
+            raise VtoolError(f"--quantization fp8 quantizes a float (safetensors) checkpoint, but {ckpt.path} is a "
+                             "GGUF file: use --quantization gguf (or auto) to keep its blocks, or none")
+        infos = ckpt.tensors()
+        kept = {m: "FP8_E4M3" for m, srcs in weight_modules(cfg).items()
+                if m.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+                and all(infos[x].dtype in ("F32", "F16", "BF16") and infos[x].shape[-1] % 16 == 0 for x in srcs)}
+        scheme, dense = "fp8", {}
+    elif quantization == "none" or (quantization == "auto" and (ckpt.format != "gguf" or spec.family not in families)):
         scheme, kept, dense = "none", {}, {}
     elif quantization in SCHEMES:
         if ckpt.format == "gguf":
