@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
-from hf_oracle import greedy
+from hf_oracle import float64_distance, greedy
 from test_quantize_safetensors import tiny_checkpoint
 from tiny_models import make_tiny_model
 from vtool import VtoolError
@@ -126,13 +126,16 @@ def test_greedy_and_logits_match_transformers_on_the_same_weights(shape, tmp_pat
     folder, _, gen = built(shape, tmp_path_factory)
     from vtool.runtime.sampling.params import SamplingParams
 
-    ref_prompt, ref_tokens, ref_logits = greedy(hf_on_fp8_weights(folder), PROMPT, STEPS)
+    ref = greedy(hf_on_fp8_weights(folder), PROMPT, STEPS)
+    ref_prompt, ref_tokens, ref_logits = ref
     assert len(set(ref_tokens)) > 4, "the reference is degenerate, the check would be weak"
+    # plus transformers' own float32 rounding on this run (hf_oracle.float32_rounding says why)
+    bound = TOLERANCE + float64_distance(hf_on_fp8_weights(folder).double(), PROMPT, ref)
     seen: list[np.ndarray] = []
     result = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append)
     assert result.token_ids == ref_tokens
-    assert max(float(np.abs(a - b).max()) for a, b in zip(seen, ref_logits)) < TOLERANCE
-    assert float(np.abs(gen.prompt_logits(PROMPT) - ref_prompt).max()) < TOLERANCE
+    assert max(float(np.abs(a - b).max()) for a, b in zip(seen, ref_logits)) < bound
+    assert float(np.abs(gen.prompt_logits(PROMPT) - ref_prompt).max()) < bound
 
 
 def test_fp8_differs_from_the_float_model(tmp_path_factory):
@@ -202,18 +205,17 @@ def test_loading_refuses_a_non_finite_weight_by_name(tmp_path_factory, tmp_path)
         CompiledModel(artifact, open_checkpoint(bad))
 
 
-def test_an_fp8_checkpoint_is_refused_by_name(tmp_path):
-    """A compressed-tensors / ModelOpt checkpoint (F8_E4M3 weights) is not loaded yet: refused
-    naming the tensor and what to do instead, rather than as an unknown dtype."""
+def test_an_e5m2_checkpoint_is_refused_by_name(tmp_path):
+    """FP8 checkpoints in e4m3 are read (tests/test_fp8_checkpoint.py); e5m2 weights are not:
+    refused naming the tensor, rather than as an unknown dtype."""
     from safetensors.torch import save_file
 
     from vtool.runtime.weights.checkpoint import CheckpointError, open_checkpoint
 
     make_tiny_model("llama-gqa", tmp_path / "m")
-    save_file({"model.layers.0.mlp.down_proj.weight": torch.zeros(64, 128).to(torch.float8_e4m3fn),
+    save_file({"model.layers.0.mlp.down_proj.weight": torch.zeros(64, 128).to(torch.float8_e5m2),
                "model.layers.0.mlp.down_proj.weight_scale": torch.ones(1)}, tmp_path / "m" / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"down_proj\.weight' has dtype F8_E4M3: FP8 checkpoints are not "
-                                              r"loaded yet; build .* with --quantization fp8"):
+    with pytest.raises(CheckpointError, match=r"down_proj\.weight' has dtype F8_E5M2: e5m2 weights are not read"):
         open_checkpoint(tmp_path / "m").tensors()
 
 

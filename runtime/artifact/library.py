@@ -29,8 +29,8 @@ from vtool.runtime.weights.ggml_blocks import TILE_ROWS
 from vtool.runtime.weights.quant_blocks import repack
 from vtool.runtime.weights.transforms import apply_transform
 from vtool.runtime.artifact.tvm_runtime import bundled_tvm_version, cuda_runtime, ffi, global_func, load_cublas
-from vtool.runtime.weights.fp8 import Fp8Rows
-from vtool.runtime.weights.weights_file import STORED_DTYPES, WeightsFile, check_source
+from vtool.runtime.weights.fp8 import Fp8Rows, load_fp8
+from vtool.runtime.weights.weights_file import WeightsFile, check_source
 
 _DL_CPU = 1
 _DL_CUDA = 2
@@ -286,9 +286,9 @@ class CompiledModel:
             if i in streamed:
                 bound.append(streamed.pop(i))
             else:
-                if "fp8" in entry:  # quantized here, from the float checkpoint (runtime/weights/fp8.py)
+                if "fp8" in entry:  # an FP8 checkpoint's, or quantized here from a float one (runtime/weights/fp8.py)
                     arrays = [fp8.part(entry["sources"], entry["fp8"]["part"],
-                                       lambda: _float_rows(checkpoint, entry["sources"], entry["transform"]))]
+                                       lambda: load_fp8(checkpoint, entry["sources"], entry["transform"]))]
                     entry = {**entry, "transform": "identity"}  # the sources' rows are stacked already
                 elif "quant" in entry:
                     arrays = [blocks.part(src, entry["quant"]["part"]) for src in entry["sources"]]
@@ -342,20 +342,6 @@ class CompiledModel:
                 del parts
             tile += rows.rows // TILE_ROWS
         return tensors
-
-
-def _float_rows(checkpoint: Checkpoint, sources: list[str], transform: str) -> np.ndarray:
-    """The float weight an FP8 parameter is made from: its sources in their stored dtype (views
-    of the mapped file; quantize_rows widens a chunk of rows at a time), rows stacked."""
-    infos = checkpoint.tensors()
-    arrays = []
-    for src in sources:
-        stored = infos[src].dtype
-        if stored not in STORED_DTYPES:
-            raise ManifestError(f"{checkpoint.path}: tensor {src!r} is stored as {stored}; an FP8 artifact quantizes "
-                                f"float tensors ({', '.join(STORED_DTYPES)}) when it loads them")
-        arrays.append(checkpoint.load(src, STORED_DTYPES[stored]))
-    return apply_transform(transform, arrays)
 
 
 STREAM_CHUNK_BYTES = 1 << 20  # block bytes read, repacked and written per step of _bind_streamed

@@ -17,17 +17,17 @@ import numpy as np
 from vtool import VtoolError
 
 # dtype names load() accepts (numpy dtypes through numpy_dtype)
-LOAD_DTYPES = ("float32", "float16", "bfloat16")
+LOAD_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")  # e4m3: an FP8 checkpoint's weights as stored
 
 
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of a dtype name; bfloat16 is ml_dtypes', imported only then: the import
     registers a dozen dtypes and their ufunc loops, ~8 MiB of resident memory that a run
     without bfloat16 never uses (issue 16, `tests/test_rss.py`)."""
-    if name == "bfloat16":
+    if name in ("bfloat16", "float8_e4m3fn"):
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)
 
 

@@ -1,7 +1,9 @@
 """FP8 weights made at load: e4m3 values with one float32 scale per output row (`--quantization fp8`).
 
 The layout is runtime/weights/fp8_layout.py's (weight = RNE(W / s), s = max|W[row]| / 448); the
-binder (runtime/artifact/library.py) calls quantize_rows for each FP8 parameter. As vLLM's
+binder (runtime/artifact/library.py) calls load_fp8 for each FP8 parameter: an FP8 checkpoint's
+own e4m3 weights and scales (compressed-tensors, ModelOpt, vLLM's fp8: per tensor or per row) are
+taken as they are, a float checkpoint's are quantized by quantize_rows. As vLLM's
 `--quantization fp8` on a bf16/f16 checkpoint, the weights are quantized when they are loaded,
 from the float checkpoint the artifact is run with: the artifact holds no second copy of them,
 and the rounding is ml_dtypes' float32 -> e4m3 cast (round to nearest even, the cast torch and
@@ -13,12 +15,18 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from vtool import VtoolError
-from vtool.runtime.weights.fp8_layout import E4M3_MAX, PARTS
+from vtool.runtime.weights.checkpoint import Checkpoint
+from vtool.runtime.weights.fp8_layout import E4M3_MAX, FP8_DTYPE, PARTS
+from vtool.runtime.weights.transforms import apply_transform
+
+STORED_FP8 = "F8_E4M3"  # an FP8 checkpoint's weights, in safetensors' name
+# a float source's stored dtype -> the load() dtype that returns its bytes untouched
+FLOAT_LOADS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 # Weights are widened to float32 this many rows at a time: an 8B model's gate|up (28672 rows)
 # would otherwise need a 470 MB float32 copy beside it.
@@ -79,22 +87,72 @@ def dequantize_rows(q: np.ndarray, s: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * s.astype(np.float32)[:, None]
 
 
+def scale_tensor(weight_name: str) -> str:
+    """Where an FP8 checkpoint keeps a weight's scale: `<proj>.weight` -> `<proj>.weight_scale`
+    (compressed-tensors, ModelOpt and vLLM's own fp8 checkpoints all name it so)."""
+    return weight_name + "_scale"
+
+
+def check_stored_scale(checkpoint: Checkpoint, name: str) -> None:
+    """Refuse, by name, an FP8 weight whose scale tensor is missing or not per tensor ([] or [1])
+    or per row ([rows] or [rows, 1]): reads the header only (the build calls it)."""
+    infos = checkpoint.tensors()
+    rows = infos[name].shape[0]
+    holder = scale_tensor(name)
+    if holder not in infos:
+        raise Fp8Error(f"{checkpoint.path}: FP8 weight {name!r} has no scale tensor {holder!r}")
+    shape = tuple(infos[holder].shape)
+    if shape not in ((), (1,), (rows,), (rows, 1)):
+        raise Fp8Error(f"{checkpoint.path}: {holder!r} has shape {list(shape)}: per-tensor ([] or [1]) and per-row "
+                       f"([{rows}] or [{rows}, 1]) FP8 scales are read, block-wise ones (weight_block_size) are not")
+
+
+def stored_scales(checkpoint: Checkpoint, name: str) -> np.ndarray:
+    """The float32 scale of each row of the FP8 weight `name` as an FP8 checkpoint stores it:
+    one for the tensor ([] or [1]), or one per row ([rows] or [rows, 1]); W = q * scale."""
+    check_stored_scale(checkpoint, name)
+    rows = checkpoint.tensors()[name].shape[0]
+    holder = scale_tensor(name)
+    scale = np.asarray(checkpoint.load(holder, "float32"), np.float32).reshape(-1)
+    if not np.all(np.isfinite(scale)) or not np.all(scale > 0):
+        raise Fp8Error(f"{checkpoint.path}: {holder!r} holds a scale that is not a positive finite number")
+    return np.broadcast_to(scale, (rows,)).astype(np.float32)
+
+
+def load_fp8(checkpoint: Checkpoint, sources: Sequence[str], transform: str) -> tuple[np.ndarray, np.ndarray]:
+    """(q, s) of the FP8 parameter made from `sources` (rows stacked by `transform`): an FP8
+    checkpoint's e4m3 rows and their stored scales as they are, or a float checkpoint's rows
+    quantized here (quantize_rows). Float sources are read in their stored dtype, views of the
+    mapped file; quantize_rows widens a chunk of rows at a time."""
+    infos = checkpoint.tensors()
+    stored = {infos[src].dtype for src in sources}
+    if stored == {STORED_FP8}:
+        q = apply_transform(transform, [checkpoint.load(src, FP8_DTYPE) for src in sources])
+        return np.ascontiguousarray(q), np.concatenate([stored_scales(checkpoint, src) for src in sources])
+    if STORED_FP8 in stored or not stored <= set(FLOAT_LOADS):
+        raise Fp8Error(f"{checkpoint.path}: {list(sources)} are stored as {sorted(stored)}; an FP8 parameter is made "
+                       f"from e4m3 weights (an FP8 checkpoint) or float ones ({', '.join(FLOAT_LOADS)}), not a mix")
+    arrays = [checkpoint.load(src, FLOAT_LOADS[infos[src].dtype]) for src in sources]
+    return quantize_rows(apply_transform(transform, arrays), "+".join(sources))
+
+
 class Fp8Rows:
     """The FP8 parts of the weights being bound. A weight's two parts are consecutive
-    parameters made from the same sources, so each is quantized once and handed out twice."""
+    parameters made from the same sources, so each is made once and handed out twice."""
 
     def __init__(self) -> None:
         self._key: tuple[str, ...] | None = None
         self._parts: dict[str, np.ndarray] = {}
 
-    def part(self, sources: Sequence[str], part: str, load_rows) -> np.ndarray:  # noqa: ANN001 - a callable
-        """Part `part` of the weight made from `sources`; load_rows() gives that weight as one
-        float [rows, cols] array (the sources' rows stacked) when it is not already held."""
+    def part(self, sources: Sequence[str], part: str,
+             load: Callable[[], tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """Part `part` of the weight made from `sources`; load() gives (q, s) (load_fp8) when
+        they are not already held."""
         if part not in PARTS:
             raise Fp8Error(f"unknown FP8 part {part!r}; the parts are {', '.join(PARTS)}")
         key = tuple(sources)
         if key != self._key:
             self._parts.clear()
-            q, s = quantize_rows(load_rows(), "+".join(sources))
+            q, s = load()
             self._key, self._parts = key, {"weight": q, "weight_scale": s}
         return self._parts[part]

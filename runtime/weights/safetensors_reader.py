@@ -21,15 +21,16 @@ from vtool.runtime.weights.checkpoint import Checkpoint, CheckpointError, Tensor
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# safetensors dtype -> numpy dtype name (numpy_dtype: bfloat16's ml_dtypes is imported only for
-# a BF16 file); weights are floats, anything else is refused by name
-DTYPES: dict[str, str] = {"F32": "<f4", "F16": "<f2", "BF16": "bfloat16"}
-ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+# safetensors dtype -> numpy dtype name (numpy_dtype: bfloat16's and e4m3's ml_dtypes is imported
+# only for such a file); weights are floats (e4m3: an FP8 checkpoint's, runtime/weights/fp8.py),
+# anything else is refused by name
+DTYPES: dict[str, str] = {"F32": "<f4", "F16": "<f2", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}
+ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}
 # Integer buffers that older transformers saved with BERT-style encoders (a 0..n-1 range and zeros,
 # not weights): skipped when stored as integers; any other integer tensor is refused.
 INTEGER_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
 INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U8")
-FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+UNREAD_FP8_DTYPES = ("F8_E5M2",)
 MAX_HEADER = 100 * 1024 * 1024  # a header larger than this is corruption, not a model
 
 
@@ -72,10 +73,10 @@ def read_header(file: Path) -> dict[str, _Entry]:
             raise CheckpointError(f"{file}: tensor {name!r} has a malformed header entry {meta!r}") from None
         if dtype in INTEGER_DTYPES and name.endswith(INTEGER_BUFFERS):
             continue
-        if dtype in FP8_DTYPES:  # an FP8 checkpoint (compressed-tensors, ModelOpt): not read yet
+        if dtype in UNREAD_FP8_DTYPES:
             raise CheckpointError(
-                f"{file}: tensor {name!r} has dtype {dtype}: FP8 checkpoints are not loaded yet; build the model's "
-                "bf16/f16 checkpoint with --quantization fp8 (its linear weights are made e4m3 when it loads)")
+                f"{file}: tensor {name!r} has dtype {dtype}: e5m2 weights are not read (FP8 checkpoints in e4m3 "
+                "are: --quantization fp8)")
         if dtype not in DTYPES:
             raise CheckpointError(
                 f"{file}: tensor {name!r} has dtype {dtype}; supported weight dtypes: {', '.join(DTYPES)}"

@@ -55,11 +55,16 @@ def float32_rounding(model_dir: Path, prompt: list[int], ref: tuple[np.ndarray, 
     float64 run (vtool 1.08e-4 from it); on the Xeons before, under 1e-4. A bound of 1e-4 plus
     this figure tolerates the reference's own rounding and nothing else: a wrong kernel is
     off by 1e-2 and more."""
-    prompt_logits, tokens, step_logits = ref
     config = (Path(model_dir) / "config.json").read_text()
     if '"num_local_experts"' in config or '"num_experts"' in config:
         load_kw.setdefault("experts_implementation", "eager")  # grouped_mm has no float64 kernel
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, **load_kw).eval()
+    return float64_distance(model, prompt, ref)
+
+
+def float64_distance(model: Any, prompt: list[int], ref: tuple[np.ndarray, list[int], list[np.ndarray]]) -> float:
+    """float32_rounding with the float64 model given (one whose weights are not a checkpoint's)."""
+    prompt_logits, tokens, step_logits = ref
     ids = list(prompt) + list(tokens[:-1])
     with torch.no_grad():
         exact = model(torch.tensor([ids])).logits[0].numpy()
