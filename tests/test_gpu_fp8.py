@@ -39,8 +39,9 @@ from gpu_fixtures import cuda_buildable, exact_float32, sm90_gpu  # noqa: E402,F
 ARTIFACTS_ENV = "VTOOL_GPU_FP8_ARTIFACTS"
 TARGET = "sm_90a"
 SHAPE = "llama-gqa"
-# case -> (dtype, --gemm)
-CASES = {"f32-tir": ("float32", "tir"), "f32-cublas": ("float32", "cublas"), "bf16": ("bfloat16", "auto")}
+# case -> (dtype, --gemm); "ckpt-*": an FP8 checkpoint's stored weights (tests/test_fp8_checkpoint.py's)
+CASES = {"f32-tir": ("float32", "tir"), "f32-cublas": ("float32", "cublas"), "bf16": ("bfloat16", "auto"),
+         "ckpt-f32-tir": ("float32", "tir")}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 11, 64, 5, 200, 31]
 STEPS = 16
@@ -58,9 +59,14 @@ def _build(case: str, out: Path, target: str = TARGET) -> tuple[Path, Path]:
     from vtool.toolchain.build import build_artifact
 
     dtype, gemm = CASES[case]
-    folder = out / "m"
+    folder = out / ("ckpt" if case.startswith("ckpt-") else "m")
     if not (folder / "config.json").exists():
-        make_tiny_model(SHAPE, folder)
+        if case.startswith("ckpt-"):
+            from test_fp8_checkpoint import write_fp8_checkpoint
+
+            write_fp8_checkpoint(folder, "channel")
+        else:
+            make_tiny_model(SHAPE, folder)
     artifact = build_artifact(folder, target, dtype, quantization="fp8", gemm=gemm, attention="tir",
                               output=out / f"artifact-{case}-{target}")
     return folder, artifact
@@ -89,7 +95,7 @@ def _case(case: str, tmp_path_factory) -> tuple[Path, Path]:
         artifact = Path(root) / f"artifact-{case}-{TARGET}"
         if not (artifact / "manifest.json").exists():
             pytest.fail(f"{ARTIFACTS_ENV}={root} has no {case} build; rerun the prebuild")
-        return Path(root) / "m", artifact
+        return Path(root) / ("ckpt" if case.startswith("ckpt-") else "m"), artifact
     import importlib.util
 
     if importlib.util.find_spec("tvm") is None:
@@ -334,6 +340,28 @@ def test_engine_batches_take_w8a8_and_match_the_oracle(sm90_gpu, exact_float32, 
         print(f"[fp8 engine {batch}] r{i}: max|dlogprob| {err:.2e}, bound {bound:.2e}")
         assert err <= bound, f"sequence {i} of {batch}"
     assert rejected >= batch // 2 + 1, f"the bound rejects another prompt's scores for only {rejected} of {batch}"
+
+
+@pytest.mark.gpu
+def test_an_fp8_checkpoint_matches_transformers_on_its_stored_weights(sm90_gpu, exact_float32, tmp_path_factory):
+    """A compressed-tensors checkpoint's e4m3 weights and row scales, bound as they are, on the
+    GPU (W8A16, float32): within 1e-4 of transformers running q * scale, the same greedy tokens."""
+    from test_fp8_checkpoint import hf_on_stored_weights
+
+    folder, artifact = _case("ckpt-f32-tir", tmp_path_factory)
+    gen = _generator(folder, artifact)
+    hf = hf_on_stored_weights(folder).to("cuda")
+    with torch.no_grad():
+        ref_prompt = hf(torch.tensor([PROMPT], device="cuda")).logits[0].float().cpu().numpy()
+    tokens, seen = _run(gen)
+    err = _worst([gen.prompt_logits(PROMPT)], [ref_prompt])
+    ids = PROMPT + tokens[:-1]
+    with torch.no_grad():  # teacher-forced on vtool's tokens: each step's logits in one call
+        steps = hf(torch.tensor([ids], device="cuda")).logits[0, len(PROMPT) - 1:].float().cpu().numpy()
+    decode_err = _worst(seen, list(steps))
+    print(f"[fp8 checkpoint float32] max|dlogit| prompt {err:.2e}, decode {decode_err:.2e}")
+    assert err <= TOLERANCE and decode_err <= TOLERANCE
+    assert tokens == [int(np.argmax(step)) for step in steps]
 
 
 @pytest.mark.gpu
