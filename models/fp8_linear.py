@@ -23,7 +23,7 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from vtool.models.quantized_linear import walk_modules
+from vtool.models.quantized_linear import set_in_modules
 from vtool.runtime.weights.fp8_layout import E4M3_MAX, FP8_DTYPE, SCALE_DTYPE, fits
 
 ACT_SCALE_BLOCK = "vtool_fp8_act_scale"
@@ -112,10 +112,5 @@ class Fp8Linear(nn.Module):
 
 def use_fp8_tensor_cores(model: nn.Module) -> int:
     """Make every Fp8Linear in `model` take W8A8 over prompt and batch rows; returns how many."""
-    count = 0
-    for module in walk_modules(model):
-        if isinstance(module, Fp8Linear):
-            module.fp8_tensor_cores = True
-            count += 1
-    return count
+    return set_in_modules(model, Fp8Linear, fp8_tensor_cores=True)
 

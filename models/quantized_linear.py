@@ -218,10 +218,17 @@ def use_int8_gemv(model: nn.Module, kernels: Int8Kernels | None, rows: str = "de
 def dequantize_prompts(model: nn.Module) -> int:
     """Make the quantized layers of `model` dequantize their weight for matmuls over prompts
     (see _QuantizedWeight.dequantize_prompts). Returns how many layers."""
+    return set_in_modules(model, _QuantizedWeight, dequantize_prompts=True)
+
+
+def set_in_modules(model: nn.Module, kind: type, **attrs: object) -> int:
+    """Set `attrs` on every `kind` module in `model` (a whole-model switch a build turns on
+    before export); returns how many modules."""
     count = 0
     for module in walk_modules(model):
-        if isinstance(module, _QuantizedWeight):
-            module.dequantize_prompts = True
+        if isinstance(module, kind):
+            for name, value in attrs.items():
+                setattr(module, name, value)
             count += 1
     return count
 

@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
-from hf_oracle import float64_distance, greedy
+from hf_oracle import assert_matches_in_memory_oracle, greedy
 from test_quantize_safetensors import tiny_checkpoint
 from tiny_models import make_tiny_model
 from vtool import VtoolError
@@ -124,18 +124,7 @@ def hf_on_fp8_weights(folder: Path):
 @pytest.mark.parametrize("shape", ["llama-gqa", pytest.param("qwen2-bias", marks=pytest.mark.slow)])
 def test_greedy_and_logits_match_transformers_on_the_same_weights(shape, tmp_path_factory):
     folder, _, gen = built(shape, tmp_path_factory)
-    from vtool.runtime.sampling.params import SamplingParams
-
-    ref = greedy(hf_on_fp8_weights(folder), PROMPT, STEPS)
-    ref_prompt, ref_tokens, ref_logits = ref
-    assert len(set(ref_tokens)) > 4, "the reference is degenerate, the check would be weak"
-    # plus transformers' own float32 rounding on this run (hf_oracle.float32_rounding says why)
-    bound = TOLERANCE + float64_distance(hf_on_fp8_weights(folder).double(), PROMPT, ref)
-    seen: list[np.ndarray] = []
-    result = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append)
-    assert result.token_ids == ref_tokens
-    assert max(float(np.abs(a - b).max()) for a, b in zip(seen, ref_logits)) < bound
-    assert float(np.abs(gen.prompt_logits(PROMPT) - ref_prompt).max()) < bound
+    assert_matches_in_memory_oracle(gen, lambda: hf_on_fp8_weights(folder), PROMPT, STEPS, TOLERANCE)
 
 
 def test_fp8_differs_from_the_float_model(tmp_path_factory):

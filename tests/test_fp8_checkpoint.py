@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_oracle import float64_distance, greedy
+from hf_oracle import assert_matches_in_memory_oracle
 from tiny_models import make_tiny_model
 from vtool import VtoolError
 
@@ -102,8 +102,6 @@ def built(strategy: str, tmp_path_factory) -> tuple:
 
 @pytest.mark.parametrize("strategy", ["channel", pytest.param("tensor", marks=pytest.mark.slow)])
 def test_stored_fp8_weights_match_transformers(strategy, tmp_path_factory):
-    from vtool.runtime.sampling.params import SamplingParams
-
     folder, artifact, gen = built(strategy, tmp_path_factory)
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["quantization"] == "fp8"
@@ -111,15 +109,7 @@ def test_stored_fp8_weights_match_transformers(strategy, tmp_path_factory):
     params = {p["name"]: p for p in manifest["params"]}
     assert params[KEEP_FLOAT + ".weight"]["dtype"] == "float32" and KEEP_FLOAT + ".weight_scale" not in params
     assert params["model.layers.0.mlp.down_proj.weight"]["dtype"] == "float8_e4m3fn"
-    ref = greedy(hf_on_stored_weights(folder), PROMPT, STEPS)
-    ref_prompt, ref_tokens, ref_logits = ref
-    assert len(set(ref_tokens)) > 4, "the reference is degenerate, the check would be weak"
-    bound = TOLERANCE + float64_distance(hf_on_stored_weights(folder).double(), PROMPT, ref)  # hf_oracle says why
-    seen: list[np.ndarray] = []
-    result = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append)
-    assert result.token_ids == ref_tokens
-    assert max(float(np.abs(a - b).max()) for a, b in zip(seen, ref_logits)) < bound
-    assert float(np.abs(gen.prompt_logits(PROMPT) - ref_prompt).max()) < bound
+    assert_matches_in_memory_oracle(gen, lambda: hf_on_stored_weights(folder), PROMPT, STEPS, TOLERANCE)
 
 
 def test_the_stored_bytes_are_bound_as_they_are(tmp_path_factory):

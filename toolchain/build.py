@@ -34,7 +34,8 @@ from vtool.toolchain.families import family_of
 # The options and their resolution live in plan.py; these names stay importable from here.
 from vtool.toolchain.plan import (ACTIVATIONS, DTYPES, QUANT_TARGET_FAMILIES, QUANTIZATIONS,  # noqa: F401
                                   BuildOptions, BuildPlan, cache_key, check_request, compiler_source_digest,
-                                  fp8_tensor_cores, resolve_activations, resolve_plan, resolve_quantization)
+                                  resolve_activations, resolve_plan, resolve_quantization)
+from vtool.toolchain.fp8_plan import fp8_tensor_cores
 from vtool.toolchain.quantize import write_weights
 
 Progress = Callable[[str], None]

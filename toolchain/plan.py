@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 
 from vtool import VtoolError
 from vtool.models.config import ModelConfig, parse_hf_config, source_config
-from vtool.models.weights import FLOAT_TYPES, check_checkpoint_shapes, format_runs, kept_formats, weight_modules
+from vtool.models.weights import check_checkpoint_shapes, format_runs, kept_formats, weight_modules
 from vtool.runtime.weights.ggml_blocks import FORMATS as BLOCK_FORMATS
 from vtool.runtime.artifact.library import installed_versions
 from vtool.runtime.weights.checkpoint import Checkpoint
@@ -31,6 +31,7 @@ from vtool.targets.table import TargetError
 from vtool.toolchain.families import FAMILIES, Family, family_of
 from vtool.toolchain.flashinfer_attention import attention_key, resolve_attention
 from vtool.toolchain.gemm_offload import resolve_gemm
+from vtool.toolchain.fp8_plan import fp8_formats, fp8_tensor_cores, stored_fp8_tensors
 from vtool.toolchain.quantize import SCHEMES, plan_formats, quantized_sources, source_key
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -60,7 +61,7 @@ _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 _COMPILER_SOURCES = ("models", "schedules", "targets", "toolchain/pipeline.py", "toolchain/build.py",
                      "toolchain/plan.py", "toolchain/families.py",
                      "toolchain/cuda.py", "toolchain/gemm_offload.py", "toolchain/native/cublas_gemm.cc",
-                     "toolchain/flashinfer_attention.py", "toolchain/quantize.py",
+                     "toolchain/flashinfer_attention.py", "toolchain/quantize.py", "toolchain/fp8_plan.py",
                      "runtime/weights/ggml_blocks.py",  # the block layout the kernels are compiled for
                      "runtime/weights/fp8_layout.py")  # and the FP8 one
 
@@ -325,10 +326,10 @@ def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
     instead) for --quantization `requested`; a combination that cannot work is refused."""
     if requested not in QUANTIZATIONS:
         raise VtoolError(f"unknown quantization {requested!r}; supported: {', '.join(QUANTIZATIONS)}")
-    stored_fp8 = sorted(n for n, t in ckpt.tensors().items() if t.dtype == STORED_FP8)
+    stored_fp8 = stored_fp8_tensors(ckpt)
     if stored_fp8 and requested not in ("auto", "fp8"):
-        raise VtoolError(f"{ckpt.path} is an FP8 checkpoint (its weights are e4m3 with scales, e.g. {stored_fp8[0]!r}): "
-                         f"build it with --quantization fp8 (or auto); --quantization {requested} would read the "
+        raise VtoolError(f"{ckpt.path} is an FP8 checkpoint (its weights are e4m3 with scales, e.g. "
+                         f"{stored_fp8[0]!r}): build it with --quantization fp8 (or auto); --quantization {requested} would read the "
                          "e4m3 values without their scales")
     if requested == "none":
         return "none", {}, {}
@@ -375,58 +376,6 @@ def _scheme_formats(scheme: str, ckpt: Checkpoint, cfg: ModelConfig, target_spec
     return kept
 
 
-def fp8_formats(ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, str]:
-    """module -> FP8_FORMAT for --quantization fp8. A float checkpoint: every decoder linear
-    (q|k|v, o, gate|up, down) whose weights fit, quantized when it loads; the embedding and
-    lm_head keep the dtype, as in vLLM. An FP8 checkpoint (compressed-tensors, ModelOpt, vLLM's
-    fp8): the linears it stores as e4m3, taken as they are; those it left float stay float."""
-    from vtool.models.registry import model_family
-    from vtool.runtime.weights.fp8 import check_stored_scale
-    from vtool.runtime.weights.fp8_layout import FP8_FORMAT, fits
-
-    if ckpt.format == "gguf":
-        raise VtoolError(f"--quantization fp8 quantizes a float (safetensors) checkpoint, but {ckpt.path} is a GGUF "
-                         "file: use --quantization gguf (or auto) to keep its blocks, or none")
-    if model_family(cfg.architecture).task != "generate" or cfg.family in FP8_REFUSED_FAMILIES:
-        raise VtoolError(f"--quantization fp8: the {cfg.family} family ({cfg.architecture}) has no FP8 layers yet; "
-                         "use --quantization none")
-    infos = ckpt.tensors()
-    stored = {n for n, t in infos.items() if t.dtype == STORED_FP8}
-    kept = {}
-    for module, sources in weight_modules(cfg).items():
-        linear = module.rsplit(".", 1)[-1] in FP8_LAYERS
-        fp8_sources = [s for s in sources if s in stored]
-        if fp8_sources and (not linear or len(fp8_sources) != len(sources)):
-            raise VtoolError(f"{ckpt.path}: {fp8_sources[0]!r} is stored as FP8, but vtool keeps FP8 weights only in "
-                             f"decoder linears ({', '.join(FP8_LAYERS)}) whose parts are all FP8: {module} is made of "
-                             f"{[f'{s} ({infos[s].dtype})' for s in sources]}")
-        if not linear or (stored and not fp8_sources):
-            continue  # an FP8 checkpoint's float linears stay float, as its quantization config left them
-        if all((infos[s].dtype == STORED_FP8 or infos[s].dtype in FLOAT_TYPES) and fits(*infos[s].shape)
-               for s in sources):
-            kept[module] = FP8_FORMAT
-    for name in sorted(stored):
-        check_stored_scale(ckpt, name)  # per tensor or per row, by its header
-    covered = {s for module in kept for s in weight_modules(cfg)[module]}
-    if stored - covered:
-        raise VtoolError(f"{ckpt.path}: {sorted(stored - covered)[0]!r} is stored as FP8 but is not a decoder linear "
-                         f"vtool keeps in FP8 ({', '.join(FP8_LAYERS)}, columns a multiple of 16)")
-    if not kept:
-        raise VtoolError(f"--quantization fp8: no linear weight of {ckpt.path} is a float tensor whose columns are a "
-                         "multiple of 16; use --quantization none")
-    return kept
-
-
-def fp8_tensor_cores(target_spec: TargetSpec, gemm: str) -> bool:
-    """Whether an FP8 build for this target runs W8A8 matmuls: cuBLAS(Lt) matmuls and a GPU with
-    e4m3 tensor cores (sm_89 and newer; a fat binary's oldest arch decides)."""
-    return gemm == "cublas" and FP8_TENSOR_CORES in target_spec.features
-
-
-STORED_FP8 = "F8_E4M3"  # an FP8 checkpoint's weights (runtime/weights/fp8.py reads them)
-FP8_TENSOR_CORES = "fp8-e4m3"  # the target feature (targets/table.py) of e4m3 tensor-core GEMMs
-FP8_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # models/decoder.py's make_linear layers
-FP8_REFUSED_FAMILIES = ("qwen3_moe", "mixtral", "gpt2")  # their projections are not make_linear's
 
 
 def resolve_activations(requested: str, target_spec: TargetSpec, kept: Mapping[str, str]) -> str:

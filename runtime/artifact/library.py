@@ -287,20 +287,19 @@ class CompiledModel:
                 bound.append(streamed.pop(i))
             else:
                 if "fp8" in entry:  # an FP8 checkpoint's, or quantized here from a float one (runtime/weights/fp8.py)
-                    arrays = [fp8.part(entry["sources"], entry["fp8"]["part"],
-                                       lambda: load_fp8(checkpoint, entry["sources"], entry["transform"]))]
-                    entry = {**entry, "transform": "identity"}  # the sources' rows are stacked already
-                elif "quant" in entry:
-                    arrays = [blocks.part(src, entry["quant"]["part"]) for src in entry["sources"]]
+                    value = fp8.part(entry["sources"], entry["fp8"]["part"],  # load_fp8 applies the transform
+                                     lambda: load_fp8(checkpoint, entry["sources"], entry["transform"]))
                 else:
-                    arrays = [checkpoint.load(src, dtype=entry["dtype"]) for src in entry["sources"]]
-                value = apply_transform(entry["transform"], arrays)
+                    arrays = ([blocks.part(src, entry["quant"]["part"]) for src in entry["sources"]] if "quant" in entry
+                              else [checkpoint.load(src, dtype=entry["dtype"]) for src in entry["sources"]])
+                    value = apply_transform(entry["transform"], arrays)
+                    del arrays
                 if list(value.shape) != entry["shape"] or str(value.dtype) != entry["dtype"]:
                     raise ManifestError(
                         f"{checkpoint.path}: {entry['name']!r} made from {entry['sources']} is {value.dtype} "
                         f"{list(value.shape)}, the library expects {entry['dtype']} {entry['shape']}")
                 bound.append(self.upload(value, entry["dtype"]))
-                del arrays, value
+                del value
             if progress:
                 progress(i + 1, len(plan))
         return bound

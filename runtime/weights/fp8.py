@@ -23,14 +23,14 @@ from vtool import VtoolError
 from vtool.runtime.weights.checkpoint import Checkpoint
 from vtool.runtime.weights.fp8_layout import E4M3_MAX, FP8_DTYPE, PARTS
 from vtool.runtime.weights.transforms import apply_transform
+from vtool.runtime.weights.weights_file import STORED_DTYPES  # float dtype -> the load() that keeps its bytes
 
 STORED_FP8 = "F8_E4M3"  # an FP8 checkpoint's weights, in safetensors' name
-# a float source's stored dtype -> the load() dtype that returns its bytes untouched
-FLOAT_LOADS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 # Weights are widened to float32 this many rows at a time: an 8B model's gate|up (28672 rows)
 # would otherwise need a 470 MB float32 copy beside it.
 ROWS_PER_CHUNK = 1024
+MAX_THREADS = 16  # chunks quantized at once (the cast releases the GIL)
 
 
 class Fp8Error(VtoolError):
@@ -79,7 +79,8 @@ def quantize_rows(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.n
 
 
 def _threads() -> int:
-    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, cpus))
 
 
 def dequantize_rows(q: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -129,10 +130,10 @@ def load_fp8(checkpoint: Checkpoint, sources: Sequence[str], transform: str) -> 
     if stored == {STORED_FP8}:
         q = apply_transform(transform, [checkpoint.load(src, FP8_DTYPE) for src in sources])
         return np.ascontiguousarray(q), np.concatenate([stored_scales(checkpoint, src) for src in sources])
-    if STORED_FP8 in stored or not stored <= set(FLOAT_LOADS):
+    if STORED_FP8 in stored or not stored <= set(STORED_DTYPES):
         raise Fp8Error(f"{checkpoint.path}: {list(sources)} are stored as {sorted(stored)}; an FP8 parameter is made "
-                       f"from e4m3 weights (an FP8 checkpoint) or float ones ({', '.join(FLOAT_LOADS)}), not a mix")
-    arrays = [checkpoint.load(src, FLOAT_LOADS[infos[src].dtype]) for src in sources]
+                       f"from e4m3 weights (an FP8 checkpoint) or float ones ({', '.join(STORED_DTYPES)}), not a mix")
+    arrays = [checkpoint.load(src, STORED_DTYPES[infos[src].dtype]) for src in sources]
     return quantize_rows(apply_transform(transform, arrays), "+".join(sources))
 
 

@@ -62,6 +62,25 @@ def float32_rounding(model_dir: Path, prompt: list[int], ref: tuple[np.ndarray, 
     return float64_distance(model, prompt, ref)
 
 
+def assert_matches_in_memory_oracle(gen: Any, make_oracle: Callable[[], Any], prompt: list[int], steps: int,
+                                    tolerance: float) -> None:
+    """vtool's Generator `gen` against transformers models built in memory by `make_oracle()`
+    (float32; its weights are not a checkpoint's, so float32_rounding cannot load it): the same
+    greedy tokens, and step and prompt logits within `tolerance` plus the oracle's own float32
+    rounding on this run (float32_rounding says why)."""
+    from vtool.runtime.sampling.params import SamplingParams
+
+    ref = greedy(make_oracle(), prompt, steps)
+    ref_prompt, ref_tokens, ref_logits = ref
+    assert len(set(ref_tokens)) > 4, "the reference is degenerate, the check would be weak"
+    bound = tolerance + float64_distance(make_oracle().double(), prompt, ref)
+    seen: list[np.ndarray] = []
+    result = gen.generate(prompt, SamplingParams(temperature=0, max_tokens=steps), on_logits=seen.append)
+    assert result.token_ids == ref_tokens
+    assert max(float(np.abs(a - b).max()) for a, b in zip(seen, ref_logits)) < bound
+    assert float(np.abs(gen.prompt_logits(prompt) - ref_prompt).max()) < bound
+
+
 def float64_distance(model: Any, prompt: list[int], ref: tuple[np.ndarray, list[int], list[np.ndarray]]) -> float:
     """float32_rounding with the float64 model given (one whose weights are not a checkpoint's)."""
     prompt_logits, tokens, step_logits = ref
