@@ -91,6 +91,21 @@ def nvcc_version(nvcc: str | None = None) -> str:
     return match.group(1)
 
 
+def cuda_toolkit_library(name: str) -> Path:
+    """The toolkit's lib<name>.so next to nvcc (linked by soname: model.so then needs
+    libcudart.so.13, which the GPU machine has), for objects nvcc compiled that call the CUDA
+    runtime API (FlashInfer's kernels, native/block_mma.cu)."""
+    nvcc = Path(find_nvcc()).resolve()
+    roots = [nvcc.parent.parent] + [Path(r) for r in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+                                                      "/usr/local/cuda") if r]
+    for root in roots:
+        for d in ("lib64", "lib", "targets/x86_64-linux/lib"):
+            lib = root / d / f"lib{name}.so"
+            if lib.exists():
+                return lib
+    raise CudaBuildError(f"no lib{name}.so next to {nvcc} (the CUDA toolkit's lib64) to link the library with")
+
+
 def _c_compiler() -> str:
     for name in (os.environ.get("CC"), "gcc", "cc", "clang"):
         if name and shutil.which(name):
@@ -376,16 +391,32 @@ def inspect_library(path: str | Path) -> dict[str, Any]:
             "cuda_source": any(marker in data for marker in _CUDA_SOURCE_MARKERS)}
 
 
-def check_library(path: str | Path, archs, ptx: str) -> dict[str, Any]:
-    """inspect_library, refusing a library that is not exactly what was asked for."""
+def without_linked(path: str | Path, info: dict[str, Any], linked) -> tuple[list[str], list[str]]:
+    """The SASS and PTX of `path` (its inspect_library `info`) that are TVM's module's own: the
+    fatbins of the objects `linked` into it taken off, each of which must be there."""
+    sass, ptx = list(info["sass"]), list(info["ptx"])
+    for obj in linked:
+        theirs = inspect_library(obj)
+        for kind, have in (("SASS", sass), ("PTX", ptx)):
+            for arch in theirs["sass" if kind == "SASS" else "ptx"]:
+                if arch not in have:
+                    raise CudaBuildError(f"{path} lacks the {kind} {arch} of the linked object {obj}")
+                have.remove(arch)
+    return sass, ptx
+
+
+def check_library(path: str | Path, archs, ptx: str, linked=()) -> dict[str, Any]:
+    """inspect_library, refusing a library that is not exactly what was asked for (`linked`:
+    objects with kernels of their own linked into it, whose fatbins are taken off first)."""
     info = inspect_library(path)
     if "cuda" in info["module_formats"] or info["cuda_source"]:
         raise CudaBuildError(f"{path} embeds CUDA source instead of a fatbin (TVM's CUDA runtime was not loaded "
                              f"at codegen; module formats {info['module_formats']})")
     if not info["module_formats"] or info["fatbins"] == 0:
         raise CudaBuildError(f"{path} embeds no CUDA module (module formats {info['module_formats']})")
-    if sorted(info["sass"]) != sorted(archs) or info["ptx"] != [ptx]:
-        raise CudaBuildError(f"{path} holds SASS {info['sass']} and PTX {info['ptx']}; asked for SASS {list(archs)} "
+    sass, own_ptx = without_linked(path, info, linked)
+    if sorted(sass) != sorted(archs) or own_ptx != [ptx]:
+        raise CudaBuildError(f"{path} holds SASS {sass} and PTX {own_ptx} of its own; asked for SASS {list(archs)} "
                              f"and PTX [{ptx!r}]")
     return info
 

@@ -252,20 +252,9 @@ class FlashInferObjects:
     def addons(self) -> list[str]:
         """export_library addons: the objects, the stubs for what they name but never
         call, then libcudart (what they call)."""
-        return [str(p) for p in self.objects] + [str(unreachable_stubs(self))] + [str(cudart_library())]
+        from vtool.toolchain.cuda import cuda_toolkit_library
 
-
-def cudart_library() -> Path:
-    """The toolkit's libcudart.so (linked by soname: model.so needs libcudart.so.13)."""
-    nvcc = Path(_nvcc()).resolve()
-    roots = [nvcc.parent.parent] + [Path(r) for r in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
-                                                      "/usr/local/cuda") if r]
-    for root in roots:
-        for d in ("lib64", "lib", "targets/x86_64-linux/lib"):
-            lib = root / d / "libcudart.so"
-            if lib.exists():
-                return lib
-    raise FlashInferError(f"no libcudart.so next to {nvcc} (CUDA toolkit lib64) to link the FlashInfer kernels with")
+        return [str(p) for p in self.objects] + [str(unreachable_stubs(self))] + [str(cuda_toolkit_library("cudart"))]
 
 
 def build_objects(dtype: str, head_dim: int, archs, progress: Progress | None = None,
@@ -318,26 +307,16 @@ def build_objects(dtype: str, head_dim: int, archs, progress: Progress | None = 
     return FlashInferObjects(folder, [folder / n for n in meta["objects"]], meta)
 
 
-def check_library(path: str | Path, archs, ptx: str, fi: FlashInferObjects) -> dict[str, Any]:
+def check_library(path: str | Path, archs, ptx: str, fi: FlashInferObjects, linked=()) -> dict[str, Any]:
     """cuda.check_library for a library that also links FlashInfer objects: their fatbins
-    (SASS only, one per object) are taken off before TVM's module is checked; the exported
-    symbols must be there."""
+    (SASS only, one per object), and those of the other `linked` objects, are taken off before
+    TVM's module is checked; the exported symbols must be there."""
     from vtool.toolchain import cuda
 
-    info = cuda.inspect_library(path)
+    info = cuda.check_library(path, archs, ptx, linked=[*fi.objects, *linked])
     extra: list[str] = []
     for obj in fi.objects:
         extra += cuda.inspect_library(obj)["sass"]
-    sass = list(info["sass"])
-    for arch in extra:
-        if arch not in sass:
-            raise cuda.CudaBuildError(f"{path} lacks the FlashInfer SASS {arch} of {fi.folder}")
-        sass.remove(arch)
-    if "cuda" in info["module_formats"] or info["cuda_source"]:
-        raise cuda.CudaBuildError(f"{path} embeds CUDA source (module formats {info['module_formats']})")
-    if sorted(sass) != sorted(archs) or info["ptx"] != [ptx]:
-        raise cuda.CudaBuildError(f"{path}: TVM's module holds SASS {sass} and PTX {info['ptx']}; asked for SASS "
-                                  f"{list(archs)} and PTX [{ptx!r}]")
     missing = missing_symbols(path)
     if missing:
         raise cuda.CudaBuildError(f"{path} does not export the FlashInfer functions {missing}")

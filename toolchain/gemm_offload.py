@@ -14,8 +14,6 @@ models/fp8_linear.py) become `vtool_cublaslt_fp8_gemm_nt` (cuBLASLt: GemmEx has 
 """
 from __future__ import annotations
 
-import hashlib
-import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -122,26 +120,8 @@ def compile_shim() -> Path:
 
     Only the tvm-ffi headers are needed (cuBLAS is opened with dlopen at run time), so this
     works on a build machine without CUDA libraries."""
-    import importlib.metadata
-    import os
-    import tempfile
+    from vtool.toolchain.native_objects import cached_object, tvm_ffi_includes
 
-    import tvm_ffi.libinfo
-
-    from vtool.runtime.paths import cache_root
-
-    key = hashlib.sha256(SOURCE.read_bytes() + importlib.metadata.version("apache-tvm-ffi").encode()).hexdigest()[:16]
-    obj = cache_root() / "cublas-shim" / f"cublas_gemm-{key}.o"
-    if obj.is_file():
-        return obj
-    obj.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=".cublas_gemm.", suffix=".o", dir=obj.parent)
-    os.close(fd)
-    cmd = ["g++", "-std=c++17", "-O2", "-fPIC", "-c", str(SOURCE), "-o", tmp_name,
-           f"-I{tvm_ffi.libinfo.find_include_path()}", f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise VtoolError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr.strip()}")
-    Path(tmp_name).replace(obj)  # whole or not at all, as parallel builds may race here
-    return obj
+    return cached_object(SOURCE, "cublas-shim", "",
+                         lambda out: ["g++", "-std=c++17", "-O2", "-fPIC", "-c", str(SOURCE), "-o", out,
+                                      *tvm_ffi_includes()])

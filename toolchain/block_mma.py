@@ -1,0 +1,65 @@
+"""The tensor-core matmul over GGUF blocks for batched decode on CUDA (native/block_mma.cu).
+
+A CUDA build whose weights stay in blocks and whose compute dtype is bf16/f16 sends the
+matmuls of `batch_decode` over Q4_0, Q4_1, Q4_K and Q8_0 weights to `vtool_block_mma_<fmt>`
+(models/quantized_linear.py's `use_block_mma`): each weight read once a step, dequantized in
+registers and multiplied on the tensor cores, so a step of many sequences costs about what one
+of a single sequence does. This module compiles that source with nvcc for the build's arch
+list, once per source, arch list and nvcc version, into the user cache; the build links the
+object and libcudart into the model library.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Mapping
+
+from vtool.models.weights import format_runs
+from vtool.runtime.paths import cache_root
+from vtool.toolchain.cuda import CudaBuildError, find_nvcc, gencode_flags, nvcc_version
+
+BLOCK_MMA_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")  # the kernels native/block_mma.cu instantiates
+SOURCE = Path(__file__).with_name("native") / "block_mma.cu"
+MMA_DTYPES = ("bfloat16", "float16")  # the mma's operand types; float32 builds keep the GEMV
+
+
+def _block_formats(kept: Mapping[str, str]) -> set[str]:
+    """Every block format of a plan's kept weights (a split spec names several)."""
+    return {fmt for spec in kept.values() for fmt, _, _ in format_runs(spec)}
+
+
+def block_mma_formats(kept: Mapping[str, str] | None, dtype: str) -> tuple[str, ...]:
+    """The kept formats whose batched-decode matmuls a CUDA build of `dtype` sends to the
+    tensor-core kernel (none for float32, whose parity with transformers stays in the GEMV)."""
+    if dtype not in MMA_DTYPES or not kept:
+        return ()
+    return tuple(sorted(_block_formats(kept) & set(BLOCK_MMA_FORMATS)))
+
+
+def compile_object(archs, ptx: str) -> Path:
+    """native/block_mma.cu -> an object with SASS for `archs` and PTX `ptx` (the model's own
+    kernels' arch list), cached."""
+    import tvm_ffi.libinfo
+
+    nvcc = find_nvcc()
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((sorted(archs), ptx, nvcc_version(nvcc))).encode()
+                         + tvm_ffi.libinfo.__file__.encode()).hexdigest()[:16]
+    obj = cache_root() / "block-mma" / f"block_mma-{key}.o"
+    if obj.is_file():
+        return obj
+    obj.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=".block_mma.", suffix=".o", dir=obj.parent)
+    os.close(fd)
+    cmd = [nvcc, "-c", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", *gencode_flags(archs, ptx),
+           f"-I{tvm_ffi.libinfo.find_include_path()}", f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}",
+           str(SOURCE), "-o", tmp_name]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise CudaBuildError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
+    Path(tmp_name).replace(obj)  # whole or not at all: parallel builds may race here
+    return obj
+

@@ -1,0 +1,473 @@
+// Batched-decode matmuls over weights kept in GGUF blocks, on the tensor cores:
+// out[m, n] = x[m, k] . dequant(W)[n, k]^T, x in bf16 or f16, out in float32, m up to 64 rows a
+// launch (more: several launches).
+//
+// Why: the block GEMV (schedules/cuda/quantized_gemv.py) pays a multiply-add per weight per row
+// of x, so a decode step of 32 sequences cost 4-10x one of a single sequence, and the prompt path
+// (every weight dequantized into a temporary, then cuBLAS) writes and reads the whole model in
+// bf16 again. Here each weight is read from its blocks once per step, dequantized in registers to
+// the compute dtype and multiplied on the tensor cores (mma.sync m16n8k16, float32 accumulation),
+// so the step's cost hardly grows with the rows of x.
+//
+// Layout (runtime/weights/ggml_blocks.py): qweight [n/4, k/32, 4, B] (B = 16 bytes of nibbles,
+// byte j = element j | element j+16 << 4; Q8_0: 32 signed bytes), scales [n/4, k/32, 4] (Q4_K:
+// d and dmin per 256, sub_scale and sub_min per 32).
+//
+// The weights are the mma's A operand (16 rows of W a tile), x the B operand (8 rows of x a tile),
+// so a warp computes out^T for its weight rows and up to 64 rows of x. The sum over k does not
+// care about the order of k, so it is permuted to suit the blocks: lane (g, q) of a warp
+// (g = lane / 4, q = lane % 4) loads whole blocks, block b0 + q of weight rows g and g + 8, and for
+// mma step s (0..7) supplies elements 4s..4s+3 of that block in the A slots of columns 2q, 2q+1,
+// 2q+8, 2q+9; the same lane supplies x's elements 4s..4s+3 of the same block in the B slots of
+// those k rows. For the nibble formats elements 4s..4s+3 are the low (s < 4) or high nibbles of
+// bytes 4(s % 4)..4(s % 4)+3: one 32-bit word. Each weight becomes a float32 (a byte permute into
+// the mantissa and one fused multiply-add, see Dequant), then the compute dtype: what the prompt
+// path's dequantized temporary holds.
+//
+// A thread block: 4 warps of 32 weight rows (two mma tiles) each, all at the same k, x's chunk of
+// 128 columns staged once in shared memory for the 128 rows. Matrices of few rows split the sum
+// over k across blockIdx.y (models/quantized_linear.block_mma_splits): each split writes its own
+// partial [m, n] and a second launch adds them in split order (deterministic, no atomics).
+//
+// Measured on the H200 (docs/BENCHMARKS.md): 1.0-1.4 TB/s of block bytes for the Llama-3-8B
+// shape's matrices whatever the rows up to 16 (the block GEMV reaches 2.4-2.8 TB/s on one row,
+// which `decode` keeps), ncu: latency-bound at 12-16 warps an SM (registers).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+
+#include <cstdint>
+#include <string>
+
+namespace {
+
+constexpr int kTileRows = 4;   // ggml_blocks.TILE_ROWS
+constexpr int kBlock = 32;     // weights per qweight block
+constexpr int kGroup = 4;      // blocks per warp step, one per lane of a quad
+// mma tiles of 16 weight rows a warp (1 tile and 8 warps a block measured no faster on the H200:
+// fewer registers, but each warp reads x from shared memory for half the rows)
+constexpr int kTiles = 2;
+constexpr int kBlockRows = 128;            // weight rows of a thread block, all at the same k
+constexpr int kWarps = kBlockRows / (16 * kTiles);
+constexpr int kMaxRows = 64;   // rows of x a launch (8 mma tiles of 8)
+
+enum class Fmt { kQ4_0, kQ4_1, kQ4_K, kQ8_0 };
+
+struct Parts {
+  const uint8_t* qweight;
+  const __half* scale;      // d (Q4_K: per 256)
+  const __half* min;        // Q4_1: m; Q4_K: dmin per 256
+  const uint8_t* sub_scale; // Q4_K: sc per 32
+  const uint8_t* sub_min;   // Q4_K: m per 32
+};
+
+template <Fmt F>
+__host__ __device__ constexpr int BlockBytes() { return F == Fmt::kQ8_0 ? 32 : 16; }
+
+// One weight row's block: its quant words and the two floats Dequant applies to each quant.
+template <Fmt F>
+struct RowBlock {
+  uint32_t words[BlockBytes<F>() / 4];
+  float d, c;
+};
+
+template <Fmt F>
+__device__ __forceinline__ void LoadRow(const Parts& p, int row, int n, int b, int kb, bool in_k,
+                                        RowBlock<F>& out) {
+  if (!in_k || row >= n) {  // past the matrix: zero weights
+#pragma unroll
+    for (int i = 0; i < BlockBytes<F>() / 4; ++i) out.words[i] = 0;
+    out.d = 0.f;
+    out.c = 0.f;
+    return;
+  }
+  const int64_t cell = (static_cast<int64_t>(row / kTileRows) * kb + b) * kTileRows + row % kTileRows;
+  const uint4* src = reinterpret_cast<const uint4*>(p.qweight + cell * BlockBytes<F>());
+#pragma unroll
+  for (int i = 0; i < BlockBytes<F>() / 16; ++i) {
+    const uint4 v = __ldg(src + i);
+    out.words[4 * i] = v.x;
+    out.words[4 * i + 1] = v.y;
+    out.words[4 * i + 2] = v.z;
+    out.words[4 * i + 3] = v.w;
+  }
+  float d, c;  // w = (q - off) * d + c
+  if constexpr (F == Fmt::kQ4_K) {
+    const int64_t super = (static_cast<int64_t>(row / kTileRows) * (kb / 8) + b / 8) * kTileRows + row % kTileRows;
+    d = __half2float(p.scale[super]) * static_cast<float>(p.sub_scale[cell]);
+    c = -(__half2float(p.min[super]) * static_cast<float>(p.sub_min[cell]));
+  } else {
+    d = __half2float(p.scale[cell]);
+    c = F == Fmt::kQ4_1 ? __half2float(p.min[cell]) : 0.f;
+  }
+  if constexpr (F == Fmt::kQ8_0) {
+    out.d = d;
+    out.c = 0.f;
+  } else {  // the quant as f = 1 + q / 16: w = f * 16d + (c - (16 + off) d)
+    out.d = 16.f * d;
+    out.c = c - (F == Fmt::kQ4_0 ? 24.f : 16.f) * d;
+  }
+}
+
+// Elements 4s..4s+3 of a row's block as four bytes of one word (byte i = element 4s + i), ready
+// for Dequant: Q8_0's signed quants with their top bit flipped (q + 128); a nibble q as the byte
+// 0x80 | q << 3, the top of the mantissa of 1 + q / 16 under the exponent byte 0x3F.
+template <Fmt F, int S>
+__device__ __forceinline__ uint32_t QuantBytes(const RowBlock<F>& r) {
+  if constexpr (F == Fmt::kQ8_0) {
+    return r.words[S] ^ 0x80808080u;
+  } else {
+    return (((r.words[S % 4] >> (4 * (S / 4))) & 0x0F0F0F0Fu) << 3) | 0x80808080u;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t Pack(float lo, float hi);
+
+template <>
+__device__ __forceinline__ uint32_t Pack<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <>
+__device__ __forceinline__ uint32_t Pack<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Byte i of `bytes` (from QuantBytes) as its weight, in float32: Q8_0 through the mantissa of
+// 2^23 (2^23 + q + 128, less 2^23 + 128: exact), times d; a nibble's 1 + q / 16 (one byte
+// permute) into one fused multiply-add. Either way what the prompt path's float32
+// dequantization gives, but for the rounding of c - (16 + off) d (2^-24 of it) in the second.
+template <Fmt F>
+__device__ __forceinline__ float Dequant(uint32_t bytes, int i, const RowBlock<F>& r) {
+  if constexpr (F == Fmt::kQ8_0) {
+    const float v = __int_as_float(static_cast<int>(__byte_perm(bytes, 0x4B000000u, 0x7540u | i)));
+    return (v - 8388736.f) * r.d;
+  } else {
+    const float f = __int_as_float(static_cast<int>(__byte_perm(bytes, 0x3F000000u, 0x7044u | (i << 8))));
+    return fmaf(f, r.d, r.c);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void Mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void Mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The x chunk of a warp step (kGroup blocks = 128 columns) for up to NT * 8 rows, in shared
+// memory: each row's 256 bytes, then 16 bytes of padding so the lanes of a quad reading rows
+// g = 0..7 fall in different banks.
+constexpr int kChunk = kGroup * kBlock;       // columns of x a step
+constexpr int kRowVecs = kChunk * 2 / 16 + 1;  // uint4 per staged row (bf16/f16), padded
+
+// x's uint4 per staged chunk, and a thread's share of them
+template <int NT>
+__host__ __device__ constexpr int XVecs() { return NT * 8 * (kChunk * 2 / 16); }
+template <int NT>
+__host__ __device__ constexpr int XPerThread() { return (XVecs<NT>() + kWarps * 32 - 1) / (kWarps * 32); }
+
+template <int NT>
+struct XChunk {
+  uint4 v[XPerThread<NT>()];  // this thread's share of the next chunk, in flight while the current one is used
+};
+
+template <typename T, int NT>
+__device__ __forceinline__ void LoadX(const T* x, int m, int k, int grp, XChunk<NT>& c) {
+#pragma unroll
+  for (int i = 0; i < XPerThread<NT>(); ++i) {
+    const int idx = threadIdx.x + i * kWarps * 32, row = idx / (kChunk * 2 / 16), vec = idx % (kChunk * 2 / 16);
+    const int col = grp * kChunk + vec * 8;
+    c.v[i] = idx < XVecs<NT>() && row < m && col < k
+                 ? __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(row) * k + col))
+                 : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void StoreX(const XChunk<NT>& c, uint4 (*xs)[kRowVecs]) {
+#pragma unroll
+  for (int i = 0; i < XPerThread<NT>(); ++i) {
+    const int idx = threadIdx.x + i * kWarps * 32;
+    if (idx < XVecs<NT>()) xs[idx / (kChunk * 2 / 16)][idx % (kChunk * 2 / 16)] = c.v[i];
+  }
+}
+
+// A warp's weights for one step: kTiles mma tiles of 16 rows, rows g and g + 8 of each.
+template <Fmt F>
+struct WarpBlocks {
+  RowBlock<F> r[kTiles][2];
+};
+
+template <Fmt F>
+__device__ __forceinline__ void LoadW(const Parts& p, int row0, int n, int kb, int grp, int g, int q,
+                                      WarpBlocks<F>& w) {
+  const int b = grp * kGroup + q;
+#pragma unroll
+  for (int a = 0; a < kTiles; ++a) {
+    LoadRow<F>(p, row0 + 16 * a + g, n, b, kb, b < kb, w.r[a][0]);
+    LoadRow<F>(p, row0 + 16 * a + g + 8, n, b, kb, b < kb, w.r[a][1]);
+  }
+}
+
+// One mma step s of a warp step: A from each tile's rows g and g + 8, B from NT tiles of x.
+template <typename T, Fmt F, int NT, int S>
+__device__ __forceinline__ void Step(const WarpBlocks<F>& w, const uint4 (*xs)[kRowVecs], int g, int q,
+                                     float (&acc)[kTiles][NT][4]) {
+  uint32_t a[kTiles][4];
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    const RowBlock<F>& lo = w.r[t][0];
+    const RowBlock<F>& hi = w.r[t][1];
+    const uint32_t qlo = QuantBytes<F, S>(lo), qhi = QuantBytes<F, S>(hi);
+    a[t][0] = Pack<T>(Dequant<F>(qlo, 0, lo), Dequant<F>(qlo, 1, lo));  // row g, k rows 2q, 2q+1
+    a[t][1] = Pack<T>(Dequant<F>(qhi, 0, hi), Dequant<F>(qhi, 1, hi));  // row g + 8
+    a[t][2] = Pack<T>(Dequant<F>(qlo, 2, lo), Dequant<F>(qlo, 3, lo));  // row g, k rows 2q+8, 2q+9
+    a[t][3] = Pack<T>(Dequant<F>(qhi, 2, hi), Dequant<F>(qhi, 3, hi));
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    // x row 8j + g, block q of the chunk, elements 4S..4S+3: 8 bytes at 64q + 8S
+    const uint2 xv = reinterpret_cast<const uint2*>(xs[8 * j + g])[8 * q + S];
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) Mma<T>(acc[t][j], a[t], xv.x, xv.y);
+  }
+}
+
+// out[split, m, n]: split blockIdx.y's share of the sum over k (the caller adds the splits, in
+// order: deterministic). A thread block: kWarps warps of 32 weight rows each at the same k, x
+// staged once in shared memory for all of them.
+template <typename T, Fmt F, int NT>
+__global__ void __launch_bounds__(kWarps * 32) BlockMmaKernel(const T* __restrict__ x, Parts p,
+                                                                 float* __restrict__ out, int m, int n, int k,
+                                                                 int64_t split_stride) {
+  __shared__ uint4 xs[NT * 8][kRowVecs];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, q = lane % 4;
+  const int row0 = blockIdx.x * kBlockRows + warp * 16 * kTiles;
+  const int kb = k / kBlock, groups = (kb + kGroup - 1) / kGroup, splits = gridDim.y;
+  const int first = static_cast<int>(static_cast<int64_t>(blockIdx.y) * groups / splits);
+  const int last = static_cast<int>(static_cast<int64_t>(blockIdx.y + 1) * groups / splits);
+
+  float acc[kTiles][NT][4];
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[t][j][0] = acc[t][j][1] = acc[t][j][2] = acc[t][j][3] = 0.f;
+
+  XChunk<NT> next_x;
+  WarpBlocks<F> w, next_w;
+  if (first < last) {
+    LoadX<T, NT>(x, m, k, first, next_x);
+    LoadW<F>(p, row0, n, kb, first, g, q, next_w);
+  }
+  for (int grp = first; grp < last; ++grp) {
+    __syncthreads();  // every warp is done with the previous chunk
+    StoreX<NT>(next_x, xs);
+    w = next_w;
+    __syncthreads();
+    if (grp + 1 < last) {  // the next step's loads fly while this one multiplies
+      LoadX<T, NT>(x, m, k, grp + 1, next_x);
+      LoadW<F>(p, row0, n, kb, grp + 1, g, q, next_w);
+    }
+    Step<T, F, NT, 0>(w, xs, g, q, acc);
+    Step<T, F, NT, 1>(w, xs, g, q, acc);
+    Step<T, F, NT, 2>(w, xs, g, q, acc);
+    Step<T, F, NT, 3>(w, xs, g, q, acc);
+    Step<T, F, NT, 4>(w, xs, g, q, acc);
+    Step<T, F, NT, 5>(w, xs, g, q, acc);
+    Step<T, F, NT, 6>(w, xs, g, q, acc);
+    Step<T, F, NT, 7>(w, xs, g, q, acc);
+  }
+
+  float* o = out + blockIdx.y * split_stride;
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        // c: (weight row g or g + 8 of tile t) x (x row 2q or 2q + 1 of x tile j)
+        const int wrow = row0 + 16 * t + g + (c / 2) * 8, xr = j * 8 + 2 * q + (c % 2);
+        if (wrow < n && xr < m) o[static_cast<int64_t>(xr) * n + wrow] = acc[t][j][c];
+      }
+}
+
+template <typename T, Fmt F>
+void Launch(const T* x, const Parts& p, float* out, int m, int n, int k, int splits, cudaStream_t stream) {
+  const dim3 grid((n + kBlockRows - 1) / kBlockRows, splits), block(kWarps * 32);
+  for (int r0 = 0; r0 < m; r0 += kMaxRows) {
+    const int rows = m - r0 < kMaxRows ? m - r0 : kMaxRows;
+    const T* xs = x + static_cast<int64_t>(r0) * k;
+    float* os = out + static_cast<int64_t>(r0) * n;  // row r0 of split 0's [m, n]
+    if (rows <= 8) {
+      BlockMmaKernel<T, F, 1><<<grid, block, 0, stream>>>(xs, p, os, rows, n, k, static_cast<int64_t>(m) * n);
+    } else if (rows <= 16) {
+      BlockMmaKernel<T, F, 2><<<grid, block, 0, stream>>>(xs, p, os, rows, n, k, static_cast<int64_t>(m) * n);
+    } else if (rows <= 32) {
+      BlockMmaKernel<T, F, 4><<<grid, block, 0, stream>>>(xs, p, os, rows, n, k, static_cast<int64_t>(m) * n);
+    } else {
+      BlockMmaKernel<T, F, 8><<<grid, block, 0, stream>>>(xs, p, os, rows, n, k, static_cast<int64_t>(m) * n);
+    }
+  }
+}
+
+// out[i] = the sum of the splits' partial[y, i] in split order (deterministic), 4 floats a thread.
+__global__ void ReduceSplits(const float4* __restrict__ partial, float4* __restrict__ out, int splits, int64_t count4) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count4;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float4 s = partial[i];
+    for (int y = 1; y < splits; ++y) {
+      const float4 v = partial[y * count4 + i];
+      s.x += v.x;
+      s.y += v.y;
+      s.z += v.z;
+      s.w += v.w;
+    }
+    out[i] = s;
+  }
+}
+
+const char* FormatName(Fmt f) {
+  switch (f) {
+    case Fmt::kQ4_0: return "q4_0";
+    case Fmt::kQ4_1: return "q4_1";
+    case Fmt::kQ4_K: return "q4_k";
+    default: return "q8_0";
+  }
+}
+
+void* Data(const tvm::ffi::TensorView& t) { return static_cast<char*>(t.data_ptr()) + t.byte_offset(); }
+
+void CheckPart(Fmt f, const tvm::ffi::TensorView& t, const char* part, int64_t tiles, int64_t groups,
+               int64_t inner, DLDataTypeCode code, int bits) {
+  bool ok = t.device().device_type == kDLCUDA && t.IsContiguous() && t.dtype().code == code &&
+            t.dtype().bits == bits && t.ndim() == (inner ? 4 : 3) && t.size(0) == tiles && t.size(1) == groups &&
+            t.size(2) == kTileRows && (!inner || t.size(3) == inner);
+  TVM_FFI_ICHECK(ok) << "vtool_block_mma_" << FormatName(f) << ": " << part
+                     << " is not a contiguous CUDA tensor [" << tiles << ", " << groups << ", " << kTileRows
+                     << (inner ? ", " + std::to_string(inner) : std::string()) << "] of the block layout";
+}
+
+// x[..., k] (bf16 or f16), the weight's parts, partial[splits, ..., n] and out[..., n] float32:
+// with several splits (partial.shape[0]) each thread block sums its share of the blocks into
+// partial, then ReduceSplits adds the splits into out; with one the kernel writes out itself.
+void Run(Fmt f, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
+         const tvm::ffi::TensorView* min, const tvm::ffi::TensorView* sub_scale,
+         const tvm::ffi::TensorView* sub_min, tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
+  const char* name = FormatName(f);
+  TVM_FFI_ICHECK(x.device().device_type == kDLCUDA && out.device().device_type == kDLCUDA &&
+                 partial.device().device_type == kDLCUDA)
+      << "vtool_block_mma_" << name << ": tensors must be on a CUDA device";
+  TVM_FFI_ICHECK(x.IsContiguous() && out.IsContiguous() && partial.IsContiguous())
+      << "vtool_block_mma_" << name << ": x, partial and out must be contiguous";
+  TVM_FFI_ICHECK(x.ndim() >= 1 && out.ndim() == x.ndim() && partial.ndim() == x.ndim() + 1)
+      << "vtool_block_mma_" << name << ": expected x[..., k], partial[splits, ..., n], out[..., n]";
+  const int64_t k = x.size(-1), n = out.size(-1), splits = partial.size(0);
+  int64_t m = 1;
+  for (int i = 0; i + 1 < x.ndim(); ++i) {
+    TVM_FFI_ICHECK(x.size(i) == out.size(i) && x.size(i) == partial.size(i + 1))
+        << "vtool_block_mma_" << name << ": leading dims of x, partial and out differ";
+    m *= x.size(i);
+  }
+  TVM_FFI_ICHECK(partial.size(-1) == n) << "vtool_block_mma_" << name << ": partial and out differ in n";
+  TVM_FFI_ICHECK(splits >= 1 && splits <= 65535) << "vtool_block_mma_" << name << ": " << splits << " splits";
+  TVM_FFI_ICHECK(n % kTileRows == 0 && k % (f == Fmt::kQ4_K ? 256 : kBlock) == 0)
+      << "vtool_block_mma_" << name << ": a [" << n << ", " << k << "] weight does not fit the block layout";
+  const int64_t tiles = n / kTileRows, kb = k / kBlock;
+  CheckPart(f, qweight, "qweight", tiles, kb, f == Fmt::kQ8_0 ? 32 : 16, f == Fmt::kQ8_0 ? kDLInt : kDLUInt, 8);
+  const int64_t scale_groups = f == Fmt::kQ4_K ? k / 256 : kb;
+  CheckPart(f, scale, "scale", tiles, scale_groups, 0, kDLFloat, 16);
+  if (min) CheckPart(f, *min, "min", tiles, scale_groups, 0, kDLFloat, 16);
+  if (sub_scale) CheckPart(f, *sub_scale, "sub_scale", tiles, kb, 0, kDLUInt, 8);
+  if (sub_min) CheckPart(f, *sub_min, "sub_min", tiles, kb, 0, kDLUInt, 8);
+  TVM_FFI_ICHECK(out.dtype().code == kDLFloat && out.dtype().bits == 32 && partial.dtype().code == kDLFloat &&
+                 partial.dtype().bits == 32)
+      << "vtool_block_mma_" << name << ": partial and out must be float32";
+  const bool bf16 = x.dtype().code == kDLBfloat && x.dtype().bits == 16;
+  const bool f16 = x.dtype().code == kDLFloat && x.dtype().bits == 16;
+  TVM_FFI_ICHECK(bf16 || f16) << "vtool_block_mma_" << name << ": x must be bfloat16 or float16";
+  if (m == 0) return;
+  TVM_FFI_ICHECK(n < (1LL << 31) && k < (1LL << 31) && m < (1LL << 31)) << "vtool_block_mma_" << name << ": too large";
+
+  Parts p{static_cast<const uint8_t*>(Data(qweight)), static_cast<const __half*>(Data(scale)),
+          min ? static_cast<const __half*>(Data(*min)) : nullptr,
+          sub_scale ? static_cast<const uint8_t*>(Data(*sub_scale)) : nullptr,
+          sub_min ? static_cast<const uint8_t*>(Data(*sub_min)) : nullptr};
+  // The stream TVM launches its own kernels on: ordered with them, and captured with them in a
+  // CUDA graph.
+  auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, x.device().device_id));
+  float* o = static_cast<float*>(Data(splits == 1 ? out : partial));
+  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k), si = static_cast<int>(splits);
+#define VTOOL_LAUNCH(T)                                                                                  \
+  switch (f) {                                                                                          \
+    case Fmt::kQ4_0: Launch<T, Fmt::kQ4_0>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
+    case Fmt::kQ4_1: Launch<T, Fmt::kQ4_1>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
+    case Fmt::kQ4_K: Launch<T, Fmt::kQ4_K>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
+    case Fmt::kQ8_0: Launch<T, Fmt::kQ8_0>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
+  }
+  if (bf16) {
+    VTOOL_LAUNCH(__nv_bfloat16)
+  } else {
+    VTOOL_LAUNCH(__half)
+  }
+#undef VTOOL_LAUNCH
+  if (splits > 1) {
+    const int64_t count4 = m * n / 4;  // n % 4 == 0
+    const int threads = 256;
+    const int blocks = static_cast<int>(count4 / threads + 1 < 1024 ? count4 / threads + 1 : 1024);
+    ReduceSplits<<<blocks, threads, 0, stream>>>(static_cast<const float4*>(Data(partial)),
+                                                 static_cast<float4*>(Data(out)), si, count4);
+  }
+  const cudaError_t err = cudaGetLastError();
+  TVM_FFI_ICHECK(err == cudaSuccess) << "vtool_block_mma_" << name << ": launch failed: " << cudaGetErrorString(err);
+}
+
+void MmaQ4_0(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
+             tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
+  Run(Fmt::kQ4_0, x, qweight, scale, nullptr, nullptr, nullptr, partial, out);
+}
+
+void MmaQ4_1(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
+             tvm::ffi::TensorView min, tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
+  Run(Fmt::kQ4_1, x, qweight, scale, &min, nullptr, nullptr, partial, out);
+}
+
+void MmaQ8_0(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
+             tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
+  Run(Fmt::kQ8_0, x, qweight, scale, nullptr, nullptr, nullptr, partial, out);
+}
+
+void MmaQ4_K(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
+             tvm::ffi::TensorView min, tvm::ffi::TensorView sub_scale, tvm::ffi::TensorView sub_min,
+             tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
+  Run(Fmt::kQ4_K, x, qweight, scale, &min, &sub_scale, &sub_min, partial, out);
+}
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_0, MmaQ4_0);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_1, MmaQ4_1);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q8_0, MmaQ8_0);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_k, MmaQ4_K);

@@ -1,0 +1,44 @@
+"""Objects compiled from vtool's own native sources (toolchain/native/) into the user cache, once
+per key, for export_library to link into a model library."""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from vtool import VtoolError
+
+
+def tvm_ffi_includes() -> list[str]:
+    """The compiler flags for tvm-ffi's headers (the FFI functions the sources export)."""
+    import tvm_ffi.libinfo
+
+    return [f"-I{tvm_ffi.libinfo.find_include_path()}", f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}"]
+
+
+def cached_object(source: Path, folder: str, extra_key: str, command: Callable[[str], list[str]],
+                  error: type[VtoolError] = VtoolError) -> Path:
+    """`source` compiled by command(output path) into <cache>/<folder>/, keyed by the source, the
+    tvm-ffi version and `extra_key` (arch list, compiler version...); built into a temporary and
+    renamed, so parallel builds racing here each see a whole object or none."""
+    from vtool.runtime.paths import cache_root
+
+    key = hashlib.sha256(source.read_bytes() + importlib.metadata.version("apache-tvm-ffi").encode()
+                         + extra_key.encode()).hexdigest()[:16]
+    obj = cache_root() / folder / f"{source.stem}-{key}.o"
+    if obj.is_file():
+        return obj
+    obj.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{source.stem}.", suffix=".o", dir=obj.parent)
+    os.close(fd)
+    cmd = command(tmp_name)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise error(f"compiling {source.name} failed ({' '.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
+    Path(tmp_name).replace(obj)
+    return obj
