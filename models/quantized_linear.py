@@ -38,6 +38,28 @@ TAKE_BLOCK = "vtool_qtake"
 DEQUANT_WHOLE_BLOCK = "vtool_dequantize"
 
 
+BLOCK_MMA_ROWS = 128  # weight rows of one thread block of the tensor-core kernel
+BLOCK_MMA_MIN_BLOCKS = 528  # thread blocks a matmul wants (four per SM of an H100/H200) before splitting k
+
+
+def block_mma_symbol(fmt: str) -> str:
+    """The FFI function of the tensor-core matmul over `fmt` blocks that a CUDA library exports
+    (toolchain/native/block_mma.cu): x[..., k] (bf16/f16), the weight's parts, then two float32
+    outputs: partial[splits, ..., n] (the sum over k in `splits` parts, a scratch) and out[..., n]
+    (their sum, in split order)."""
+    return f"vtool_block_mma_{fmt.lower()}"
+
+
+def block_mma_splits(rows: int, cols: int) -> int:
+    """Parts the kernel splits the sum over k of a [rows, cols] weight into: a matrix of few
+    rows (o, down) fills the GPU's SMs only with several thread blocks along k, each writing its
+    own partial [m, rows], which the kernel's second launch adds in order (deterministic, no
+    atomics)."""
+    row_blocks = -(-rows // BLOCK_MMA_ROWS)
+    steps = -(-cols // 128)  # 4 blocks of 32 weights a step
+    return max(1, min(steps, -(-BLOCK_MMA_MIN_BLOCKS // row_blocks)))
+
+
 def _nibble(qweight: te.Tensor, t, b, r, c, j) -> tirx.PrimExpr:
     """Chunk c's 4-bit quant j: the low (even c) or high (odd c) nibbles of block b's 16 bytes."""
     return tirx.bitwise_and(tirx.shift_right(qweight[t, b, r, j], ((c % 2) * 4).astype("uint8")),
@@ -180,6 +202,9 @@ class _QuantizedWeight(nn.Module):
     # weight into a temporary of the compute dtype and take the float matmul (on CUDA: tensor
     # cores, cuBLAS), set by dequantize_prompts; decode rows keep the in-register GEMV.
     dequantize_prompts: bool = False
+    # Formats whose batched-decode matmuls (batch_decode: one new position for each of a symbolic
+    # number of sequences) call the tensor-core kernel (toolchain/block_mma.py), set by use_block_mma.
+    block_mma: tuple[str, ...] = ()
 
     def _matmul(self, x: Tensor, prompt: bool = False) -> Tensor:
         """x [..., cols] -> [..., rows] float32. `prompt`: x comes from a prompt (prefill),
@@ -195,6 +220,9 @@ class _QuantizedWeight(nn.Module):
             func = kernels.matmul(self.fmt, self.rows, self.cols, dims)
             return op.tensor_ir_op(func, f"{self.fmt.lower()}_int8_matmul", [x, *self._parts()],
                                    Tensor.placeholder([*lead, self.rows], "float32"))
+        if (decode_rows and self.fmt in self.block_mma and x.dtype in ("bfloat16", "float16")
+                and not (isinstance(lead[0], int) and lead[0] == 1)):
+            return _block_mma(self.fmt, x, self._parts(), block_mma_splits(self.rows, self.cols), self.rows)
         if self.dequantize_prompts and not decode_rows:
             w = op.tensor_expr_op(functools.partial(dequantize_te, self.fmt, x.dtype), f"{self.fmt.lower()}_dequantize",
                                   self._parts())
@@ -219,6 +247,28 @@ def dequantize_prompts(model: nn.Module) -> int:
     """Make the quantized layers of `model` dequantize their weight for matmuls over prompts
     (see _QuantizedWeight.dequantize_prompts). Returns how many layers."""
     return set_in_modules(model, _QuantizedWeight, dequantize_prompts=True)
+
+
+def _block_mma(fmt: str, x: Tensor, parts: list[Tensor], splits: int, rows: int) -> Tensor:
+    """x [..., cols] times the blocks on the tensor cores -> [..., rows] float32: one call of the
+    library's kernel, whose two outputs are the partial sums of its splits (a scratch) and their
+    sum (op.extern takes one output only, so the call is made here)."""
+    from tvm import relax
+    from tvm.relax.frontend.nn.core import wrap_nested
+
+    lead = list(x.shape[:-1])
+    outs = [relax.TensorType([splits, *lead, rows], "float32"), relax.TensorType([*lead, rows], "float32")]
+    call = relax.op.call_dps_packed(block_mma_symbol(fmt), relax.Tuple([x._expr, *(p._expr for p in parts)]),
+                                    out_ty=outs)
+    _partial, y = wrap_nested(call, f"{fmt.lower()}_block_mma")
+    return y
+
+
+def use_block_mma(model: nn.Module, formats: tuple[str, ...]) -> int:
+    """Send the batched-decode matmuls of `model`'s layers kept in `formats` to the tensor-core
+    kernel (see _QuantizedWeight.block_mma). Returns how many layers take it."""
+    set_in_modules(model, _QuantizedWeight, block_mma=tuple(formats))
+    return sum(1 for m in walk_modules(model) if isinstance(m, _QuantizedWeight) and m.fmt in formats)
 
 
 def set_in_modules(model: nn.Module, kind: type, **attrs: object) -> int:

@@ -10,16 +10,12 @@ object and libcudart into the model library.
 """
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Mapping
 
 from vtool.models.weights import format_runs
-from vtool.runtime.paths import cache_root
 from vtool.toolchain.cuda import CudaBuildError, find_nvcc, gencode_flags, nvcc_version
+from vtool.toolchain.native_objects import cached_object, tvm_ffi_includes
 
 BLOCK_MMA_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")  # the kernels native/block_mma.cu instantiates
 SOURCE = Path(__file__).with_name("native") / "block_mma.cu"
@@ -42,24 +38,8 @@ def block_mma_formats(kept: Mapping[str, str] | None, dtype: str) -> tuple[str, 
 def compile_object(archs, ptx: str) -> Path:
     """native/block_mma.cu -> an object with SASS for `archs` and PTX `ptx` (the model's own
     kernels' arch list), cached."""
-    import tvm_ffi.libinfo
-
     nvcc = find_nvcc()
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((sorted(archs), ptx, nvcc_version(nvcc))).encode()
-                         + tvm_ffi.libinfo.__file__.encode()).hexdigest()[:16]
-    obj = cache_root() / "block-mma" / f"block_mma-{key}.o"
-    if obj.is_file():
-        return obj
-    obj.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=".block_mma.", suffix=".o", dir=obj.parent)
-    os.close(fd)
-    cmd = [nvcc, "-c", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", *gencode_flags(archs, ptx),
-           f"-I{tvm_ffi.libinfo.find_include_path()}", f"-I{tvm_ffi.libinfo.find_dlpack_include_path()}",
-           str(SOURCE), "-o", tmp_name]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise CudaBuildError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
-    Path(tmp_name).replace(obj)  # whole or not at all: parallel builds may race here
-    return obj
+    return cached_object(SOURCE, "block-mma", repr((sorted(archs), ptx, nvcc_version(nvcc))),
+                         lambda out: [nvcc, "-c", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", *gencode_flags(archs, ptx),
+                                      *tvm_ffi_includes(), str(SOURCE), "-o", out], CudaBuildError)
 

@@ -35,6 +35,7 @@ from vtool.toolchain.families import family_of
 from vtool.toolchain.plan import (ACTIVATIONS, DTYPES, QUANT_TARGET_FAMILIES, QUANTIZATIONS,  # noqa: F401
                                   BuildOptions, BuildPlan, cache_key, check_request, compiler_source_digest,
                                   resolve_activations, resolve_plan, resolve_quantization)
+from vtool.toolchain.block_mma import block_mma_formats
 from vtool.toolchain.fp8_plan import fp8_tensor_cores
 from vtool.toolchain.quantize import write_weights
 
@@ -59,6 +60,11 @@ def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Pro
 
         # in-register GEMVs for decode (schedules/cuda/quantized.py); prompts on tensor cores
         dequantize_prompts(model)
+        mma = block_mma_formats(formats, dtype)
+        if mma:  # batched decode over 4-bit/8-bit blocks on the tensor cores (toolchain/block_mma.py)
+            from vtool.models.quantized_linear import use_block_mma
+
+            use_block_mma(model, mma)
         if fp8_tensor_cores(target_spec, gemm):
             from vtool.models.fp8_linear import use_fp8_tensor_cores
 
@@ -203,14 +209,20 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
         from vtool.toolchain.gemm_offload import compile_shim
 
         shims.append(str(compile_shim()))
+    linked: list[str] = []  # objects with kernels of their own: their fatbins sit beside TVM's
+    if block_mma_formats(formats, dtype):
+        from vtool.toolchain import block_mma
+
+        linked.append(str(block_mma.compile_object(target_spec.archs, target_spec.ptx)))
+        shims += [*linked, str(cuda.cuda_toolkit_library("cudart"))]
     # export_library appends its own objects to the list it is given: hand it a copy.
     executable.export_library(str(library_path), addons=list(shims) + (fi.addons() if fi else []))
     t_link = time.perf_counter() - t0
     if fi:
-        info = flashinfer_attention.check_library(library_path, target_spec.archs, target_spec.ptx, fi)
+        info = flashinfer_attention.check_library(library_path, target_spec.archs, target_spec.ptx, fi, linked)
         record["attention"] = fi.record
     else:
-        info = cuda.check_library(library_path, target_spec.archs, target_spec.ptx)
+        info = cuda.check_library(library_path, target_spec.archs, target_spec.ptx, linked)
     record.update({
         "embedded": {"module_formats": info["module_formats"], "sass": info["sass"], "ptx": info["ptx"]},
         "codegen_process": "subprocess (build-time libcuda stub)" if in_subprocess else "in-process (CUDA driver)",

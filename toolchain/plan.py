@@ -28,6 +28,7 @@ from vtool.runtime.weights.checkpoint import Checkpoint
 from vtool.runtime.weights.hf_overrides import apply_hf_overrides, canonical, parse_hf_overrides
 from vtool.targets import TargetSpec, buildable
 from vtool.targets.table import TargetError
+from vtool.toolchain.block_mma import block_mma_formats
 from vtool.toolchain.families import FAMILIES, Family, family_of
 from vtool.toolchain.flashinfer_attention import attention_key, resolve_attention
 from vtool.toolchain.gemm_offload import resolve_gemm
@@ -61,7 +62,9 @@ _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 _COMPILER_SOURCES = ("models", "schedules", "targets", "toolchain/pipeline.py", "toolchain/build.py",
                      "toolchain/plan.py", "toolchain/families.py",
                      "toolchain/cuda.py", "toolchain/gemm_offload.py", "toolchain/native/cublas_gemm.cc",
+                     "toolchain/native_objects.py",
                      "toolchain/flashinfer_attention.py", "toolchain/quantize.py", "toolchain/fp8_plan.py",
+                     "toolchain/block_mma.py", "toolchain/native/block_mma.cu",
                      "runtime/weights/ggml_blocks.py",  # the block layout the kernels are compiled for
                      "runtime/weights/fp8_layout.py")  # and the FP8 one
 
@@ -128,6 +131,9 @@ class BuildPlan:
         summary: dict[str, Any] = {"kept": counts, "dequantized": dict(sorted(self.dense.items()))}
         if self.left_float is not None:
             summary["float"] = sorted(self.left_float)
+        mma = block_mma_formats(self.kept, self.dtype) if self.family.name == "cuda" else ()
+        if mma:  # batch_decode's matmuls over these formats on the tensor cores (toolchain/block_mma.py)
+            summary["batched_decode_mma"] = list(mma)
         if self.quantization == "fp8":  # which matmuls quantize their activations too (models/fp8_linear.py)
             summary["fp8_matmuls"] = {"decode": "W8A16",
                                       "prompts_and_batches": "W8A8" if self.fp8_tensor_cores else "W8A16"}

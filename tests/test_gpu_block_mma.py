@@ -1,0 +1,304 @@
+"""The tensor-core matmul over GGUF blocks (toolchain/native/block_mma.cu) that bf16/f16 CUDA
+builds call for batch_decode's matmuls over Q4_0, Q4_1, Q4_K and Q8_0 weights.
+
+Here (CI, no GPU): the source compiles for the build's arch list and the library exports one
+function per format; a bf16 CUDA build of a GGUF file records which formats take it, a float32
+one none (its parity stays with the GEMV).
+
+On the GPU: each format's kernel, for bf16 and f16 x, for row counts on both sides of every
+launch shape (1..64 rows a launch, more in several), weights whose rows are not a multiple of a
+warp's 16 and whose 32-weight blocks are not a multiple of a warp step's 4, against numpy: x
+times the weight dequantized from the same blocks (float32, as the kernel forms it: within one
+rounding of gguf-py's) and rounded to x's dtype, summed in float64. The bound is float32 summation: 2e-6 of sum |x| |w|.
+
+Its library comes from the GPU-less build machine: `python tests/test_gpu_block_mma.py prebuild
+OUT.so`, then VTOOL_GPU_BLOCK_MMA_LIB=OUT.so on the GPU machine. `python tests/test_gpu_block_mma.py
+bench OUT.so` times the 8B shape's Q4_1 matrices (tests/bench in spirit; one JSON line a case).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LIB_ENV = "VTOOL_GPU_BLOCK_MMA_LIB"
+ARCHS, PTX = ("sm_90a",), "compute_90"
+FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+# (rows n, cols k): n not a multiple of 16, k/32 blocks not a multiple of 4 (K-quants: k % 256)
+SHAPES = {"Q4_0": [(52, 96), (64, 4096)], "Q4_1": [(52, 96), (64, 4096)], "Q8_0": [(52, 96), (36, 160)],
+          "Q4_K": [(52, 256), (68, 768)]}
+ROWS = (1, 3, 8, 9, 16, 17, 32, 33, 64, 65, 130)
+SPLITS = (1, 2, 5)
+
+
+def symbol(fmt: str) -> str:
+    """models/quantized_linear.block_mma_symbol (held equal here; the GPU machine has no compiler)."""
+    return f"vtool_block_mma_{fmt.lower()}"
+
+
+def build_library(out: Path) -> Path:
+    """The kernel's object linked on its own into a shared library (with libcudart)."""
+    from vtool.toolchain import block_mma, cuda
+
+    obj = block_mma.compile_object(ARCHS, PTX)
+    subprocess.run(["g++", "-shared", "-o", str(out), str(obj), str(cuda.cuda_toolkit_library("cudart"))], check=True)
+    return out
+
+
+# -- the blocks and their dequantization (numpy) ---------------------------------------------
+
+def random_parts(fmt: str, n: int, k: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Random parts of a [n, k] weight in ggml_blocks' layout, in ggml_blocks.parts order."""
+    tiles, kb = n // 4, k // 32
+    scale = lambda *shape: rng.uniform(0.002, 0.05, shape).astype(np.float16)  # noqa: E731
+    if fmt == "Q8_0":
+        return [rng.integers(-128, 128, (tiles, kb, 4, 32), dtype=np.int8), scale(tiles, kb, 4)]
+    q = rng.integers(0, 256, (tiles, kb, 4, 16), dtype=np.uint8)
+    if fmt == "Q4_0":
+        return [q, scale(tiles, kb, 4)]
+    if fmt == "Q4_1":
+        return [q, scale(tiles, kb, 4), (-scale(tiles, kb, 4) * 8).astype(np.float16)]
+    sb = k // 256  # Q4_K: d, dmin per 256, 6-bit sc and m per 32
+    return [q, scale(tiles, sb, 4), scale(tiles, sb, 4), rng.integers(0, 64, (tiles, kb, 4), dtype=np.uint8),
+            rng.integers(0, 64, (tiles, kb, 4), dtype=np.uint8)]
+
+
+def dequantize(fmt: str, parts: list[np.ndarray]) -> np.ndarray:
+    """The [n, k] float32 weight, as gguf-py computes it (one rounding, in float32)."""
+    q = parts[0]
+    tiles, kb = q.shape[:2]
+    if fmt == "Q8_0":
+        quants = q.astype(np.float32)
+    else:
+        quants = np.concatenate([q & 15, q >> 4], axis=-1).astype(np.float32)  # byte j: elements j, j + 16
+    f32 = lambda a: a.astype(np.float32)[..., None]  # noqa: E731
+    if fmt in ("Q8_0", "Q4_0"):
+        w = (quants - (8 if fmt == "Q4_0" else 0)) * f32(parts[1])
+    elif fmt == "Q4_1":
+        w = quants * f32(parts[1]) + f32(parts[2])
+    else:
+        d = np.repeat(parts[1], 8, axis=1).astype(np.float32) * parts[3].astype(np.float32)
+        m = np.repeat(parts[2], 8, axis=1).astype(np.float32) * parts[4].astype(np.float32)
+        w = quants * d[..., None] - m[..., None]
+    # [tile, block, row, 32] -> [tile * 4 + row, block * 32 + e]
+    return w.astype(np.float32).transpose(0, 2, 1, 3).reshape(tiles * 4, kb * 32)
+
+
+def kernel_weights(fmt: str, parts: list[np.ndarray]) -> np.ndarray:
+    """The [n, k] float32 weight as the kernel forms it: for the nibble formats the quant as
+    f = 1 + q / 16 and w = f * 16d + (c - (16 + off) d), where c - (16 + off) d is rounded once
+    more than in dequantize (every product here is exact in float32)."""
+    if fmt == "Q8_0":
+        return dequantize(fmt, parts)
+    q = parts[0]
+    tiles, kb = q.shape[:2]
+    f = 1 + np.concatenate([q & 15, q >> 4], axis=-1).astype(np.float32) / 16
+    if fmt == "Q4_K":
+        d = np.repeat(parts[1], 8, axis=1).astype(np.float32) * parts[3].astype(np.float32)
+        c = -(np.repeat(parts[2], 8, axis=1).astype(np.float32) * parts[4].astype(np.float32))
+    else:
+        d = parts[1].astype(np.float32)
+        c = parts[2].astype(np.float32) if fmt == "Q4_1" else np.zeros_like(d)
+    c16 = (c - np.float32(24 if fmt == "Q4_0" else 16) * d).astype(np.float32)
+    w = f * (np.float32(16) * d)[..., None] + c16[..., None]
+    return w.astype(np.float32).transpose(0, 2, 1, 3).reshape(tiles * 4, kb * 32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_kernels_arithmetic_is_the_dequantization_but_for_one_rounding(fmt: str) -> None:
+    parts = random_parts(fmt, 8, 256, np.random.default_rng(3))
+    exact, kernel = dequantize(fmt, parts), kernel_weights(fmt, parts)
+    assert np.abs(kernel.astype(np.float64) - exact).max() <= 2.0 ** -23 * (np.abs(exact).max() + 1)
+
+
+def test_dequantize_reference_matches_gguf_py() -> None:
+    """The test's own dequantization against gguf-py's on the same blocks in GGUF's order."""
+    gguf_quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    rng = np.random.default_rng(0)
+    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        parts = random_parts(fmt, 4, 64, rng)
+        q, d = parts[0][0], parts[1][0]  # tile 0: [block, row, ...]
+        raw = bytearray()
+        for row in range(4):
+            for b in range(2):
+                raw += d[b, row].tobytes()
+                if fmt == "Q4_1":
+                    raw += parts[2][0][b, row].tobytes()
+                raw += q[b, row].tobytes()
+        kind = getattr(GGMLQuantizationType, fmt)
+        ref = gguf_quants.dequantize(np.frombuffer(bytes(raw), np.uint8).reshape(4, -1), kind)
+        np.testing.assert_array_equal(dequantize(fmt, parts), ref)
+
+
+# -- here: the build ------------------------------------------------------------------------------
+
+def test_the_kernel_compiles_and_exports_a_function_per_format(tmp_path) -> None:
+    from gpu_fixtures import cuda_buildable
+
+    cuda_buildable()
+    from vtool.models.quantized_linear import block_mma_symbol
+    from vtool.toolchain.block_mma import BLOCK_MMA_FORMATS
+
+    assert BLOCK_MMA_FORMATS == FORMATS
+    lib = build_library(tmp_path / "block_mma.so")
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
+                              check=True).stdout
+    for fmt in FORMATS:
+        assert symbol(fmt) == block_mma_symbol(fmt)
+        assert f"__tvm_ffi_{symbol(fmt)}" in exported, fmt
+    from vtool.toolchain.cuda import inspect_library
+
+    info = inspect_library(lib)
+    assert info["sass"] == list(ARCHS) and info["ptx"] == [PTX]
+
+
+@pytest.mark.parametrize("dtype, expected", [("bfloat16", ["Q4_1", "Q8_0"]), ("float32", None)])
+def test_a_cuda_build_records_the_formats_batch_decode_multiplies_on_tensor_cores(tmp_path, dtype, expected):
+    from gpu_fixtures import cuda_buildable
+
+    cuda_buildable()
+    from test_gpu_quantized import _build
+
+    _path, artifact = _build("q4_1", dtype, tmp_path / "q4_1")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quantized_weights"].get("batched_decode_mma") == expected
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(artifact / "model.so")], capture_output=True,
+                              text=True, check=True).stdout
+    assert ("vtool_block_mma_q4_1" in exported) == (expected is not None)
+
+
+# -- on the GPU ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kernels():
+    from test_gpu_parity import probe_gpu
+
+    info, reason = probe_gpu()
+    if info is None:
+        pytest.skip(reason)
+    lib = os.environ.get(LIB_ENV)
+    if not lib:
+        pytest.skip(f"{LIB_ENV} is unset (build it with `python tests/test_gpu_block_mma.py prebuild OUT.so`)")
+    return _Kernels(lib)
+
+
+class _Kernels:
+    def __init__(self, lib: str):
+        from vtool.runtime.artifact.tvm_runtime import cuda_runtime, ffi, global_func
+
+        cuda_runtime()
+        self.ffi = ffi()
+        module = self.ffi.load_module(lib)
+        self.funcs = {fmt: module[symbol(fmt)] for fmt in FORMATS}
+        self.view = global_func("runtime.TVMTensorCreateView")
+
+    def tensor(self, t, dtype: str):  # noqa: ANN001 - a torch tensor
+        return self.view(self.ffi.from_dlpack(t), self.ffi.Shape(list(t.shape)), dtype, 0)
+
+    def args(self, fmt: str, x, parts, partial, out, xdtype: str) -> list:  # noqa: ANN001
+        import torch
+
+        names = {torch.uint8: "uint8", torch.int8: "int8", torch.float16: "float16"}
+        return [self.tensor(x, xdtype), *[self.tensor(p, names[p.dtype]) for p in parts],
+                self.tensor(partial, "float32"), self.tensor(out, "float32")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("xdtype", ["bfloat16", "float16"])
+def test_kernel_equals_the_dequantized_matmul(kernels, fmt: str, xdtype: str) -> None:
+    import torch
+
+    tdtype = getattr(torch, xdtype)
+    rng = np.random.default_rng(FORMATS.index(fmt))
+    for n, k in SHAPES[fmt]:
+        parts = random_parts(fmt, n, k, rng)
+        w = torch.from_numpy(kernel_weights(fmt, parts)).to(tdtype).double()  # what the kernel multiplies
+        gparts = [torch.from_numpy(p).cuda() for p in parts]
+        for m in ROWS:
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(tdtype).cuda()
+            xd = x.double().cpu()
+            ref = xd @ w.T
+            scale = xd.abs() @ w.abs().T
+            for splits in SPLITS:  # more splits than k has steps leave some parts empty: zeros
+                partial = torch.full((splits, m, n), float("nan"), device="cuda")
+                out = torch.full((m, n), float("nan"), device="cuda")
+                kernels.funcs[fmt](*kernels.args(fmt, x, gparts, partial, out, xdtype))
+                torch.cuda.synchronize()
+                err = ((out.double().cpu() - ref).abs() / (scale + 1e-30)).max().item()
+                assert err <= 2e-6, f"{fmt} {xdtype} [{n}, {k}] x {m} rows, {splits} splits: {err:.2e} of sum |x||w|"
+
+
+@pytest.mark.gpu
+def test_kernel_refuses_parts_that_do_not_fit(kernels) -> None:
+    import torch
+
+    rng = np.random.default_rng(1)
+    parts = [torch.from_numpy(p).cuda() for p in random_parts("Q4_1", 8, 64, rng)]
+    x = torch.zeros(2, 96, dtype=torch.bfloat16, device="cuda")  # k 96 against blocks of k 64
+    out = torch.zeros(2, 8, device="cuda")
+    with pytest.raises(Exception, match="vtool_block_mma_q4_1: qweight"):
+        kernels.funcs["Q4_1"](*kernels.args("Q4_1", x, parts, out[None], out, "bfloat16"))
+
+
+# -- the 8B shape's matrices, timed -------------------------------------------------------------
+
+BENCH = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+         ("lm_head", 128256, 4096)]
+
+
+def block_mma_splits(rows: int, cols: int, min_blocks: int = 528) -> int:
+    """models/quantized_linear.block_mma_splits (held equal here; the GPU machine has no compiler)."""
+    row_blocks = -(-rows // 128)
+    return max(1, min(-(-cols // 128), -(-min_blocks // row_blocks)))
+
+
+def test_split_rule_is_the_models() -> None:
+    pytest.importorskip("tvm", reason="models/ needs the compiler")
+    from vtool.models import quantized_linear
+
+    for n, k in [*[(n, k) for _name, n, k in BENCH], (52, 96), (128, 256), (4, 32)]:
+        assert block_mma_splits(n, k) == quantized_linear.block_mma_splits(n, k)
+
+
+def bench(lib: str, fmt: str = "Q4_1", min_blocks: str = "528") -> None:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+    from gpu_fp8_gemm import _time as timed  # CUDA events over repeated calls
+
+    kern = _Kernels(lib)
+    rng = np.random.default_rng(0)
+    for name, n, k in BENCH:
+        parts = [torch.from_numpy(p).cuda() for p in random_parts(fmt, n, k, rng)]
+        nbytes = sum(p.numel() * p.element_size() for p in parts)
+        wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        splits = block_mma_splits(n, k, int(min_blocks))
+        for m in (1, 8, 16, 32, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda")
+            args = kern.args(fmt, x, parts, torch.empty(splits, m, n, device="cuda"), out, "bfloat16")
+            us = timed(lambda: kern.funcs[fmt](*args))
+            bf16_us = timed(lambda: x @ wb.T)
+            print(json.dumps({"matrix": name, "format": fmt, "n": n, "k": k, "rows": m, "splits": splits,
+                              "us": round(us, 2),
+                              "GB/s": round(nbytes / us / 1e3, 1), "torch_bf16_us": round(bf16_us, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "prebuild":
+        print(build_library(Path(sys.argv[2])))
+    elif len(sys.argv) in (3, 4, 5) and sys.argv[1] == "bench":
+        bench(sys.argv[2], *sys.argv[3:])
+    else:
+        sys.exit("usage: python tests/test_gpu_block_mma.py prebuild OUT.so | bench OUT.so [FORMAT [MIN_BLOCKS]]")
