@@ -44,3 +44,24 @@ def test_a_value_that_is_not_an_integer_is_refused_by_name(monkeypatch, raw: str
     monkeypatch.setenv(ROWS_ENV, raw)
     with pytest.raises(ValueError, match=ROWS_ENV):
         prompt_path_rows(_library())
+
+
+def test_a_library_multiplying_every_kept_format_on_tensor_cores_keeps_batch_decode(monkeypatch) -> None:
+    monkeypatch.delenv(ROWS_ENV, raising=False)
+    library = _library(kept={"Q4_1": 128, "Q8_0": 1})
+    library.manifest["quantized_weights"]["batched_decode_mma"] = ["Q4_1", "Q8_0"]
+    assert prompt_path_rows(library) is None
+    library.manifest["quantized_weights"]["kept"]["Q6_K"] = 2  # a format left to the GEMV: its rows grow
+    assert prompt_path_rows(library) == GEMV_MAX_ROWS
+    monkeypatch.setenv(ROWS_ENV, "0")  # the variable still decides when set
+    library.manifest["quantized_weights"]["kept"].pop("Q6_K")
+    assert prompt_path_rows(library) == 0
+
+
+def test_a_lone_sequence_takes_decode_only_where_batches_run_on_tensor_cores() -> None:
+    from vtool.runtime.engine.block_decode import tensor_core_batches
+
+    library = _library()
+    assert not tensor_core_batches(library) and not tensor_core_batches(types.SimpleNamespace())
+    library.manifest["quantized_weights"]["batched_decode_mma"] = ["Q4_1"]
+    assert tensor_core_batches(library)

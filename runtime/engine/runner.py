@@ -18,7 +18,7 @@ import numpy as np
 
 from vtool import VtoolError
 from vtool.runtime.artifact.tvm_runtime import global_func
-from vtool.runtime.engine.block_decode import prompt_path_rows
+from vtool.runtime.engine.block_decode import prompt_path_rows, tensor_core_batches
 from vtool.runtime.engine.chained_steps import DeviceTokens, fill_token_ids
 from vtool.runtime.engine.decode_buckets import CAPTURED_VERIFY_ENTRY, DecodeBuckets, captured_verify_tokens
 from vtool.runtime.engine.kv_cache import PagedKVCache
@@ -124,6 +124,9 @@ class ModelRunner:
         # weights kept in blocks on a GPU: decode steps past this many sequences run as
         # batch_verify, through the prompt path's matmuls (block_decode.py); None: never
         self.block_gemv_rows = prompt_path_rows(model)
+        # batch_decode over blocks on the tensor cores costs about twice the block GEMV of
+        # `decode` for one sequence (block_decode.py): a lone sequence takes `decode`
+        self.single_on_decode = tensor_core_batches(model)
 
     def _make_device_sampler(self) -> DeviceSampler | None:
         """The library's sampling functions on a GPU (the full logits then stay there), or
@@ -305,7 +308,8 @@ class ModelRunner:
             all_decode = False  # one token per sequence through batch_verify (block_decode.py)
         if device_tokens is not None and not all_decode:
             raise VtoolError("a step whose tokens are on the device must be all decode")
-        if all_decode and self.decode_buckets is not None:  # CUDA graphs, padded (decode_buckets.py)
+        if all_decode and self.decode_buckets is not None and not (len(sequences) == 1 and self.single_on_decode):
+            # CUDA graphs, padded (decode_buckets.py)
             padded = self.decode_buckets.forward(step, device_tokens)
             if padded is not None:
                 owners = [i if s.num_logit_rows else -1 for i, s in enumerate(sequences)]
