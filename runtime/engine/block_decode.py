@@ -31,7 +31,7 @@ ROWS_ENV = "VTOOL_BLOCK_GEMV_ROWS"  # another threshold (0: every batched decode
 
 def tensor_core_batches(model: Any) -> bool:
     """Whether `model`'s batch_decode multiplies some of its kept blocks on the tensor cores
-    (manifest `quantized_weights.batched_decode_mma`): about 2x the block GEMV of `decode` for one
+    (manifest `quantized_weights.batched_decode_mma`): about 1.6x the block GEMV of `decode` for one
     sequence on the H200, so the runner gives a lone sequence `decode` even where batch_decode is
     captured in CUDA graphs."""
     manifest = getattr(model, "manifest", {})

@@ -124,7 +124,7 @@ class ModelRunner:
         # weights kept in blocks on a GPU: decode steps past this many sequences run as
         # batch_verify, through the prompt path's matmuls (block_decode.py); None: never
         self.block_gemv_rows = prompt_path_rows(model)
-        # batch_decode over blocks on the tensor cores costs about twice the block GEMV of
+        # batch_decode over blocks on the tensor cores costs about 1.6x the block GEMV of
         # `decode` for one sequence (block_decode.py): a lone sequence takes `decode`
         self.single_on_decode = tensor_core_batches(model)
 

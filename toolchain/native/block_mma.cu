@@ -24,14 +24,13 @@
 // the mantissa and one fused multiply-add, see Dequant), then the compute dtype: what the prompt
 // path's dequantized temporary holds.
 //
-// A thread block: 4 warps of 32 weight rows (two mma tiles) each, all at the same k, x's chunk of
-// 128 columns staged once in shared memory for the 128 rows. Matrices of few rows split the sum
-// over k across blockIdx.y (models/quantized_linear.block_mma_splits): each split writes its own
-// partial [m, n] and a second launch adds them in split order (deterministic, no atomics).
-//
-// Measured on the H200 (docs/BENCHMARKS.md): 1.0-1.4 TB/s of block bytes for the Llama-3-8B
-// shape's matrices whatever the rows up to 16 (the block GEMV reaches 2.4-2.8 TB/s on one row,
-// which `decode` keeps), ncu: latency-bound at 12-16 warps an SM (registers).
+// A thread block: 4 warps of 32 weight rows (two mma tiles) each, all at the same k. Each step of
+// 128 columns, its operands (the 128 rows' blocks, their scales, x's chunk) are copied by cp.async
+// into one of three shared-memory stages two steps ahead, and the lanes read their blocks from
+// there (a version holding the next step's blocks in registers stayed latency-bound at 1.0-1.4
+// TB/s: too few loads in flight an SM). Matrices of few rows split the sum over k across
+// blockIdx.y (models/quantized_linear.block_mma_splits): each split writes its own partial [m, n]
+// and a second launch adds them in split order (deterministic, no atomics).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -74,44 +73,6 @@ struct RowBlock {
   uint32_t words[BlockBytes<F>() / 4];
   float d, c;
 };
-
-template <Fmt F>
-__device__ __forceinline__ void LoadRow(const Parts& p, int row, int n, int b, int kb, bool in_k,
-                                        RowBlock<F>& out) {
-  if (!in_k || row >= n) {  // past the matrix: zero weights
-#pragma unroll
-    for (int i = 0; i < BlockBytes<F>() / 4; ++i) out.words[i] = 0;
-    out.d = 0.f;
-    out.c = 0.f;
-    return;
-  }
-  const int64_t cell = (static_cast<int64_t>(row / kTileRows) * kb + b) * kTileRows + row % kTileRows;
-  const uint4* src = reinterpret_cast<const uint4*>(p.qweight + cell * BlockBytes<F>());
-#pragma unroll
-  for (int i = 0; i < BlockBytes<F>() / 16; ++i) {
-    const uint4 v = __ldg(src + i);
-    out.words[4 * i] = v.x;
-    out.words[4 * i + 1] = v.y;
-    out.words[4 * i + 2] = v.z;
-    out.words[4 * i + 3] = v.w;
-  }
-  float d, c;  // w = (q - off) * d + c
-  if constexpr (F == Fmt::kQ4_K) {
-    const int64_t super = (static_cast<int64_t>(row / kTileRows) * (kb / 8) + b / 8) * kTileRows + row % kTileRows;
-    d = __half2float(p.scale[super]) * static_cast<float>(p.sub_scale[cell]);
-    c = -(__half2float(p.min[super]) * static_cast<float>(p.sub_min[cell]));
-  } else {
-    d = __half2float(p.scale[cell]);
-    c = F == Fmt::kQ4_1 ? __half2float(p.min[cell]) : 0.f;
-  }
-  if constexpr (F == Fmt::kQ8_0) {
-    out.d = d;
-    out.c = 0.f;
-  } else {  // the quant as f = 1 + q / 16: w = f * 16d + (c - (16 + off) d)
-    out.d = 16.f * d;
-    out.c = c - (F == Fmt::kQ4_0 ? 24.f : 16.f) * d;
-  }
-}
 
 // Elements 4s..4s+3 of a row's block as four bytes of one word (byte i = element 4s + i), ready
 // for Dequant: Q8_0's signed quants with their top bit flipped (q + 128); a nibble q as the byte
@@ -182,54 +143,14 @@ __device__ __forceinline__ void Mma<__half>(float (&c)[4], const uint32_t (&a)[4
 constexpr int kChunk = kGroup * kBlock;       // columns of x a step
 constexpr int kRowVecs = kChunk * 2 / 16 + 1;  // uint4 per staged row (bf16/f16), padded
 
-// x's uint4 per staged chunk, and a thread's share of them
+// x's uint4 per staged chunk
 template <int NT>
 __host__ __device__ constexpr int XVecs() { return NT * 8 * (kChunk * 2 / 16); }
-template <int NT>
-__host__ __device__ constexpr int XPerThread() { return (XVecs<NT>() + kWarps * 32 - 1) / (kWarps * 32); }
-
-template <int NT>
-struct XChunk {
-  uint4 v[XPerThread<NT>()];  // this thread's share of the next chunk, in flight while the current one is used
-};
-
-template <typename T, int NT>
-__device__ __forceinline__ void LoadX(const T* x, int m, int k, int grp, XChunk<NT>& c) {
-#pragma unroll
-  for (int i = 0; i < XPerThread<NT>(); ++i) {
-    const int idx = threadIdx.x + i * kWarps * 32, row = idx / (kChunk * 2 / 16), vec = idx % (kChunk * 2 / 16);
-    const int col = grp * kChunk + vec * 8;
-    c.v[i] = idx < XVecs<NT>() && row < m && col < k
-                 ? __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(row) * k + col))
-                 : make_uint4(0u, 0u, 0u, 0u);
-  }
-}
-
-template <int NT>
-__device__ __forceinline__ void StoreX(const XChunk<NT>& c, uint4 (*xs)[kRowVecs]) {
-#pragma unroll
-  for (int i = 0; i < XPerThread<NT>(); ++i) {
-    const int idx = threadIdx.x + i * kWarps * 32;
-    if (idx < XVecs<NT>()) xs[idx / (kChunk * 2 / 16)][idx % (kChunk * 2 / 16)] = c.v[i];
-  }
-}
-
 // A warp's weights for one step: kTiles mma tiles of 16 rows, rows g and g + 8 of each.
 template <Fmt F>
 struct WarpBlocks {
   RowBlock<F> r[kTiles][2];
 };
-
-template <Fmt F>
-__device__ __forceinline__ void LoadW(const Parts& p, int row0, int n, int kb, int grp, int g, int q,
-                                      WarpBlocks<F>& w) {
-  const int b = grp * kGroup + q;
-#pragma unroll
-  for (int a = 0; a < kTiles; ++a) {
-    LoadRow<F>(p, row0 + 16 * a + g, n, b, kb, b < kb, w.r[a][0]);
-    LoadRow<F>(p, row0 + 16 * a + g + 8, n, b, kb, b < kb, w.r[a][1]);
-  }
-}
 
 // One mma step s of a warp step: A from each tile's rows g and g + 8, B from NT tiles of x.
 template <typename T, Fmt F, int NT, int S>
@@ -255,20 +176,125 @@ __device__ __forceinline__ void Step(const WarpBlocks<F>& w, const uint4 (*xs)[k
   }
 }
 
-// out[split, m, n]: split blockIdx.y's share of the sum over k (the caller adds the splits, in
-// order: deterministic). A thread block: kWarps warps of 32 weight rows each at the same k, x
-// staged once in shared memory for all of them.
+template <int Pending>
+__device__ __forceinline__ void WaitX() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+}
+
+// Every operand of a step (the 128 rows' blocks, their scales, x's chunk) is copied by cp.async
+// into one of kStages shared-memory stages, kStages - 1 steps ahead, so an SM keeps its loads in
+// flight without holding them in registers; the lanes then read their blocks from shared memory.
+constexpr int kStages = 3;
+constexpr int kBlockTiles = kBlockRows / kTileRows;  // 32 tiles of 4 rows
+
+template <Fmt F>
+__host__ __device__ constexpr int StageW() { return kBlockTiles * kGroup * kTileRows * BlockBytes<F>(); }
+constexpr int kStageScales = 2048;  // d, m (or Q4_K's d, dmin, sc, m) of a step
+template <Fmt F, int NT>
+__host__ __device__ constexpr int StageBytes() { return (StageW<F>() + kStageScales + NT * 8 * kRowVecs * 16 + 127) / 128 * 128; }
+
+__device__ __forceinline__ void CpAsync(void* dst, const void* src, bool in, int bytes) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  const int n = in ? bytes : 0;  // src-size 0 fills zeros
+  if (bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
+  } else if (bytes == 8) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(d), "l"(src), "r"(n));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(n));
+  }
+}
+
 template <typename T, Fmt F, int NT>
-__global__ void __launch_bounds__(kWarps * 32) BlockMmaKernel(const T* __restrict__ x, Parts p,
+__device__ __forceinline__ void IssueStep(const T* x, const Parts& p, char* st, int m, int n, int k, int grp) {
+  const int kb = k / kBlock, tid = threadIdx.x, threads = kWarps * 32;
+  const int tiles = n / kTileRows, tile0 = blockIdx.x * kBlockTiles, b0 = grp * kGroup;
+  constexpr int kPieces = kGroup * kTileRows * BlockBytes<F>() / 16;  // 16-byte pieces of a tile's step
+  for (int c = tid; c < kBlockTiles * kPieces; c += threads) {
+    const int t = c / kPieces, piece = c % kPieces, blk = piece / (kTileRows * BlockBytes<F>() / 16);
+    const int64_t tile = tile0 + t;
+    const bool in = tile < tiles && b0 + blk < kb;
+    const uint8_t* src = p.qweight + (in ? ((tile * kb + b0) * kTileRows * BlockBytes<F>() + piece * 16) : 0);
+    CpAsync(st + (t * kPieces + piece) * 16, src, in, 16);
+  }
+  char* sc = st + StageW<F>();
+  {  // one (tile, block) a thread: its 4 rows' scales
+    const int t = tid / kGroup, blk = tid % kGroup;
+    const int64_t tile = tile0 + t;
+    const bool in = tile < tiles && b0 + blk < kb;
+    const int64_t cell = in ? (tile * kb + b0 + blk) * kTileRows : 0;
+    if constexpr (F == Fmt::kQ4_K) {
+      CpAsync(sc + 512 + (t * kGroup + blk) * 4, p.sub_scale + cell, in, 4);
+      CpAsync(sc + 1024 + (t * kGroup + blk) * 4, p.sub_min + cell, in, 4);
+      if (tid < kBlockTiles) {  // d and dmin of the step's super-block, 4 rows a tile
+        const int64_t tl = tile0 + tid;
+        const bool tin = tl < tiles && b0 < kb;
+        const int64_t sup = tin ? (tl * (kb / 8) + b0 / 8) * kTileRows : 0;
+        CpAsync(sc + tid * 8, p.scale + sup, tin, 8);
+        CpAsync(sc + 256 + tid * 8, p.min + sup, tin, 8);
+      }
+    } else {
+      CpAsync(sc + (t * kGroup + blk) * 8, p.scale + cell, in, 8);
+      if constexpr (F == Fmt::kQ4_1) CpAsync(sc + 1024 + (t * kGroup + blk) * 8, p.min + cell, in, 8);
+    }
+  }
+  uint4 (*xs)[kRowVecs] = reinterpret_cast<uint4 (*)[kRowVecs]>(st + StageW<F>() + kStageScales);
+  for (int idx = tid; idx < XVecs<NT>(); idx += threads) {
+    const int row = idx / (kChunk * 2 / 16), vec = idx % (kChunk * 2 / 16), col = grp * kChunk + vec * 8;
+    const bool in = row < m && col < k;
+    CpAsync(&xs[row][vec], x + (in ? static_cast<int64_t>(row) * k + col : 0), in, 16);
+  }
+}
+
+// Row R (of the thread block's 128) of block q of a step, from a stage.
+template <Fmt F>
+__device__ __forceinline__ void StagedRow(const char* st, int row, int q, RowBlock<F>& out) {
+  const int t = row / kTileRows, r = row % kTileRows;
+  const uint4* w = reinterpret_cast<const uint4*>(st + ((t * kGroup + q) * kTileRows + r) * BlockBytes<F>());
+#pragma unroll
+  for (int i = 0; i < BlockBytes<F>() / 16; ++i) {
+    const uint4 v = w[i];
+    out.words[4 * i] = v.x;
+    out.words[4 * i + 1] = v.y;
+    out.words[4 * i + 2] = v.z;
+    out.words[4 * i + 3] = v.w;
+  }
+  const char* sc = st + StageW<F>();
+  float d, c;
+  if constexpr (F == Fmt::kQ4_K) {
+    const __half* dd = reinterpret_cast<const __half*>(sc);
+    const __half* dm = reinterpret_cast<const __half*>(sc + 256);
+    const int cell = (t * kGroup + q) * kTileRows + r;
+    d = __half2float(dd[t * kTileRows + r]) * static_cast<float>(static_cast<const uint8_t*>(
+        reinterpret_cast<const void*>(sc + 512))[cell]);
+    c = -(__half2float(dm[t * kTileRows + r]) * static_cast<float>(static_cast<const uint8_t*>(
+        reinterpret_cast<const void*>(sc + 1024))[cell]));
+  } else {
+    const int cell = (t * kGroup + q) * kTileRows + r;
+    d = __half2float(reinterpret_cast<const __half*>(sc)[cell]);
+    c = F == Fmt::kQ4_1 ? __half2float(reinterpret_cast<const __half*>(sc + 1024)[cell]) : 0.f;
+  }
+  if constexpr (F == Fmt::kQ8_0) {
+    out.d = d;
+    out.c = 0.f;
+  } else {
+    out.d = 16.f * d;
+    out.c = c - (F == Fmt::kQ4_0 ? 24.f : 16.f) * d;
+  }
+}
+
+template <typename T, Fmt F, int NT>
+__global__ void __launch_bounds__(kWarps * 32) BlockMmaStaged(const T* __restrict__ x, Parts p,
                                                                  float* __restrict__ out, int m, int n, int k,
                                                                  int64_t split_stride) {
-  __shared__ uint4 xs[NT * 8][kRowVecs];
+  extern __shared__ uint4 smem_raw[];
+  char* smem = reinterpret_cast<char*>(smem_raw);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, q = lane % 4;
-  const int row0 = blockIdx.x * kBlockRows + warp * 16 * kTiles;
   const int kb = k / kBlock, groups = (kb + kGroup - 1) / kGroup, splits = gridDim.y;
   const int first = static_cast<int>(static_cast<int64_t>(blockIdx.y) * groups / splits);
   const int last = static_cast<int>(static_cast<int64_t>(blockIdx.y + 1) * groups / splits);
+  const int steps = last - first;
 
   float acc[kTiles][NT][4];
 #pragma unroll
@@ -276,21 +302,25 @@ __global__ void __launch_bounds__(kWarps * 32) BlockMmaKernel(const T* __restric
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[t][j][0] = acc[t][j][1] = acc[t][j][2] = acc[t][j][3] = 0.f;
 
-  XChunk<NT> next_x;
-  WarpBlocks<F> w, next_w;
-  if (first < last) {
-    LoadX<T, NT>(x, m, k, first, next_x);
-    LoadW<F>(p, row0, n, kb, first, g, q, next_w);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) IssueStep<T, F, NT>(x, p, smem + s * StageBytes<F, NT>(), m, n, k, first + s);
+    asm volatile("cp.async.commit_group;\n" ::);
   }
-  for (int grp = first; grp < last; ++grp) {
-    __syncthreads();  // every warp is done with the previous chunk
-    StoreX<NT>(next_x, xs);
-    w = next_w;
-    __syncthreads();
-    if (grp + 1 < last) {  // the next step's loads fly while this one multiplies
-      LoadX<T, NT>(x, m, k, grp + 1, next_x);
-      LoadW<F>(p, row0, n, kb, grp + 1, g, q, next_w);
+  for (int i = 0; i < steps; ++i) {
+    WaitX<kStages - 2>();
+    __syncthreads();  // step i is in its stage for every thread; every warp is done with step i - 1
+    const int ahead = i + kStages - 1;
+    if (ahead < steps) IssueStep<T, F, NT>(x, p, smem + (ahead % kStages) * StageBytes<F, NT>(), m, n, k, first + ahead);
+    asm volatile("cp.async.commit_group;\n" ::);
+    const char* st = smem + (i % kStages) * StageBytes<F, NT>();
+    WarpBlocks<F> w;
+#pragma unroll
+    for (int a = 0; a < kTiles; ++a) {
+      StagedRow<F>(st, warp * 16 * kTiles + 16 * a + g, q, w.r[a][0]);
+      StagedRow<F>(st, warp * 16 * kTiles + 16 * a + g + 8, q, w.r[a][1]);
     }
+    const uint4 (*xs)[kRowVecs] = reinterpret_cast<const uint4 (*)[kRowVecs]>(st + StageW<F>() + kStageScales);
     Step<T, F, NT, 0>(w, xs, g, q, acc);
     Step<T, F, NT, 1>(w, xs, g, q, acc);
     Step<T, F, NT, 2>(w, xs, g, q, acc);
@@ -300,7 +330,9 @@ __global__ void __launch_bounds__(kWarps * 32) BlockMmaKernel(const T* __restric
     Step<T, F, NT, 6>(w, xs, g, q, acc);
     Step<T, F, NT, 7>(w, xs, g, q, acc);
   }
+  WaitX<0>();
 
+  const int row0 = blockIdx.x * kBlockRows + warp * 16 * kTiles;
   float* o = out + blockIdx.y * split_stride;
 #pragma unroll
   for (int t = 0; t < kTiles; ++t)
@@ -308,27 +340,37 @@ __global__ void __launch_bounds__(kWarps * 32) BlockMmaKernel(const T* __restric
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        // c: (weight row g or g + 8 of tile t) x (x row 2q or 2q + 1 of x tile j)
         const int wrow = row0 + 16 * t + g + (c / 2) * 8, xr = j * 8 + 2 * q + (c % 2);
         if (wrow < n && xr < m) o[static_cast<int64_t>(xr) * n + wrow] = acc[t][j][c];
       }
 }
 
+template <typename T, Fmt F, int NT>
+void LaunchStaged(dim3 grid, dim3 block, cudaStream_t stream, const T* x, const Parts& p, float* out, int m, int n,
+                  int k, int64_t split_stride) {
+  constexpr int bytes = kStages * StageBytes<F, NT>();
+  static const cudaError_t set = cudaFuncSetAttribute(BlockMmaStaged<T, F, NT>,
+                                                      cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  (void)set;  // a failure shows at the launch
+  BlockMmaStaged<T, F, NT><<<grid, block, bytes, stream>>>(x, p, out, m, n, k, split_stride);
+}
+
 template <typename T, Fmt F>
 void Launch(const T* x, const Parts& p, float* out, int m, int n, int k, int splits, cudaStream_t stream) {
   const dim3 grid((n + kBlockRows - 1) / kBlockRows, splits), block(kWarps * 32);
+  const int64_t stride = static_cast<int64_t>(m) * n;
   for (int r0 = 0; r0 < m; r0 += kMaxRows) {
     const int rows = m - r0 < kMaxRows ? m - r0 : kMaxRows;
     const T* xs = x + static_cast<int64_t>(r0) * k;
     float* os = out + static_cast<int64_t>(r0) * n;  // row r0 of split 0's [m, n]
     if (rows <= 8) {
-      BlockMmaKernel<T, F, 1><<<grid, block, 0, stream>>>(xs, p, os, rows, n, k, static_cast<int64_t>(m) * n);
+      LaunchStaged<T, F, 1>(grid, block, stream, xs, p, os, rows, n, k, stride);
     } else if (rows <= 16) {
-      BlockMmaKernel<T, F, 2><<<grid, block, 0, stream>>>(xs, p, os, rows, n, k, static_cast<int64_t>(m) * n);
+      LaunchStaged<T, F, 2>(grid, block, stream, xs, p, os, rows, n, k, stride);
     } else if (rows <= 32) {
-      BlockMmaKernel<T, F, 4><<<grid, block, 0, stream>>>(xs, p, os, rows, n, k, static_cast<int64_t>(m) * n);
+      LaunchStaged<T, F, 4>(grid, block, stream, xs, p, os, rows, n, k, stride);
     } else {
-      BlockMmaKernel<T, F, 8><<<grid, block, 0, stream>>>(xs, p, os, rows, n, k, static_cast<int64_t>(m) * n);
+      LaunchStaged<T, F, 8>(grid, block, stream, xs, p, os, rows, n, k, stride);
     }
   }
 }
