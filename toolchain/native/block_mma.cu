@@ -116,26 +116,21 @@ __device__ __forceinline__ float Dequant(uint32_t bytes, int i, const RowBlock<F
   }
 }
 
+// c += A (16 x 16, row-major) . B (16 x 8, column-major) in float32; A and B in T (bf16 or f16).
 template <typename T>
 __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 
-template <>
-__device__ __forceinline__ void Mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <>
-__device__ __forceinline__ void Mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+#define VTOOL_MMA(T, PTX_TYPE)                                                                           \
+  template <>                                                                                            \
+  __device__ __forceinline__ void Mma<T>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) { \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE                          \
+                 ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                          \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                        \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                        \
+  }
+VTOOL_MMA(__nv_bfloat16, "bf16")
+VTOOL_MMA(__half, "f16")
+#undef VTOOL_MMA
 
 // The x chunk of a warp step (kGroup blocks = 128 columns) for up to NT * 8 rows, in shared
 // memory: each row's 256 bytes, then 16 bytes of padding so the lanes of a quad reading rows
