@@ -22,6 +22,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
+from cli_run import cli_run_matches_the_api
 from hf_oracle import assert_matches_in_memory_oracle, greedy
 from test_quantize_safetensors import tiny_checkpoint
 from tiny_models import make_tiny_model
@@ -213,27 +214,6 @@ def test_cli_run_quantizes_at_load_and_matches_the_api(tiny_model_dir):
     """`vtool run --model DIR --quantization fp8` as a user types it, on the host: it builds the
     artifact the API finds in the cache, its text is the API's greedy text on that artifact, and
     the prompt logits equal transformers' on the same e4m3 weights."""
-    import subprocess
-    import sys
-
-    from vtool.runtime.sampling.params import SamplingParams
-    from vtool.runtime.session import open_session
-    from vtool.runtime.weights.checkpoint import open_checkpoint
-    from vtool.toolchain.build import build_artifact
-
-    prompt, steps = "The capital of France is", 8
-    done = subprocess.run([sys.executable, "-m", "vtool.toolchain.cli", "run", "--model", str(tiny_model_dir),
-                           "--quantization", "fp8", "--prompt", prompt, "--max-tokens", str(steps)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    notes: list[str] = []
-    ckpt = open_checkpoint(tiny_model_dir)
-    artifact = build_artifact(tiny_model_dir, "host", "float32", checkpoint=ckpt, quantization="fp8",
-                              progress=notes.append)
-    assert any(n.startswith("using cached build") for n in notes), "the CLI's build is not the API's"
-    session = open_session(artifact, ckpt, max_model_len=256)
-    ids = session.encode_prompt(prompt, chat=False)
-    result = session.generator.generate(ids, SamplingParams(temperature=0, max_tokens=steps), session.stop_ids)
-    assert done.stdout.strip() == session.tokenizer.decode(result.token_ids).strip()
+    _artifact, session, ids = cli_run_matches_the_api(tiny_model_dir, "fp8", "The capital of France is", 8)
     ref, _, _ = greedy(hf_on_fp8_weights(tiny_model_dir), ids, 1)
     assert float(np.abs(session.generator.prompt_logits(ids) - ref).max()) < TOLERANCE

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 import tracemalloc
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 
+from cli_run import cli_run_matches_the_api
 from hf_oracle import greedy, q8_0_activations
 from tiny_models import make_tiny_model
 from vtool import VtoolError
@@ -296,23 +295,9 @@ def test_cli_run_builds_and_binds_the_quantized_weights(tiny_model_dir):
     """`vtool run --model DIR --quantization q4_1` as a user types it, on the host's kernels:
     it builds the artifact the API finds in the cache, its text is the API's greedy text on
     that artifact, and the artifact's prompt logits equal transformers' on the same weights."""
-    from vtool.runtime.session import open_session
-
     folder = tiny_model_dir  # tests/conftest.py; the CLI and the API only read it
-    prompt, steps = "The capital of France is", 8
-    done = subprocess.run([sys.executable, "-m", "vtool.toolchain.cli", "run", "--model", str(folder),
-                           "--quantization", "q4_1", "--prompt", prompt, "--max-tokens", str(steps)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    notes: list[str] = []
-    ckpt = open_checkpoint(folder)
-    artifact = build_artifact(folder, "host", "float32", checkpoint=ckpt, quantization="q4_1", progress=notes.append)
-    assert any(n.startswith("using cached build") for n in notes), "the CLI's build is not the API's"
+    artifact, session, ids = cli_run_matches_the_api(folder, "q4_1", "The capital of France is", 8)
     assert json.loads((artifact / "manifest.json").read_text())["quantized_weights"]["kept"] == {"Q4_1": 8, "Q8_0": 1}
-    session = open_session(artifact, ckpt, max_model_len=256)
-    ids = session.encode_prompt(prompt, chat=False)
-    result = session.generator.generate(ids, SamplingParams(temperature=0, max_tokens=steps), session.stop_ids)
-    assert done.stdout.strip() == session.tokenizer.decode(result.token_ids).strip()
     hf = hf_with_dequantized_weights(folder, artifact / "weights.gguf")
     plain, _, _ = greedy(hf, ids, 1)
     if json.loads((artifact / "manifest.json").read_text())["activations"] == "q8_0":

@@ -91,24 +91,35 @@ void* DataPtr(const tvm::ffi::TensorView& t) {
   return static_cast<char*>(t.data_ptr()) + t.byte_offset();
 }
 
-// out[..., n] = x[..., k] @ w[n, k]^T, accumulated in float32 whatever the storage dtype.
-void GemmNT(tvm::ffi::TensorView x, tvm::ffi::TensorView w, tvm::ffi::TensorView out) {
+// The shape of out[..., n] = x[..., k] @ w[n, k]^T, after the checks both entry points share (CUDA,
+// contiguous, shapes agreeing); `name` prefixes every refusal.
+struct GemmShape {
+  int64_t m, n, k;
+};
+
+GemmShape CheckNT(const char* name, const tvm::ffi::TensorView& x, const tvm::ffi::TensorView& w,
+                  const tvm::ffi::TensorView& out) {
   TVM_FFI_ICHECK(x.device().device_type == kDLCUDA && w.device().device_type == kDLCUDA &&
                  out.device().device_type == kDLCUDA)
-      << "vtool_cublas_gemm_nt: tensors must be on a CUDA device";
+      << name << ": tensors must be on a CUDA device";
   TVM_FFI_ICHECK(w.ndim() == 2 && x.ndim() >= 1 && out.ndim() == x.ndim())
-      << "vtool_cublas_gemm_nt: expected x[..., k], w[n, k], out[..., n]";
-  TVM_FFI_ICHECK(x.IsContiguous() && w.IsContiguous() && out.IsContiguous())
-      << "vtool_cublas_gemm_nt: tensors must be contiguous";
+      << name << ": expected x[..., k], w[n, k], out[..., n]";
+  TVM_FFI_ICHECK(x.IsContiguous() && w.IsContiguous() && out.IsContiguous()) << name << ": tensors must be contiguous";
   const int64_t n = w.size(0), k = w.size(1);
   TVM_FFI_ICHECK(x.size(-1) == k && out.size(-1) == n)
-      << "vtool_cublas_gemm_nt: shapes disagree (x last dim " << x.size(-1) << ", w " << n << "x"
-      << k << ", out last dim " << out.size(-1) << ")";
+      << name << ": shapes disagree (x last dim " << x.size(-1) << ", w " << n << "x" << k << ", out last dim "
+      << out.size(-1) << ")";
   int64_t m = 1;
   for (int i = 0; i + 1 < x.ndim(); ++i) {
-    TVM_FFI_ICHECK(x.size(i) == out.size(i)) << "vtool_cublas_gemm_nt: leading dims differ";
+    TVM_FFI_ICHECK(x.size(i) == out.size(i)) << name << ": leading dims differ";
     m *= x.size(i);
   }
+  return {m, n, k};
+}
+
+// out[..., n] = x[..., k] @ w[n, k]^T, accumulated in float32 whatever the storage dtype.
+void GemmNT(tvm::ffi::TensorView x, tvm::ffi::TensorView w, tvm::ffi::TensorView out) {
+  const auto [m, n, k] = CheckNT("vtool_cublas_gemm_nt", x, w, out);
   if (m == 0) return;
   const int ab_type = CudaType(x.dtype());
   TVM_FFI_ICHECK(CudaType(w.dtype()) == ab_type) << "vtool_cublas_gemm_nt: x and w dtypes differ";
@@ -231,26 +242,11 @@ void CheckLt(int status, const char* what, int64_t m, int64_t n, int64_t k) {
 
 // out[..., n] = x[..., k] @ w[n, k]^T, x and w float8_e4m3fn, summed in float32; out float32/bf16/f16.
 void Fp8GemmNT(tvm::ffi::TensorView x, tvm::ffi::TensorView w, tvm::ffi::TensorView out) {
-  TVM_FFI_ICHECK(x.device().device_type == kDLCUDA && w.device().device_type == kDLCUDA &&
-                 out.device().device_type == kDLCUDA)
-      << "vtool_cublaslt_fp8_gemm_nt: tensors must be on a CUDA device";
-  TVM_FFI_ICHECK(w.ndim() == 2 && x.ndim() >= 1 && out.ndim() == x.ndim())
-      << "vtool_cublaslt_fp8_gemm_nt: expected x[..., k], w[n, k], out[..., n]";
-  TVM_FFI_ICHECK(x.IsContiguous() && w.IsContiguous() && out.IsContiguous())
-      << "vtool_cublaslt_fp8_gemm_nt: tensors must be contiguous";
+  const auto [m, n, k] = CheckNT("vtool_cublaslt_fp8_gemm_nt", x, w, out);
   const DLDataType xt = x.dtype(), wt = w.dtype();
   TVM_FFI_ICHECK(xt.code == kDLFloat8_e4m3fn && xt.bits == 8 && wt.code == kDLFloat8_e4m3fn && wt.bits == 8)
       << "vtool_cublaslt_fp8_gemm_nt: x and w must be float8_e4m3fn";
-  const int64_t n = w.size(0), k = w.size(1);
-  TVM_FFI_ICHECK(x.size(-1) == k && out.size(-1) == n)
-      << "vtool_cublaslt_fp8_gemm_nt: shapes disagree (x last dim " << x.size(-1) << ", w " << n << "x" << k
-      << ", out last dim " << out.size(-1) << ")";
   TVM_FFI_ICHECK(k % 16 == 0) << "vtool_cublaslt_fp8_gemm_nt: k=" << k << " is not a multiple of 16";
-  int64_t m = 1;
-  for (int i = 0; i + 1 < x.ndim(); ++i) {
-    TVM_FFI_ICHECK(x.size(i) == out.size(i)) << "vtool_cublaslt_fp8_gemm_nt: leading dims differ";
-    m *= x.size(i);
-  }
   if (m == 0) return;
   const int d_type = CudaType(out.dtype());
   const int device_id = x.device().device_id;
