@@ -1,0 +1,95 @@
+"""schedules/cpu/matmul.py: the NT matmul rule's two schedules (rows of W in vectors for few
+rows of A; the packed register-tiled micro-kernel from GEMM_MIN_ROWS static rows, and for two
+symbolic leading dims), each against numpy on the host, with a fused epilogue and row counts
+that are not whole tiles."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+tvm = pytest.importorskip("tvm")
+from tvm import te, tirx  # noqa: E402
+
+from vtool.schedules.cpu.matmul import GEMM_MIN_ROWS, schedule_nt_matmul  # noqa: E402
+
+LANES = 16
+
+
+def _func(rows: int | None, n: int, k: int, lead: int = 1) -> tirx.PrimFunc:
+    """(A [lead.., rows, k], W [n, k], bias [n]) -> A . W^T + bias, rows symbolic when None;
+    lead=2: A [2, rows, k] and no epilogue (an encoder's projections over [batch, length])."""
+    m = tirx.Var("m", "int64") if rows is None else rows
+    shape = (2, m) if lead == 2 else (m,)
+    a = te.placeholder((*shape, k), "float32", name="A")
+    w = te.placeholder((n, k), "float32", name="W")
+    b = te.placeholder((n,), "float32", name="B")
+    r = te.reduce_axis((0, k), "k")
+    c = te.compute((*shape, n), lambda *i: te.sum(a[(*i[:-1], r)] * w[i[-1], r], axis=r), name="NT_matmul")
+    if lead == 2:
+        return te.create_prim_func([a, w, c]).with_attr("global_symbol", "main")
+    d = te.compute((*shape, n), lambda *i: c[i] + b[i[-1]], name="T_add")
+    return te.create_prim_func([a, w, b, d]).with_attr("global_symbol", "main")
+
+
+def _build(func: tirx.PrimFunc):
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})
+    scheduled = schedule_nt_matmul(func, LANES)
+    assert scheduled is not None
+    with target:
+        return scheduled, tvm.compile(tvm.IRModule({"main": scheduled}), target=target)
+
+
+def _check(lib, rows: int, n: int, k: int, lead: int = 1, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    shape = (2, rows) if lead == 2 else (rows,)
+    a = rng.standard_normal((*shape, k)).astype("float32")
+    w = rng.standard_normal((n, k)).astype("float32")
+    b = rng.standard_normal(n).astype("float32") if lead == 1 else np.zeros(n, "float32")
+    out = tvm.runtime.tensor(np.full((*shape, n), np.nan, "float32"))
+    inputs = (a, w, b) if lead == 1 else (a, w)
+    lib["main"](*(tvm.runtime.tensor(x) for x in inputs), out)
+    want = a.astype(np.float64) @ w.T.astype(np.float64) + b
+    np.testing.assert_allclose(out.numpy(), want, atol=2e-5 * np.sqrt(k) * 4, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def symbolic():
+    return _build(_func(None, 64, 576))  # 576: the k block is 192 (not 128)
+
+
+def test_symbolic_rows_of_one_leading_dim_keep_the_row_schedule(symbolic):
+    assert "A_pad" not in symbolic[0].script()
+
+
+@settings(max_examples=12, deadline=None)
+@given(rows=st.integers(1, 3 * GEMM_MIN_ROWS), seed=st.integers(0, 2**16))
+def test_symbolic_rows_match_numpy(symbolic, rows, seed):
+    _check(symbolic[1], rows, 64, 576, seed=seed)
+
+
+@pytest.mark.parametrize("rows", [7, GEMM_MIN_ROWS - 1, GEMM_MIN_ROWS, 2 * GEMM_MIN_ROWS + 1])
+def test_static_rows_take_the_schedule_for_their_size(rows):
+    scheduled, lib = _build(_func(rows, 96, 256))
+    assert ("A_pad" in scheduled.script()) == (rows >= GEMM_MIN_ROWS)
+    _check(lib, rows, 96, 256)
+
+
+@settings(max_examples=8, deadline=None)
+@given(rows=st.integers(1, 2 * GEMM_MIN_ROWS), seed=st.integers(0, 2**16))
+def test_two_symbolic_leading_dims_take_the_micro_kernel_at_every_size(two_leading, rows, seed):
+    scheduled, lib = two_leading
+    assert "A_pad" in scheduled.script()  # the row schedule cannot fuse them
+    _check(lib, rows, 32, 192, lead=2, seed=seed)  # rows not a whole tile: the padded tail
+
+
+@pytest.fixture(scope="module")
+def two_leading():
+    return _build(_func(None, 32, 192, lead=2))
+
+
+def test_outputs_not_a_whole_panel_keep_the_row_schedule():
+    scheduled, lib = _build(_func(None, 36, 128))  # 36 % 32 != 0
+    assert "A_pad" not in scheduled.script()
+    _check(lib, 50, 36, 128)
