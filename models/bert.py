@@ -23,9 +23,10 @@ Entry point (the runtime calls it by name; the manifest lists it and says task "
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from vtool.models.config import ConfigError, ModelConfig, _positive_float, _positive_int
+from vtool.models.dense_attention import UsesDenseAttention, attend
 from vtool.models.encoder_spec import encode_spec
 from vtool.models.family import ModelFamily
 from vtool.models.weights import WeightPlan, plan_parameters
@@ -156,20 +157,25 @@ def _encoder_class() -> type:
             self.dense = Linear(c.hidden_size, c.hidden_size, True, dtype)
             self.LayerNorm = layer_norm(c, dtype)
 
-    class Attention(nn.Module):
+    class Attention(nn.Module, UsesDenseAttention):
         def __init__(self, c: ModelConfig, dtype: str):
             self.self = SelfAttention(c, dtype)
             self.output = AttentionOutput(c, dtype)
             self.heads, self.head_dim = c.num_attention_heads, c.head_dim
 
-        def forward(self, h: Tensor, bias: Tensor) -> Tensor:
+        def forward(self, h: Tensor, mask: Tensor, bias: Callable[[], Tensor]) -> Tensor:
             b, n, hidden = h.shape
-            qkv = op.reshape(self.self.qkv(h), (b, n, 3, self.heads, self.head_dim))
+            projected = self.self.qkv(h)  # [b, n, 3 * hidden]: q heads, k heads, v heads
+            fused = attend(self.dense_attention_kernels, op.reshape(projected, (b, n, 3 * self.heads, self.head_dim)),
+                           mask, self.heads, self.heads, self.head_dim ** -0.5)
+            if fused is not None:  # one CPU kernel (schedules/cpu/encoder_attention.py)
+                return self.output.LayerNorm(h + self.output.dense(op.reshape(fused, (b, n, hidden))))
+            qkv = op.reshape(projected, (b, n, 3, self.heads, self.head_dim))
             q, k, v = (op.squeeze(t, axis=2) for t in op.split(qkv, 3, axis=2))  # [b, n, heads, d]
             q = op.permute_dims(q, [0, 2, 1, 3])  # [b, heads, n, d]
             kt = op.permute_dims(k, [0, 2, 3, 1])  # [b, heads, d, n]
             v = op.permute_dims(v, [0, 2, 1, 3])
-            scores = op.matmul(q, kt, out_dtype="float32") * (self.head_dim ** -0.5) + bias  # [b, heads, n, n]
+            scores = op.matmul(q, kt, out_dtype="float32") * (self.head_dim ** -0.5) + bias()  # [b, heads, n, n]
             probs = op.softmax(scores, axis=-1)
             if probs.dtype != v.dtype:
                 probs = probs.astype(v.dtype)
@@ -194,8 +200,8 @@ def _encoder_class() -> type:
             self.intermediate = Intermediate(c, dtype)
             self.output = Output(c, dtype)
 
-        def forward(self, h: Tensor, bias: Tensor) -> Tensor:
-            h = self.attention(h, bias)
+        def forward(self, h: Tensor, mask: Tensor, bias: Callable[[], Tensor]) -> Tensor:
+            h = self.attention(h, mask, bias)
             return self.output.LayerNorm(h + self.output.dense(op.gelu(self.intermediate.dense(h))))
 
     class Encoder(nn.Module):
@@ -216,10 +222,16 @@ def _encoder_class() -> type:
                                   lambda i, _h, _q, j: tirx.Select(m[i, j] != 0, tirx.const(0.0, "float32"), low),
                                   name="bert_mask_bias")
 
-            bias = op.tensor_expr_op(mask_bias, "bert_mask_bias", [attention_mask])
+            made: list[Tensor] = []
+
+            def bias() -> Tensor:  # made on first use: a build whose layers all take the kernel has none
+                if not made:
+                    made.append(op.tensor_expr_op(mask_bias, "bert_mask_bias", [attention_mask]))
+                return made[0]
+
             h = self.embeddings(input_ids)
             for layer in self.encoder.layer:
-                h = layer(h, bias)
+                h = layer(h, attention_mask, bias)
             return h if h.dtype == "float32" else h.astype("float32")
 
         def get_default_spec(self) -> dict:

@@ -32,6 +32,7 @@ from typing import Any
 
 from vtool.models import gemma
 from vtool.models.config import ConfigError, ModelConfig
+from vtool.models.dense_attention import DenseAttentionKernels, UsesDenseAttention, attend
 from vtool.models.encoder_spec import encode_spec
 from vtool.models.family import ModelFamily
 from vtool.models.weights import WeightPlan, decoder_source_shapes
@@ -82,24 +83,50 @@ def _encoder_class() -> type:
     from vtool.models.decoder import DecoderLayer
 
     class DenseAttention:
-        """What DecoderLayer's Attention asks of a KV cache, answered for whole padded sequences."""
+        """What DecoderLayer's Attention asks of a KV cache, answered for whole padded sequences:
+        one kernel call where the build handed one in (models/dense_attention.py), else Relax ops
+        over an additive mask bias, made on first use."""
 
-        def __init__(self, positions: Tensor, full_bias: Tensor, sliding_bias: Tensor, sliding: tuple[int, ...]):
-            self.positions, self.full_bias, self.sliding_bias, self.sliding = positions, full_bias, sliding_bias, sliding
+        def __init__(self, positions: Tensor, mask: Tensor, sliding: tuple[int, ...], window: int,
+                     kernels: DenseAttentionKernels | None):
+            self.positions, self.mask, self.sliding, self.window, self.kernels = positions, mask, sliding, window, kernels
+            self.biases: dict[bool, Tensor] = {}
 
         def get_query_positions(self, _total: Any) -> Tensor:
             return self.positions  # [b * n]: row-major, each row 0..n-1 (right padding)
+
+        def bias(self, windowed: bool) -> Tensor:
+            """[b, 1, 1, n, n]: 0 where query q may see key k, float32's lowest where not."""
+            if windowed not in self.biases:
+                window = self.window
+
+                def mask_bias(m: te.Tensor) -> te.Tensor:
+                    def at(i, _h, _g, q, k):
+                        seen = m[i, k] != 0
+                        if windowed:
+                            seen = tirx.all(seen, q - k < window, k - q < window)
+                        return tirx.Select(seen, tirx.const(0.0, "float32"), tirx.const(LOWEST, "float32"))
+
+                    name = "sliding_mask_bias" if windowed else "mask_bias"
+                    return te.compute((m.shape[0], 1, 1, m.shape[1], m.shape[1]), at, name=name)
+
+                self.biases[windowed] = op.tensor_expr_op(mask_bias, "sliding_mask_bias" if windowed else "mask_bias",
+                                                          [self.mask])
+            return self.biases[windowed]
 
         def attention_with_fused_qkv(self, layer_id: int, qkv: Tensor, hq: int, sm_scale: float) -> Tensor:
             b, n, heads, d = qkv.shape
             hkv = (heads - hq) // 2
             group = hq // hkv  # query head j*group + r reads kv head j (transformers' repeat_kv)
+            windowed = layer_id in self.sliding
+            fused = attend(self.kernels, qkv, self.mask, hq, hkv, sm_scale, self.window if windowed else 0)
+            if fused is not None:  # one CPU kernel (schedules/cpu/encoder_attention.py)
+                return fused
             q, k, v = op.split(qkv, [hq, hq + hkv], axis=2)
             q = op.permute_dims(op.reshape(q, (b, n, hkv, group, d)), [0, 2, 3, 1, 4])  # [b, hkv, g, n, d]
             kt = op.permute_dims(op.reshape(k, (b, n, hkv, 1, d)), [0, 2, 3, 4, 1])  # [b, hkv, 1, d, n]
             v = op.permute_dims(op.reshape(v, (b, n, hkv, 1, d)), [0, 2, 3, 1, 4])  # [b, hkv, 1, n, d]
-            bias = self.sliding_bias if layer_id in self.sliding else self.full_bias  # [b, 1, 1, n, n]
-            scores = op.matmul(q, kt, out_dtype="float32") * sm_scale + bias
+            scores = op.matmul(q, kt, out_dtype="float32") * sm_scale + self.bias(windowed)  # [b, hkv, g, n, n]
             probs = op.softmax(scores, axis=-1)
             if probs.dtype != v.dtype:
                 probs = probs.astype(v.dtype)
@@ -108,7 +135,7 @@ def _encoder_class() -> type:
                 ctx = ctx.astype(qkv.dtype)
             return op.reshape(op.permute_dims(ctx, [0, 3, 1, 2, 4]), (b, n, hq, d))
 
-    class GemmaEncoder(nn.Module):
+    class GemmaEncoder(nn.Module, UsesDenseAttention):
         def __init__(self, c: ModelConfig, dtype: str):
             self.config, self.dtype = c, dtype
             self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
@@ -124,22 +151,9 @@ def _encoder_class() -> type:
                 b, n = ids.shape
                 return te.compute((b * n,), lambda i: tirx.floormod(i, n).astype("int32"), name="encoder_positions")
 
-            def mask_bias(m: te.Tensor, windowed: bool) -> te.Tensor:
-                # [b, 1, 1, n, n]: 0 where query q may see key k, float32's lowest where not
-                def at(i, _h, _g, q, k):
-                    seen = m[i, k] != 0
-                    if windowed:
-                        seen = tirx.all(seen, q - k < window, k - q < window)
-                    return tirx.Select(seen, tirx.const(0.0, "float32"), tirx.const(LOWEST, "float32"))
-
-                return te.compute((m.shape[0], 1, 1, m.shape[1], m.shape[1]), at,
-                                  name="sliding_mask_bias" if windowed else "mask_bias")
-
             pos = op.tensor_expr_op(positions, "encoder_positions", [input_ids])
-            full = op.tensor_expr_op(lambda m: mask_bias(m, False), "mask_bias", [attention_mask])
-            sliding = (op.tensor_expr_op(lambda m: mask_bias(m, True), "sliding_mask_bias", [attention_mask])
-                       if window and c.sliding_layers else full)
-            attention = DenseAttention(pos, full, sliding, c.sliding_layers if window else ())
+            attention = DenseAttention(pos, attention_mask, c.sliding_layers if window else (), window,
+                                       self.dense_attention_kernels)
             h = self.embed_tokens(input_ids)
             h = h * Tensor.from_scalar(c.hidden_size**0.5, h.dtype)  # Gemma: scaled in the embedding dtype
             for i, layer in enumerate(self.layers):

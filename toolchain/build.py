@@ -55,6 +55,12 @@ def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Pro
     isa = family_of(target_spec).int8_isa(target_spec)  # integer-dot kernels: handed in (models/ never imports schedules/)
     model = family.module(cfg, dtype, target, formats, int8_activations=activations,
                           int8_kernels=Int8GemvKernels(isa) if isa else None)
+    if family.task == "embed" and family_of(target_spec).device == "cpu" and dtype == "float32":
+        from vtool.models.dense_attention import use_dense_attention
+        from vtool.schedules.cpu.encoder_attention import DenseAttentionKernels
+
+        use_dense_attention(model, DenseAttentionKernels())  # one parallel kernel per attention (no CPU rule
+        # schedules the ops' batched matmuls)
     if formats and family_of(target_spec).name == "cuda":
         from vtool.models.quantized_linear import dequantize_prompts
 

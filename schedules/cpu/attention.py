@@ -13,7 +13,7 @@ replaces that PrimFunc, same name and signature, by:
   * online softmax over tiles of TILE keys (base-2, as TVM's kernels: scores are scaled
     by log2(e) * sm_scale, lse = m + log2(d)), so nothing of kv_len size is stored;
   * the q.k dot products and the p.v updates vectorized over the head dimension; a tile's 16
-    scores come out as one vector (`_scores`) and its weights by a vector exp2 (`_exp2`).
+    scores come out as one vector (`_scores`) and its weights by a vector exp2 (`exp2_tile`).
 
 Only `rotary_mode == 0` is handled: vtool's KV cache is made with RopeMode.NORMAL
 (models/decoder.py), so the rotary embedding is applied before the cache and the attention
@@ -146,7 +146,7 @@ def _kernel(h_kv: int, h_q: int, d_qk: int, d_v: int, softcap: float = 0.0) -> t
                             st[0] = st[2]
                         # the tile's weights in vector registers (a libm exp2f call per key spilled
                         # every register around it: 15% of a 512-token prompt of the default model)
-                        s[T.Ramp(0, 1, LANES)] = _exp2(s[T.Ramp(0, 1, LANES)] - T.Broadcast(st[0], LANES))
+                        s[T.Ramp(0, 1, LANES)] = exp2_tile(s[T.Ramp(0, 1, LANES)] - T.Broadcast(st[0], LANES))
                         for t in T.serial(TILE):
                             if kt * TILE + t < n_keys:
                                 st[1] = st[1] + s[t]
@@ -191,7 +191,7 @@ def _page_attention(d: int, page_size: int, softcap: float = 0.0):  # noqa: ANN2
     n_keys keys of a sequence whose pages start at page_values[first]: one page of keys per
     online-softmax step (scores scaled by `scale` = sm_scale * log2(e)), the q.k dot products
     and p.v updates vectorized over the head dimension; with pages of LANES keys the page's
-    scores and weights come out LANES at once (`_page_scores`, `_exp2`). Writes output[row, h]
+    scores and weights come out LANES at once (`_page_scores`, `exp2_tile`). Writes output[row, h]
     and lse[row, h] (log2 units; -5e4 with no key). The decode and the paged prefill kernels
     expand it inside their parallel loops. `softcap`: each score capped before the mask and the
     max (schedules/softcap.py; 0: none)."""
@@ -243,7 +243,7 @@ def _page_attention(d: int, page_size: int, softcap: float = 0.0):  # noqa: ANN2
                         acc[i] = acc[i] * st[3]
                     st[0] = st[2]
                 if page_size == LANES:  # the page's weights in vector registers
-                    s[T.Ramp(0, 1, LANES)] = _exp2(s[T.Ramp(0, 1, LANES)] - T.Broadcast(st[0], LANES))
+                    s[T.Ramp(0, 1, LANES)] = exp2_tile(s[T.Ramp(0, 1, LANES)] - T.Broadcast(st[0], LANES))
                 else:
                     for t in T.serial(page_size):
                         if p * page_size + t < n_keys:
@@ -265,7 +265,7 @@ def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float =
     """Parallel over (sequence, query head); one page of keys per online-softmax step; the
     q.k dot products and p.v updates vectorized over the head dimension. With pages of 16
     keys, the page's scores and softmax weights come out 16 at once, as in the paged prefill
-    kernel (`_page_scores`, `_exp2`): SmolLM2's 9/3 heads, 2-core Xeon, 512 keys 46 -> 29 us,
+    kernel (`_page_scores`, `exp2_tile`): SmolLM2's 9/3 heads, 2-core Xeon, 512 keys 46 -> 29 us,
     128 keys 14 -> 10 us."""
     group = h_q // h_kv
     attend = _page_attention(d, page_size, softcap)
@@ -326,10 +326,16 @@ def _ragged_scores(q: tirx.Buffer, k: tirx.Buffer, q_row: tirx.PrimExpr, h: tirx
 
 
 def _scores(q: tirx.Buffer, q_row: tirx.PrimExpr, h: tirx.PrimExpr, d: int, key) -> tirx.PrimExpr:  # noqa: ANN001
-    """float32x16, lane t = q[q_row, h] . key t, where key(t, c) loads lanes c*16 .. c*16 + 15 of
-    key t: each key's products summed over the head dim into one vector, then the 16 vectors
-    reduced together by a transpose-and-add tree (4 levels of two shuffles and an add), in place
-    of a horizontal sum per key. A lane only ever adds values of its own key."""
+    """float32x16, lane t = q[q_row, h] . key t (see dot_tile)."""
+    vt = f"float32x{LANES}"
+    return dot_tile(lambda c: q.vload([q_row, h, c * LANES], vt), key, d)
+
+
+def dot_tile(query, key, d: int) -> tirx.PrimExpr:  # noqa: ANN001 - loaders of float32x16 vectors
+    """float32x16, lane t = query . key t, where query(c) and key(t, c) load lanes c*16 .. c*16 + 15
+    of the query and of key t: each key's products summed over the head dim into one vector, then
+    the 16 vectors reduced together by a transpose-and-add tree (4 levels of two shuffles and an
+    add), in place of a horizontal sum per key. A lane only ever adds values of its own key."""
     n_c = d // LANES
     vt = f"float32x{LANES}"
     bindings = []  # (var, value): each vector computed once (TIR would repeat a shared subexpression)
@@ -337,7 +343,7 @@ def _scores(q: tirx.Buffer, q_row: tirx.PrimExpr, h: tirx.PrimExpr, d: int, key)
     for t in range(LANES):
         v = None
         for c in range(n_c):
-            term = q.vload([q_row, h, c * LANES], vt) * key(t, c)
+            term = query(c) * key(t, c)
             v = term if v is None else v + term
         var = tirx.Var(f"dot{t}", vt)
         bindings.append((var, v))
@@ -367,7 +373,7 @@ _EXP2_P = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3, 5.5
            2.402264791363012e-1, 6.931472028550421e-1)
 
 
-def _exp2(x: tirx.PrimExpr) -> tirx.PrimExpr:
+def exp2_tile(x: tirx.PrimExpr) -> tirx.PrimExpr:
     """2^x for a float32x16 of x <= 0 (softmax weights), in vector registers: x = n + f with
     n = round(x), |f| <= 1/2, 2^f by Cephes' polynomial, 2^n put in the exponent bits. Within
     2 ulp of exp2f; x below -126 gives 2^-126 (the weight of a key 126 binary orders below the
@@ -604,7 +610,7 @@ def _window_page_attention(d: int, page_size: int, softcap: float = 0.0):  # noq
                     acc[i] = acc[i] * st[3]
                 st[0] = st[2]
             if page_size == LANES:
-                s[T.Ramp(0, 1, LANES)] = _exp2(s[T.Ramp(0, 1, LANES)] - T.Broadcast(st[0], LANES))
+                s[T.Ramp(0, 1, LANES)] = exp2_tile(s[T.Ramp(0, 1, LANES)] - T.Broadcast(st[0], LANES))
             else:
                 for t in T.serial(page_size):
                     if p * page_size + t >= s_lo and p * page_size + t < s_hi:

@@ -1,0 +1,55 @@
+"""Encoder attention as one kernel call, where the toolchain hands one in.
+
+An encoder (models/bert.py, models/gemma_encoder.py) attends every query of a right-padded
+batch to the token keys of its row. Written as Relax ops (q.k^T, a mask bias, softmax, p.v) it
+runs anywhere, and on CUDA DLight schedules it; on the CPU no rule schedules those batched
+matmuls, so CPU float32 builds get a kernel of their own instead
+(schedules/cpu/encoder_attention.py, handed in by toolchain/build.py: models/ never imports
+schedules/). `attend` returns None where there is none, and the caller keeps its ops.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class DenseAttentionKernels(Protocol):
+    def func(self, q_heads: int, kv_heads: int, head_dim: int, sm_scale: float, window: int) -> Any:
+        """A PrimFunc (qkv [b, n, q_heads + 2 kv_heads, d] float32, mask [b, n] int32) ->
+        [b, n, q_heads, d] float32; `window` 0: none, else keys with |i - j| < window. None
+        where it does not apply."""
+
+
+class UsesDenseAttention:
+    """Mixed into the encoder modules that attend: the kernels, None until a build sets them."""
+
+    dense_attention_kernels: DenseAttentionKernels | None = None
+
+
+def use_dense_attention(model: Any, kernels: DenseAttentionKernels) -> int:
+    """Give every attending module of `model` the kernels; returns how many modules."""
+    from vtool.models.quantized_linear import walk_modules  # imports TVM: only when a build asks
+
+    count = 0
+    for module in walk_modules(model):
+        if isinstance(module, UsesDenseAttention):
+            module.dense_attention_kernels = kernels
+            count += 1
+    return count
+
+
+def attend(kernels: DenseAttentionKernels | None, qkv: Any, mask: Any, q_heads: int, kv_heads: int, sm_scale: float,
+           window: int = 0) -> Any:
+    """qkv [b, n, q_heads + 2 kv_heads, d] (q heads, k heads, v heads), mask [b, n] ->
+    [b, n, q_heads, d] through the kernel, or None (no kernel for this build or shape)."""
+    from tvm.relax.frontend.nn import Tensor, op
+
+    if kernels is None or qkv.dtype != "float32":
+        return None
+    b, n, heads, d = qkv.shape
+    if heads != q_heads + 2 * kv_heads:
+        raise ValueError(f"fused qkv has {heads} heads, expected {q_heads} + 2 x {kv_heads}")
+    func = kernels.func(q_heads, kv_heads, int(d), sm_scale, window)
+    if func is None:
+        return None
+    name = "dense_attention" + (f"_window{window}" if window else "")
+    return op.tensor_ir_op(func, name, [qkv, mask], Tensor.placeholder([b, n, q_heads, d], "float32"))
