@@ -1,7 +1,7 @@
 """schedules/cpu/matmul.py: the NT matmul rule's two schedules (rows of W in vectors for few
-rows of A; the packed register-tiled micro-kernel from GEMM_MIN_ROWS static rows, and for two
-symbolic leading dims), each against numpy on the host, with a fused epilogue and row counts
-that are not whole tiles."""
+rows of A; the packed register-tiled micro-kernel from GEMM_MIN_ROWS rows, chosen per call for
+a symbolic row count, and for two symbolic leading dims), each against numpy on the host, with
+a fused epilogue and row counts either side of the switch and not whole tiles."""
 from __future__ import annotations
 
 import numpy as np
@@ -59,14 +59,22 @@ def symbolic():
     return _build(_func(None, 64, 576))  # 576: the k block is 192 (not 128)
 
 
-def test_symbolic_rows_of_one_leading_dim_keep_the_row_schedule(symbolic):
-    assert "A_pad" not in symbolic[0].script()
+def test_symbolic_rows_get_both_schedules_chosen_per_call(symbolic):
+    root = symbolic[0].body.block
+    assert isinstance(root.body, tirx.IfThenElse)  # rows >= GEMM_MIN_ROWS: the micro-kernel
+    assert "A_pad" in root.body.then_case.script() and "A_pad" not in root.body.else_case.script()
+    assert tirx.analysis.verify_ssa(symbolic[0])
 
 
 @settings(max_examples=12, deadline=None)
 @given(rows=st.integers(1, 3 * GEMM_MIN_ROWS), seed=st.integers(0, 2**16))
 def test_symbolic_rows_match_numpy(symbolic, rows, seed):
     _check(symbolic[1], rows, 64, 576, seed=seed)
+
+
+@pytest.mark.parametrize("rows", [GEMM_MIN_ROWS - 1, GEMM_MIN_ROWS, GEMM_MIN_ROWS + 7])
+def test_symbolic_rows_either_side_of_the_switch(symbolic, rows):
+    _check(symbolic[1], rows, 64, 576)
 
 
 @pytest.mark.parametrize("rows", [7, GEMM_MIN_ROWS - 1, GEMM_MIN_ROWS, 2 * GEMM_MIN_ROWS + 1])

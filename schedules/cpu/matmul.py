@@ -22,17 +22,15 @@ FuseTransposeMatmul produces, with two schedules:
   (tests/bench/cpu_gemm.py).
 
 A kernel with static rows gets the schedule for its size. One whose rows are a symbolic size
-(a decoder's prompt chunk, a batch) keeps the row schedule: it may be small, and both
-schedules behind a run-time test of the row count (tried: correct and fast) break TIR's rule
-that a variable or buffer is defined once, through the blocks neither schedule rewrites; that
-dispatch is the next step for float32 decoder prompts. Where only one schedule fits, it takes
-every size: the row schedule cannot fuse two symbolic leading dims, so an encoder's
-[batch, length] projections (which ran unscheduled, serial scalar loops, before) take the
-micro-kernel.
+(a decoder's prompt chunk, a batch) gets both under one root block, chosen per call by the
+row count. Where only one schedule fits, it takes every size: the row schedule cannot fuse
+two symbolic leading dims, so an encoder's [batch, length] projections (which ran
+unscheduled, serial scalar loops, before) take the micro-kernel.
 """
 from __future__ import annotations
 
 from tvm import s_tir, sym, tirx
+from tvm.s_tir.stmt import SBlock, SBlockRealize
 
 ROWS = 4  # output features per inner tile: 4 rows of W in flight hide load latency
 GEMM_MIN_ROWS = 32  # rows of A from which the micro-kernel wins (16 rows: 0.8x the row schedule; 64: 1.3x)
@@ -85,13 +83,22 @@ def schedule_nt_matmul(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     if few is None or many is None:  # one fits (or neither: not an NT matmul)
         return few or many
     rows = _rows(func)
-    if isinstance(rows, tirx.IntImm) and int(rows) >= GEMM_MIN_ROWS:
-        return many
-    # few static rows, or a symbolic count (a prompt, a batch) that may be small: the row
-    # schedule. (Both bodies behind a test of the row count ran correctly, but TIR refuses a
-    # variable or buffer defined in both branches, which blocks neither schedule rewrites
-    # carry: not done yet, see the module docstring.)
-    return few
+    if isinstance(rows, tirx.IntImm):
+        return many if int(rows) >= GEMM_MIN_ROWS else few
+    # symbolic rows (a prompt chunk, a batch): both bodies under one root block, chosen per call
+    # by the row count. Where they share a variable (blocks neither schedule rewrote, defined in
+    # both branches: TIR wants each defined once), the row schedule alone, as before.
+    both = _either(func, rows >= GEMM_MIN_ROWS, many, few)
+    return both if tirx.analysis.verify_ssa(both) else few
+
+
+def _either(func: tirx.PrimFunc, cond: tirx.PrimExpr, then: tirx.PrimFunc, other: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` whose body runs `then`'s body where `cond` holds, else `other`'s (both scheduled
+    from `func`: the same parameters), inside one root block holding both roots' buffers."""
+    a, b = then.body.block, other.body.block
+    buffers = list(a.alloc_buffers) + [x for x in b.alloc_buffers if not any(x.same_as(y) for y in a.alloc_buffers)]
+    root = SBlock([], [], [], "root", tirx.IfThenElse(cond, a.body, b.body), alloc_buffers=buffers)
+    return func.with_body(SBlockRealize([], True, root))
 
 
 def _rows(func: tirx.PrimFunc) -> tirx.PrimExpr:
