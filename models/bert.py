@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Mapping
 
 from vtool.models.config import ConfigError, ModelConfig, _positive_float, _positive_int
-from vtool.models.dense_attention import UsesDenseAttention, attend
+from vtool.models.dense_attention import UsesDenseAttention, attend, takes
 from vtool.models.encoder_spec import encode_spec
 from vtool.models.family import ModelFamily
 from vtool.models.weights import WeightPlan, plan_parameters
@@ -164,7 +164,7 @@ def _encoder_class() -> type:
             self.heads, self.head_dim = c.num_attention_heads, c.head_dim
 
         def forward(self, h: Tensor, mask: Tensor, bias: Callable[[], Tensor]) -> Tensor:
-            b, n, hidden = h.shape
+            b, n, hidden = h.shape  # [1, rows, H] where the encoder flattened its rows for the kernel
             projected = self.self.qkv(h)  # [b, n, 3 * hidden]: q heads, k heads, v heads
             fused = attend(self.dense_attention_kernels, op.reshape(projected, (b, n, 3 * self.heads, self.head_dim)),
                            mask, self.heads, self.heads, self.head_dim ** -0.5)
@@ -208,7 +208,7 @@ def _encoder_class() -> type:
         def __init__(self, c: ModelConfig, dtype: str):
             self.layer = nn.ModuleList([Layer(c, dtype) for _ in range(c.num_hidden_layers)])
 
-    class BertEncoder(nn.Module):
+    class BertEncoder(nn.Module, UsesDenseAttention):
         def __init__(self, c: ModelConfig, dtype: str):
             self.config, self.dtype = c, dtype
             self.embeddings = Embeddings(c, dtype)
@@ -230,8 +230,16 @@ def _encoder_class() -> type:
                 return made[0]
 
             h = self.embeddings(input_ids)
+            b, n, hidden = h.shape
+            c = self.config
+            flat = takes(self.dense_attention_kernels, h.dtype, c.num_attention_heads, c.num_attention_heads,
+                         c.head_dim)
+            if flat:  # one symbolic row count for the projections (models/dense_attention.py)
+                h = op.reshape(h, (1, b * n, hidden))
             for layer in self.encoder.layer:
                 h = layer(h, attention_mask, bias)
+            if flat:
+                h = op.reshape(h, (b, n, hidden))
             return h if h.dtype == "float32" else h.astype("float32")
 
         def get_default_spec(self) -> dict:

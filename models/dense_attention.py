@@ -37,19 +37,26 @@ def use_dense_attention(model: Any, kernels: DenseAttentionKernels) -> int:
     return count
 
 
+def takes(kernels: DenseAttentionKernels | None, dtype: str, q_heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether `attend` will use the kernel for these heads (the window does not matter)."""
+    return kernels is not None and dtype == "float32" and kernels.func(q_heads, kv_heads, head_dim, 1.0, 0) is not None
+
+
 def attend(kernels: DenseAttentionKernels | None, qkv: Any, mask: Any, q_heads: int, kv_heads: int, sm_scale: float,
            window: int = 0) -> Any:
-    """qkv [b, n, q_heads + 2 kv_heads, d] (q heads, k heads, v heads), mask [b, n] ->
-    [b, n, q_heads, d] through the kernel, or None (no kernel for this build or shape)."""
+    """qkv [..., heads, d] (q heads, k heads, v heads) over the rows of mask [b, n], either as
+    [b, n, ...] or flattened [1, b * n, ...] -> [..., q_heads, d] through the kernel, or None
+    (no kernel for this build or shape)."""
     from tvm.relax.frontend.nn import Tensor, op
 
-    if kernels is None or qkv.dtype != "float32":
+    *lead, heads, d = qkv.shape
+    if not takes(kernels, qkv.dtype, q_heads, kv_heads, int(d)):
         return None
-    b, n, heads, d = qkv.shape
     if heads != q_heads + 2 * kv_heads:
         raise ValueError(f"fused qkv has {heads} heads, expected {q_heads} + 2 x {kv_heads}")
+    b, n = mask.shape
     func = kernels.func(q_heads, kv_heads, int(d), sm_scale, window)
-    if func is None:
-        return None
     name = "dense_attention" + (f"_window{window}" if window else "")
-    return op.tensor_ir_op(func, name, [qkv, mask], Tensor.placeholder([b, n, q_heads, d], "float32"))
+    out = op.tensor_ir_op(func, name, [op.reshape(qkv, (b, n, heads, d)), mask],
+                          Tensor.placeholder([b, n, q_heads, d], "float32"))
+    return op.reshape(out, (*lead, q_heads, d))
