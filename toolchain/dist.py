@@ -131,6 +131,7 @@ RUNTIME_REQUIREMENTS = {
     "prometheus-client": "", "pyzmq": "", "msgspec": "", "httpx": "", "huggingface-hub": ">=0.20",
     "ml-dtypes": ">=0.4",  # the checkpoint readers' bfloat16 (apache-tvm brings it in a full install)
     "llguidance": "",  # grammar-constrained decoding (runtime/sampling/grammar.py)
+    "threadpoolctl": "",  # one BLAS thread for the embedding pooler (runtime/engine/pooling.py)
 }
 # `vtool-runtime[cuda]`: the CUDA 13 runtime TVM's libtvm_runtime_cuda.so links and cuBLAS
 # (libcublas.so.13) for artifacts built with `--gemm cublas`.
