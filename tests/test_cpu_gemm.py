@@ -97,6 +97,33 @@ def two_leading():
     return _build(_func(None, 32, 192, lead=2))
 
 
+def test_an_epilogue_chain_goes_into_both_schedules():
+    """matmul -> bias add -> GELU (an encoder's intermediate layer): every block of the chain
+    moves into the tiles, so both bodies of the run-time choice hold no block in common."""
+    m = tirx.Var("m", "int64")
+    a = te.placeholder((1, m, 128), "float32", name="A")
+    w = te.placeholder((64, 128), "float32", name="W")
+    b = te.placeholder((64,), "float32", name="B")
+    r = te.reduce_axis((0, 128), "k")
+    c = te.compute((1, m, 64), lambda x, i, j: te.sum(a[x, i, r] * w[j, r], axis=r), name="NT_matmul")
+    d = te.compute((1, m, 64), lambda x, i, j: c[x, i, j] + b[j], name="T_add")
+    e = te.compute((1, m, 64), lambda x, i, j: d[x, i, j] * 0.5 * (1 + tirx.erf(d[x, i, j] * 0.7071067811865476)),
+                   name="T_gelu")
+    scheduled, lib = _build(te.create_prim_func([a, w, b, e]).with_attr("global_symbol", "main"))
+    assert isinstance(scheduled.body.block.body, tirx.IfThenElse)
+    rng = np.random.default_rng(1)
+    for rows in (5, 70):
+        x = rng.standard_normal((1, rows, 128)).astype("float32")
+        wt = rng.standard_normal((64, 128)).astype("float32")
+        bias = rng.standard_normal(64).astype("float32")
+        out = tvm.runtime.tensor(np.zeros((1, rows, 64), "float32"))
+        lib["main"](*(tvm.runtime.tensor(v) for v in (x, wt, bias)), out)
+        y = x.astype(np.float64) @ wt.T.astype(np.float64) + bias
+        from scipy.special import erf
+
+        np.testing.assert_allclose(out.numpy(), y * 0.5 * (1 + erf(y / np.sqrt(2))), atol=2e-4, rtol=1e-5)
+
+
 def test_outputs_not_a_whole_panel_keep_the_row_schedule():
     scheduled, lib = _build(_func(None, 36, 128))  # 36 % 32 != 0
     assert "A_pad" not in scheduled.script()

@@ -133,7 +133,7 @@ def _schedule_gemm(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
             return None
         kb = next((c for c in KB_CHOICES if k_extent % c == 0), k_extent)
         w_index = _weight_read(stmt)
-        consumers = sch.get_consumers(block)
+        consumers = _epilogue(sch, block)
         before = {sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))}
         # rows padded to whole tiles (a zero-filled copy of A, C cropped after)
         sch.pad_einsum(block, [1] * (len(iters) - 3) + [TILE_ROWS, 1, 1])
@@ -156,13 +156,42 @@ def _schedule_gemm(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
         _vector_rows(sch, init, lanes, parallel=False)
         # the pad and crop copies: rows over threads, vectors over columns; the epilogue
         # (bias, residual add, cast) computed in the crop
-        for consumer in consumers:
-            sch.reverse_compute_inline(consumer)
+        crop = next(c for c in copies if any(sch.get(c).same_as(sch.get(x)) for x in sch.get_consumers(block)))
         for copy in copies:
-            _vector_rows(sch, copy, lanes, parallel=True)
+            if not sch.get(copy).same_as(sch.get(crop)):
+                _vector_rows(sch, copy, lanes, parallel=True)
+        # the crop's rows over threads, and the epilogue (bias, residual add, GELU...) computed
+        # per row after it, in program order, each in vectors
+        *outer, _ = sch.get_loops(crop)
+        row = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+        sch.parallel(row)
+        for consumer in consumers:
+            sch.reverse_compute_at(consumer, row)
+        for b in [crop, *consumers]:
+            _vector_rows(sch, b, lanes, parallel=False)
         return sch.mod["main"]
     except Exception:  # noqa: BLE001 - a shape or fusion this schedule does not fit: the row schedule
         return None
+
+
+def _epilogue(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> list[s_tir.SBlockRV]:
+    """The blocks after the matmul that depend on it (a bias add, a GELU's several blocks, a
+    residual add), in program order, which is an order in which each comes after its
+    producers. Each schedule moves every one of them into its row loop; one left at the root
+    would run serially, and, sitting in both bodies of a run-time choice, break it."""
+    root = sch.get_child_blocks(sch.get_sblock("root"))
+    after = False
+    seen = [sch.get(block)]
+    chain = []
+    for b in root:
+        stmt = sch.get(b)
+        if stmt.same_as(seen[0]):
+            after = True
+            continue
+        if after and any(sch.get(p).same_as(x) for p in sch.get_producers(b) for x in seen):
+            chain.append(b)
+            seen.append(stmt)
+    return chain
 
 
 def _weight_read(stmt: tirx.SBlock) -> int:
@@ -210,7 +239,7 @@ def _rows_schedule(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
         lanes //= 2
     if lanes < 4:
         return None
-    consumers = sch.get_consumers(block)
+    consumers = _epilogue(sch, block)
     *m_loops, n, k = loops
     m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0]
     ko, ki = sch.split(k, [None, lanes])
