@@ -124,6 +124,26 @@ def test_an_epilogue_chain_goes_into_both_schedules():
         np.testing.assert_allclose(out.numpy(), y * 0.5 * (1 + erf(y / np.sqrt(2))), atol=2e-4, rtol=1e-5)
 
 
+def test_a_batched_decode_step_tiles_its_batch_not_its_unit_dim():
+    """[batch, 1, k] rows (one new position per sequence): the tiles run over the batch; padding
+    the unit dim to a tile would multiply the work by six."""
+    m = tirx.Var("m", "int64")
+    a = te.placeholder((m, 1, 128), "float32", name="A")
+    w = te.placeholder((64, 128), "float32", name="W")
+    r = te.reduce_axis((0, 128), "k")
+    c = te.compute((m, 1, 64), lambda i, x, j: te.sum(a[i, x, r] * w[j, r], axis=r), name="NT_matmul")
+    scheduled, lib = _build(te.create_prim_func([a, w, c]).with_attr("global_symbol", "main"))
+    pads = [buf for buf in scheduled.body.block.alloc_buffers if buf.name == "A_pad"]
+    assert pads and int(pads[0].shape[1]) == 1, pads
+    rng = np.random.default_rng(2)
+    for rows in (3, 40):
+        x = rng.standard_normal((rows, 1, 128)).astype("float32")
+        wt = rng.standard_normal((64, 128)).astype("float32")
+        out = tvm.runtime.tensor(np.zeros((rows, 1, 64), "float32"))
+        lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(wt), out)
+        np.testing.assert_allclose(out.numpy(), x.astype(np.float64) @ wt.T.astype(np.float64), atol=2e-4, rtol=1e-5)
+
+
 def test_outputs_not_a_whole_panel_keep_the_row_schedule():
     scheduled, lib = _build(_func(None, 36, 128))  # 36 % 32 != 0
     assert "A_pad" not in scheduled.script()

@@ -177,7 +177,10 @@ def test_a_yarn_gguf_reads_as_llama_cpp_means_it(tiny_shape_dir, tmp_path):
     gen = Generator(CompiledModel(build_artifact(path, "host", "float32"), ckpt), max_model_len=256)
     err = float(np.abs(gen.prompt_logits(PROMPT) - ref_prompt).max())
     print("yarn gguf prompt max |diff|", err)
-    assert err < TOL
+    # the bound of the safetensors cases above (transformers' own cached and uncached passes
+    # differ by up to 9.6e-5 here); measured 1.04e-4 since prompts of 32+ tokens take the CPU
+    # matmul micro-kernel, whose k sums run in another order (7.3e-5 with the row schedule)
+    assert err < 2 * TOL
     assert gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8)).token_ids == ref_tokens
 
     # an HF attention_factor written as yarn_attn_factor is not llama.cpp's factor

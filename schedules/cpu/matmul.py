@@ -135,16 +135,20 @@ def _schedule_gemm(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
         w_index = _weight_read(stmt)
         consumers = _epilogue(sch, block)
         before = {sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))}
-        # rows padded to whole tiles (a zero-filled copy of A, C cropped after)
-        sch.pad_einsum(block, [1] * (len(iters) - 3) + [TILE_ROWS, 1, 1])
+        # the rows: the last leading dim that is not 1 ([1, seq] for a prompt, [batch, 1] for a
+        # batched decode step), padded to whole tiles (a zero-filled copy of A, C cropped after)
+        lead_iters = iters[:-2]
+        row_dim = max((i for i, iv in enumerate(lead_iters) if _static(iv.dom.extent) != 1), default=len(lead_iters) - 1)
+        sch.pad_einsum(block, [TILE_ROWS if i == row_dim else 1 for i in range(len(lead_iters))] + [1, 1])
         copies = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint not in before]
         *lead, n, k = sch.get_loops(block)
-        mo, mi = sch.split(lead[-1], [None, TILE_ROWS])
+        rows_loop = lead.pop(row_dim)
+        mo, mi = sch.split(rows_loop, [None, TILE_ROWS])
         mbo, mbi = sch.split(mo, [None, BLOCK_TILES])
         no, ni = sch.split(n, [None, panel])
         nio, nii = sch.split(ni, [None, lanes])
         ko, ki = sch.split(k, [None, kb])
-        sch.reorder(*lead[:-1], mbo, no, ko, mbi, ki, mi, nio, nii)
+        sch.reorder(*lead, mbo, no, ko, mbi, ki, mi, nio, nii)
         packed = sch.cache_read(block, w_index, "global")  # W's panel, k-major, per (panel, k block)
         sch.transform_layout(packed, ("write", 0), lambda r, c: (r // panel, c, r % panel))
         sch.compute_at(packed, ko)

@@ -1,6 +1,6 @@
 """Embedding speed: vtool's `LLM.embed` against transformers on the same checkpoint, same
-threads, same texts, in one run (the peer: transformers' encoder in float32 with eager
-attention, then the checkpoint's sentence-transformers pooling).
+threads, same texts, in one run (the peer: transformers' encoder in float32 with its default
+sdpa attention, or eager, then the checkpoint's sentence-transformers pooling).
 
     python tests/bench/embed_speed.py --model DIR [--lengths 16,128,455] [--batch 8] [--repeats 3]
 
@@ -60,7 +60,7 @@ def best_of(fn, repeats: int) -> tuple[float, object]:  # noqa: ANN001
     return best, result
 
 
-def peer(folder: Path, threads: int):  # noqa: ANN201 - returns a callable texts -> vectors
+def peer(folder: Path, threads: int, attention: str):  # noqa: ANN201 - returns a callable texts -> vectors
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
@@ -73,7 +73,7 @@ def peer(folder: Path, threads: int):  # noqa: ANN201 - returns a callable texts
         from transformers import Gemma3TextModel as cls
     else:
         from transformers import BertModel as cls
-    model = cls.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+    model = cls.from_pretrained(str(folder), dtype=torch.float32, attn_implementation=attention).eval()
 
     def embed(texts: list[str]) -> np.ndarray:
         enc = tok(texts, padding=True, return_tensors="pt")
@@ -91,15 +91,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peer-attention", default="sdpa", choices=["sdpa", "eager"],
+                    help="transformers' attention for the peer (sdpa: its default)")
     args = ap.parse_args()
 
     from embed_oracle import cosines
     from vtool import LLM
 
-    tok, hf_embed = peer(args.model, args.threads)
+    tok, hf_embed = peer(args.model, args.threads, args.peer_attention)
     os.environ["VTOOL_CPU_THREADS"] = str(args.threads)  # the runtime's thread count (read at load)
     llm = LLM(str(args.model))
-    print(json.dumps({"cpu": cpu_name(), "flags": cpu_flags(), "threads": args.threads, "model": args.model.name}),
+    print(json.dumps({"cpu": cpu_name(), "flags": cpu_flags(), "threads": args.threads, "model": args.model.name,
+                      "peer": f"transformers float32, {args.peer_attention} attention"}),
           flush=True)
     for length in (int(x) for x in args.lengths.split(",")):
         texts = texts_of(tok, length, args.batch)
