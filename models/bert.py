@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Mapping
 
 from vtool.models.config import ConfigError, ModelConfig, _positive_float, _positive_int
-from vtool.models.dense_attention import UsesDenseAttention, attend, takes
+from vtool.models.dense_attention import UsesDenseAttention, attend, flatten_rows
 from vtool.models.encoder_spec import encode_spec
 from vtool.models.family import ModelFamily
 from vtool.models.weights import WeightPlan, plan_parameters
@@ -229,17 +229,12 @@ def _encoder_class() -> type:
                     made.append(op.tensor_expr_op(mask_bias, "bert_mask_bias", [attention_mask]))
                 return made[0]
 
-            h = self.embeddings(input_ids)
-            b, n, hidden = h.shape
             c = self.config
-            flat = takes(self.dense_attention_kernels, h.dtype, c.num_attention_heads, c.num_attention_heads,
-                         c.head_dim)
-            if flat:  # one symbolic row count for the projections (models/dense_attention.py)
-                h = op.reshape(h, (1, b * n, hidden))
+            h, unflatten = flatten_rows(self.dense_attention_kernels, self.embeddings(input_ids),
+                                        c.num_attention_heads, c.num_attention_heads, c.head_dim)
             for layer in self.encoder.layer:
                 h = layer(h, attention_mask, bias)
-            if flat:
-                h = op.reshape(h, (b, n, hidden))
+            h = unflatten(h)
             return h if h.dtype == "float32" else h.astype("float32")
 
         def get_default_spec(self) -> dict:

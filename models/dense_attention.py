@@ -9,10 +9,13 @@ schedules/). `attend` returns None where there is none, and the caller keeps its
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 class DenseAttentionKernels(Protocol):
+    def takes(self, q_heads: int, kv_heads: int, head_dim: int) -> bool:
+        """Whether `func` gives a kernel for these heads (the window does not matter)."""
+
     def func(self, q_heads: int, kv_heads: int, head_dim: int, sm_scale: float, window: int) -> Any:
         """A PrimFunc (qkv [b, n, q_heads + 2 kv_heads, d] float32, mask [b, n] int32) ->
         [b, n, q_heads, d] float32; `window` 0: none, else keys with |i - j| < window. None
@@ -39,7 +42,19 @@ def use_dense_attention(model: Any, kernels: DenseAttentionKernels) -> int:
 
 def takes(kernels: DenseAttentionKernels | None, dtype: str, q_heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether `attend` will use the kernel for these heads (the window does not matter)."""
-    return kernels is not None and dtype == "float32" and kernels.func(q_heads, kv_heads, head_dim, 1.0, 0) is not None
+    return kernels is not None and dtype == "float32" and kernels.takes(q_heads, kv_heads, head_dim)
+
+
+def flatten_rows(kernels: DenseAttentionKernels | None, h: Any, q_heads: int, kv_heads: int,
+                 head_dim: int) -> tuple[Any, Callable[[Any], Any]]:
+    """h [b, n, H] -> ([1, b * n, H], the inverse) where the kernel takes every layer (the
+    projections then see one symbolic row count), else (h, identity)."""
+    from tvm.relax.frontend.nn import op
+
+    if not takes(kernels, h.dtype, q_heads, kv_heads, head_dim):
+        return h, lambda x: x
+    b, n, hidden = h.shape
+    return op.reshape(h, (1, b * n, hidden)), lambda x: op.reshape(x, (b, n, x.shape[-1]))
 
 
 def attend(kernels: DenseAttentionKernels | None, qkv: Any, mask: Any, q_heads: int, kv_heads: int, sm_scale: float,

@@ -32,7 +32,7 @@ from typing import Any
 
 from vtool.models import gemma
 from vtool.models.config import ConfigError, ModelConfig
-from vtool.models.dense_attention import DenseAttentionKernels, UsesDenseAttention, attend, takes
+from vtool.models.dense_attention import DenseAttentionKernels, UsesDenseAttention, attend, flatten_rows
 from vtool.models.encoder_spec import encode_spec
 from vtool.models.family import ModelFamily
 from vtool.models.weights import WeightPlan, decoder_source_shapes
@@ -156,16 +156,11 @@ def _encoder_class() -> type:
                                        self.dense_attention_kernels)
             h = self.embed_tokens(input_ids)
             h = h * Tensor.from_scalar(c.hidden_size**0.5, h.dtype)  # Gemma: scaled in the embedding dtype
-            b, n, hidden = h.shape
-            flat = takes(self.dense_attention_kernels, h.dtype, c.num_attention_heads, c.num_key_value_heads,
-                         c.head_dim)
-            if flat:  # one symbolic row count for the projections (models/dense_attention.py)
-                h = op.reshape(h, (1, b * n, hidden))
+            h, unflatten = flatten_rows(self.dense_attention_kernels, h, c.num_attention_heads,
+                                        c.num_key_value_heads, c.head_dim)
             for i, layer in enumerate(self.layers):
                 h = layer(h, attention, i)
-            if flat:
-                h = op.reshape(h, (b, n, hidden))
-            h = self.norm(h)
+            h = self.norm(unflatten(h))
             return h if h.dtype == "float32" else h.astype("float32")
 
         def get_default_spec(self) -> dict:

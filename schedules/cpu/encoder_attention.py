@@ -38,10 +38,14 @@ class DenseAttentionKernels:
     """What models/dense_attention.py asks for (its DenseAttentionKernels protocol): the toolchain
     hands an instance to CPU float32 encoder builds (models/ never imports schedules/)."""
 
+    def takes(self, q_heads: int, kv_heads: int, head_dim: int) -> bool:
+        """Whether the kernel applies (a head size that is a multiple of 16, query heads a
+        multiple of the KV heads); where not, the caller keeps its ops."""
+        return head_dim % LANES == 0 and q_heads % kv_heads == 0
+
     def func(self, q_heads: int, kv_heads: int, head_dim: int, sm_scale: float, window: int) -> tirx.PrimFunc | None:
-        """The kernel for these shapes, or None where it does not apply (a head size that is not
-        a multiple of 16, query heads not a multiple of the KV heads): the caller keeps its ops."""
-        if head_dim % LANES or q_heads % kv_heads or window < 0:
+        """The kernel for these shapes, or None where it does not apply (`takes`)."""
+        if not self.takes(q_heads, kv_heads, head_dim) or window < 0:
             return None
         return dense_attention_kernel(q_heads, kv_heads, head_dim, float(sm_scale), int(window) or NO_WINDOW)
 
