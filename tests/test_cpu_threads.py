@@ -1,6 +1,6 @@
 """runtime/artifact/tvm_runtime.py apply_cpu_threads: the thread count TVM's pool gets, and its
-thread binding left to the OS unless the user asks TVM to pin (a pinned pool ran about one
-process in five at half speed on a 2-core machine: the caller shared a worker's core)."""
+thread binding left to the OS unless the user asks TVM to pin (pinned pools intermittently
+ran whole processes at half speed on a 2-core machine: tests/bench/thread_binding.py)."""
 from __future__ import annotations
 
 import pytest

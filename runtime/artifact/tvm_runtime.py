@@ -105,8 +105,8 @@ def apply_cpu_threads(threads: int | str | None = None) -> int:
         raise RuntimeLoadError(f"{CPU_THREADS_ENV}/--threads must be a positive integer, got {value!r}")
     os.environ[CPU_THREADS_ENV] = os.environ["TVM_NUM_THREADS"] = str(n)
     # TVM pins each worker thread to a core but leaves the calling thread free to run anywhere:
-    # measured on a 2-core Xeon, about one process in five then ran its parallel kernels at
-    # half speed for its whole life (the caller sharing the worker's core). The OS places
+    # on a 2-core Xeon some processes (5 of 24 in ad-hoc runs, none in a later bench) ran their
+    # parallel kernels at half speed for their whole life; unpinned, none. The OS places
     # unpinned threads well; TVM_BIND_THREADS=1 set by the user still pins them.
     os.environ.setdefault(BIND_THREADS_ENV, "0")
     return n
