@@ -129,8 +129,10 @@ def _cpu_compile(plan: BuildPlan, library: Path, progress: Progress) -> dict[str
 
 
 def _describe_cpu(_family: Family, _gemm: str, _graph_sizes: tuple[int, ...] = ()) -> dict[str, Any]:
+    from vtool.schedules.cpu.noalias import PASS_NAME as NOALIAS_PASS
+
     return {"passes": ["FuseTransposeMatmul", "CollapseReshapeChains", "cpu.library_dispatch", "cpu.legalize",
-                       "vtool.schedules.cpu", "cpu.dataflow_lower", "cpu.finalize"]}
+                       "vtool.schedules.cpu", "cpu.dataflow_lower", "cpu.finalize", NOALIAS_PASS]}
 
 
 def _cuda_toolchain(_target: TargetSpec) -> dict[str, str]:

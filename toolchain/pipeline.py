@@ -39,6 +39,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
+from vtool.schedules.cpu.noalias import declare_noalias_pass
 from vtool.toolchain.families import CAPTURE_PASS, CAPTURED_BATCH_DECODE, CAPTURED_BATCH_VERIFY, family_named
 from vtool.toolchain.reshape_chains import collapse_reshape_chains
 
@@ -132,6 +133,9 @@ def build_pipeline(target: tvm.target.Target, family: str, gemm: str = "tir",
     backend = entry.backend()
     schedule_pass = entry.rules(records)
     capture = [capture_batch_decode_pass(tuple(graph_sizes))] if graph_sizes else []
+    # CPU: every kernel noalias, last (the finalize passes add the shape functions), or LLVM
+    # keeps no kernel's sums in registers (schedules/cpu/noalias.py)
+    late = [declare_noalias_pass()] if entry.device == "cpu" else []
     # the family's own Relax passes (CUDA: the split-KV decode attention), then the cuBLAS offload
     offload: list[tvm.transform.Pass] = [make() for _name, make in entry.model_passes]
     if gemm == "cublas":
@@ -155,7 +159,7 @@ def build_pipeline(target: tvm.target.Target, family: str, gemm: str = "tir",
             )
             if not until_schedules:
                 passes += ([schedule_pass] + capture + backend.dataflow_lower_passes(target)
-                           + backend.finalize_passes(target))
+                           + backend.finalize_passes(target) + late)
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

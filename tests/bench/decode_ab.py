@@ -3,11 +3,12 @@ on a 2-thread pool a kernel timed alone does not predict the step (a one-thread 
 attention was 4x faster alone and made the step slower), and across processes this host's
 noise hides a few percent.
 
-    python tests/bench/decode_ab.py --model FILE.gguf --rounds 40 [--steps 128] ARTIFACT [ARTIFACT ...]
+    python tests/bench/decode_ab.py --model FILE.gguf --rounds 40 [--steps 128] [--prompt N] ARTIFACT [ARTIFACT ...]
 
 Each round decodes `--steps` tokens from a fresh sequence on every artifact (order reversed
 every other round); prints each artifact's median ms a step and the median of its per-round
-ratio to the first artifact (> 1: slower).
+ratio to the first artifact (> 1: slower). --prompt N: time one N-token prefill of a fresh
+sequence instead (the `prefill` entry point, N at most one prefill chunk), ms per prompt.
 """
 from __future__ import annotations
 
@@ -25,13 +26,21 @@ def main() -> None:
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=0, help="time an N-token prefill instead of decode steps")
     a = ap.parse_args()
     from vtool.runtime.session import open_session
     from vtool.runtime.weights.checkpoint import open_checkpoint
 
-    sessions = [open_session(art, open_checkpoint(a.model), max_model_len=a.steps + 32) for art in a.artifacts]
+    sessions = [open_session(art, open_checkpoint(a.model), max_model_len=max(a.steps, a.prompt) + 32)
+                for art in a.artifacts]
+    prompt = np.random.default_rng(0).integers(1000, 20000, a.prompt).tolist()
 
     def ms_per_step(gen) -> float:  # noqa: ANN001
+        if a.prompt:
+            gen._fresh_sequence(a.prompt + 2)
+            t = time.perf_counter()
+            gen._forward("prefill", prompt)
+            return (time.perf_counter() - t) * 1e3
         gen._fresh_sequence(a.steps + 2)
         token, t = 1000, time.perf_counter()
         for _ in range(a.steps):
