@@ -444,3 +444,20 @@ def test_vocab_dependent_checks():
         SamplingParams(n=2, temperature=0)
     SamplingParams(n=2, best_of=2, max_tokens=0, min_tokens=100)  # max_tokens <= 0: up to the context
     assert math.isclose(SamplingParams(temperature=1e-3).sampling_temperature, 0.01)
+
+
+@settings(max_examples=60, deadline=None)
+@given(params=request_params, plain=st.booleans(), logprobs=st.sampled_from([None, 2, -1]), data=st.data())
+def test_the_logits_given_are_never_written(params, plain, logprobs, data):
+    """A temperature-1 row nothing edits is filtered and drawn from in place of a copy
+    (runtime/sampling/host.py _scaled_copy): nothing may write into it, since the caller's array
+    holds other rows and logits a request may return. `plain`: such a request (T = 1, no
+    penalties, no min_tokens), with its filters; else any request."""
+    if plain:
+        params = {**params, "temperature": 1.0, "repetition_penalty": 1.0, "frequency_penalty": 0.0,
+                  "presence_penalty": 0.0, "min_tokens": 0}
+    logits = data.draw(rows(st.integers(1, 4), st.sampled_from([3, 40, 9000])))
+    before = logits.copy()
+    seqs = [seq(prompt=[1, 2], eos=0, vocab=logits.shape[1], logprobs=logprobs, **params) for _ in logits]
+    sample_batch(logits, seqs)
+    np.testing.assert_array_equal(logits, before)

@@ -241,11 +241,14 @@ def sample_batch(logits: np.ndarray, seqs: Sequence[SequenceSampler]) -> list[Sa
 
 
 def _scaled_copy(raw: np.ndarray, raw_max: np.float32, p: SamplingParams, s: _Scratch) -> tuple[np.ndarray, np.float32]:
-    """(raw / T in the scratch, its maximum): what process_logits' copy divided in place by
-    filtered_weights, and that copy's max(), come to, in one pass instead of three. The maximum
+    """(raw / T in the scratch, or raw itself at T = 1, and its maximum): what process_logits'
+    copy divided in place by filtered_weights, and that copy's max(), come to, in one pass
+    instead of three (none at T = 1: the filtering only reads a prescaled row). The maximum
     is the raw one divided: division by T > 0 keeps the order and rounding is monotonic, so the
     largest quotient is the largest logit's."""
     t = np.float32(p.sampling_temperature)
+    if t == 1:  # division by 1 is exact
+        return raw, raw_max
     return np.divide(raw, t, out=s.x), raw_max / t
 
 
@@ -255,7 +258,8 @@ def _sample_filtered(x: np.ndarray, p: SamplingParams, rng: np.random.Generator,
     """Temperature, min_p, top_k, top_p, then one inverse-CDF draw (one uniform per step):
     (the token, and the raw row's logsumexp when the filtering computed it on the way, or
     could with one sum and `want_lse` asks for it; None otherwise). `x` is a private copy and
-    is scaled in place (scaled_max given: it is scaled already, and that is its maximum)."""
+    is scaled in place (scaled_max given: it is scaled already, and that is its maximum, and it
+    is only read: it may be the raw row itself)."""
     u = rng.random()  # drawn first and always: the stream advances by one per random step
     # At temperature 1 a prescaled x is the raw row itself (division by 1 is exact), so the
     # weights before any cut are exp(raw - max): their float64 sum gives the logsumexp that
