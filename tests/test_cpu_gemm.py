@@ -77,11 +77,29 @@ def test_symbolic_rows_either_side_of_the_switch(symbolic, rows):
     _check(symbolic[1], rows, 64, 576)
 
 
+def _panel(scheduled: tirx.PrimFunc) -> int | None:
+    """The micro-kernel's packed panel width (outputs per panel), or None without one."""
+    packed = [b for b in scheduled.body.block.alloc_buffers if b.name == "W_global"]
+    return int(packed[0].shape[-1]) if packed else None
+
+
 @pytest.mark.parametrize("rows", [7, GEMM_MIN_ROWS - 1, GEMM_MIN_ROWS, 2 * GEMM_MIN_ROWS + 1])
 def test_static_rows_take_the_schedule_for_their_size(rows):
     scheduled, lib = _build(_func(rows, 96, 256))
-    assert ("A_pad" in scheduled.script()) == (rows >= GEMM_MIN_ROWS)
+    assert (_panel(scheduled) is not None) == (rows >= GEMM_MIN_ROWS)
     _check(lib, rows, 96, 256)
+
+
+@pytest.mark.parametrize("n, rows, panel", [(96, 40, 48), (96, 64, 48), (64, 36, 32), (64, 60, 32), (96, 41, 48)])
+def test_the_tile_follows_the_outputs_and_whole_tiles_need_no_padding(n, rows, panel):
+    """AVX-512: 8 x 3-vector tiles where the outputs are a multiple of 48, else 6 x 2 (32). Static
+    rows that are whole tiles (40 and 64 of 8, 36 and 60 of 6) are neither padded nor cropped,
+    and the bias still follows the matmul."""
+    scheduled, lib = _build(_func(rows, n, 256))
+    assert _panel(scheduled) == panel
+    tile_rows = 8 if panel == 48 else 6
+    assert ("A_pad" in scheduled.script()) == (rows % tile_rows != 0)
+    _check(lib, rows, n, 256)
 
 
 @settings(max_examples=8, deadline=None)

@@ -16,7 +16,7 @@ import pytest
 tvm = pytest.importorskip("tvm")
 from tvm import relax, te  # noqa: E402
 
-from vtool.schedules.cpu.matmul import PANEL_VECTORS, TILE_ROWS  # noqa: E402
+from vtool.schedules.cpu.matmul import TILES, TILES_AVX512  # noqa: E402
 from vtool.schedules.cpu.noalias import NOALIAS, PASS_NAME, declare_noalias, declare_noalias_pass  # noqa: E402
 
 
@@ -39,14 +39,15 @@ def test_the_pass_declares_every_primfunc_and_leaves_relax_functions(noalias):
 def _inner_loops(ll: str) -> list[tuple[str, int]]:
     """(label, vector stores) of each micro-kernel inner loop: a basic block that loops on itself
     over the reduction's inner split (TVM names it for_body_k_1...) with one tile's worth of
-    vector multiply-adds (TILE_ROWS x PANEL_VECTORS)."""
+    vector multiply-adds (rows x vectors of a micro-kernel tile)."""
+    tiles = {t.rows * t.vectors for t in TILES + TILES_AVX512}
     out = []
     for fn in re.split(r"\ndefine ", ll)[1:]:
         for block in fn.split("\n\n"):
             label = block.split(":", 1)[0].strip()
             fmas = len(re.findall(r"llvm\.fmuladd\.v(?:8|16)f32", block))
             loops = re.search(rf"br .*label %{re.escape(label)}\b", block) is not None
-            if label.startswith("for_body_k_") and loops and fmas == TILE_ROWS * PANEL_VECTORS:
+            if label.startswith("for_body_k_") and loops and fmas in tiles:
                 out.append((label, len(re.findall(r"store <(?:8|16) x float>", block))))
     return out
 

@@ -11,17 +11,19 @@ FuseTransposeMatmul produces, with two schedules:
   loop loads a vector of W for every multiply-add, so past a few rows it is load-bound:
   about half of what a BLAS gets from the same cores.
 * Many rows (`_schedule_gemm`, GEMM_MIN_ROWS and more): a register-tiled micro-kernel, as
-  BLAS libraries have it. W's rows are packed, per thread, into panels of PANEL_COLS
-  outputs by KB inputs laid out k-major (one panel of KB x 32 floats: 16 KB, in L1); each
-  tile of TILE_ROWS rows of A then keeps TILE_ROWS x 2 vectors of sums in registers and
-  per k does TILE_ROWS broadcasts of A, two vector loads of the panel and 2 x TILE_ROWS
-  multiply-adds. Rows go in blocks of BLOCK_TILES tiles that stay in L2 while every panel
-  passes over them (each panel packed again per block: cheap next to the block's sums).
-  The rows are padded to a multiple of TILE_ROWS (a copy of A, zeros past the end) so the
-  tile needs no bounds check, and the result is cropped into C, the fused epilogue applied
-  per row of the crop. Measured on the 2-core Xeon (AVX-512) at 455 x 2304 x 768: 245
-  GFLOP/s against OpenBLAS's 285 in the same run and the row schedule's 140
-  (tests/bench/cpu_gemm.py).
+  BLAS libraries have it. W's rows are packed, per thread, into panels of `vectors` x lanes
+  outputs by KB inputs laid out k-major (one panel, 16-36 KB, in L1); each tile of `rows` rows
+  of A then keeps rows x vectors vectors of sums in registers and per k does `rows` broadcasts
+  of A, `vectors` vector loads of the panel and rows x vectors multiply-adds. The tile is 8 x 3
+  on AVX-512 where the outputs are a multiple of 48 (24 sums: only 32 registers hold them), 6 x 2
+  otherwise (`micro_tiles`). Rows go in blocks of BLOCK_ROWS that stay in L2 while every panel
+  passes over them (each panel packed again per block: cheap next to the block's sums). The
+  rows are padded to a multiple of the tile's (a copy of A, zeros past the end) so the tile
+  needs no bounds check, and the result is cropped into C, the fused epilogue applied per row of
+  the crop. Measured on the 2-core Xeon (AVX-512) at 455 x 2304 x 768: 245 GFLOP/s with 6 x 2
+  tiles, 266-311 with 8 x 3, against OpenBLAS's 285-300 in the same run and the row schedule's
+  140 (tests/bench/cpu_gemm.py). Its sums stay in registers only with every kernel of the
+  library noalias (schedules/cpu/noalias.py).
 
 A kernel with static rows gets the schedule for its size. One whose rows are a symbolic size
 (a decoder's prompt chunk, a batch) gets both under one root block, chosen per call by the
@@ -31,18 +33,43 @@ unscheduled, serial scalar loops, before) take the micro-kernel.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from tvm import s_tir, sym, tirx
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
 ROWS = 4  # output features per inner tile: 4 rows of W in flight hide load latency
 GEMM_MIN_ROWS = 32  # rows of A from which the micro-kernel wins (symbolic rows, 16: 0.8x the row schedule; 64: 1.3x)
-TILE_ROWS = 6  # rows of A per micro-kernel tile: 6 x 2 vector sums, 2 panel vectors and a broadcast in registers
-PANEL_VECTORS = 2  # vectors of outputs per panel (PANEL_COLS = 2 x lanes)
-KB_CHOICES = (128, 192, 256, 96, 64)  # inputs per packed panel, the first that divides k (16-32 KB panels)
-# tiles of rows per block of A that every panel passes over before the next block: 384 rows x
-# 768 inputs (1.2 MB) stay in L2; without blocks A streamed from L3 once per panel (1820 rows:
-# 183-192 GFLOP/s, with them 233; 455 rows 251 -> 247)
-BLOCK_TILES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroTile:
+    """One micro-kernel shape: `rows` rows of A by `vectors` vectors of outputs, their sums in
+    registers (rows x vectors of them, plus the panel's vectors and a broadcast), and the
+    inputs per packed panel to try (the first that divides k; panels of 16-36 KB stay in L1)."""
+
+    rows: int
+    vectors: int
+    kb_choices: tuple[int, ...]
+
+
+# Tried in order, the first whose panel (vectors x lanes outputs) divides the outputs. 8 x 3
+# needs 24 sums + 3 panel vectors + a broadcast: only AVX-512's 32 registers hold them (16 lanes);
+# AVX2 has 16, so 6 x 2 (15 in use) is its only tile. On the 2-core Xeon, 8 x 3 against 6 x 2:
+# 455 x 768 x 2304 266-311 against 250-262 GFLOP/s, the down projections (k = 1536) 219-240
+# against 197-224, the other prompt shapes of SmolLM2 and MiniLM within -2..+11%
+# (tests/bench/cpu_gemm.py; BENCHMARKS.md).
+TILES_AVX512 = (MicroTile(8, 3, (128, 96, 64, 192)), MicroTile(6, 2, (128, 192, 256, 96, 64)))
+TILES = (MicroTile(6, 2, (128, 192, 256, 96, 64)),)
+# rows per block of A that every panel passes over before the next block: 384 rows x 768 inputs
+# (1.2 MB) stay in L2; without blocks A streamed from L3 once per panel (1820 rows: 183-192
+# GFLOP/s, with them 233; 455 rows 251 -> 247)
+BLOCK_ROWS = 384
+
+
+def micro_tiles(lanes: int) -> tuple[MicroTile, ...]:
+    """The micro-kernel shapes a target of this many float32 lanes can hold in its registers."""
+    return TILES_AVX512 if lanes >= 16 else TILES
 
 
 def _iter_kinds(sch: s_tir.Schedule, block: s_tir.SBlockRV) -> list[int]:
@@ -124,10 +151,13 @@ def _schedule_gemm(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
         stmt = sch.get(block)
         iters = stmt.iter_vars
         k_extent, n_extent = _static(iters[-1].dom.extent), _static(iters[-2].dom.extent)
-        panel = PANEL_VECTORS * lanes
-        if k_extent is None or n_extent is None or n_extent % panel or k_extent % lanes or len(iters) < 3:
+        if k_extent is None or n_extent is None or k_extent % lanes or len(iters) < 3:
             return None
-        kb = next((c for c in KB_CHOICES if k_extent % c == 0), k_extent)
+        tile = next((t for t in micro_tiles(lanes) if n_extent % (t.vectors * lanes) == 0), None)
+        if tile is None:
+            return None
+        panel = tile.vectors * lanes
+        kb = next((c for c in tile.kb_choices if k_extent % c == 0), k_extent)
         w_index = _weight_read(stmt)  # not None: _is_nt_matmul
         consumers = _epilogue(sch, block)
         before = {sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))}
@@ -135,12 +165,12 @@ def _schedule_gemm(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
         # batched decode step), padded to whole tiles (a zero-filled copy of A, C cropped after)
         lead_iters = iters[:-2]
         row_dim = max((i for i, iv in enumerate(lead_iters) if _static(iv.dom.extent) != 1), default=len(lead_iters) - 1)
-        sch.pad_einsum(block, [TILE_ROWS if i == row_dim else 1 for i in range(len(lead_iters))] + [1, 1])
+        sch.pad_einsum(block, [tile.rows if i == row_dim else 1 for i in range(len(lead_iters))] + [1, 1])
         copies = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint not in before]
         *lead, n, k = sch.get_loops(block)
         rows_loop = lead.pop(row_dim)
-        mo, mi = sch.split(rows_loop, [None, TILE_ROWS])
-        mbo, mbi = sch.split(mo, [None, BLOCK_TILES])
+        mo, mi = sch.split(rows_loop, [None, tile.rows])
+        mbo, mbi = sch.split(mo, [None, max(1, BLOCK_ROWS // tile.rows)])
         no, ni = sch.split(n, [None, panel])
         nio, nii = sch.split(ni, [None, lanes])
         ko, ki = sch.split(k, [None, kb])
@@ -154,20 +184,24 @@ def _schedule_gemm(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
         sch.parallel(no)
         init = sch.decompose_reduction(block, ko)
         _vector_rows(sch, init, lanes, parallel=False)
-        # the copy of A: rows over threads, vectors over columns
-        crop = next(c for c in copies if any(sch.get(c).same_as(sch.get(x)) for x in sch.get_consumers(block)))
+        # the copy of A: rows over threads, vectors over columns (none when the rows are a
+        # static multiple of the tile: nothing padded, nothing cropped)
+        crop = next((c for c in copies if any(sch.get(c).same_as(sch.get(x)) for x in sch.get_consumers(block))),
+                    None)
         for copy in copies:
-            if not sch.get(copy).same_as(sch.get(crop)):
+            if crop is None or not sch.get(copy).same_as(sch.get(crop)):
                 _vector_rows(sch, copy, lanes, parallel=True)
-        # the crop's rows over threads, and the epilogue (bias, residual add, GELU...) computed
-        # per row after it, in program order, each in vectors
-        *outer, _ = sch.get_loops(crop)
-        row = sch.fuse(*outer) if len(outer) > 1 else outer[0]
-        sch.parallel(row)
-        for consumer in consumers:
-            sch.reverse_compute_at(consumer, row)
-        for b in [crop, *consumers]:
-            _vector_rows(sch, b, lanes, parallel=False)
+        # the crop's rows over threads (or the first epilogue block's), and the epilogue (bias,
+        # residual add, GELU...) computed per row after it, in program order, each in vectors
+        chain = ([crop] if crop is not None else []) + consumers
+        if chain:
+            *outer, _ = sch.get_loops(chain[0])
+            row = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+            sch.parallel(row)
+            for consumer in chain[1:]:
+                sch.reverse_compute_at(consumer, row)
+            for b in chain:
+                _vector_rows(sch, b, lanes, parallel=False)
         return sch.mod["main"]
     except Exception:  # noqa: BLE001 - a shape or fusion this schedule does not fit: the row schedule
         return None
