@@ -313,3 +313,34 @@ def test_engine_label_and_separate_registries():
     fa, fb = scrape(a), scrape(b)
     assert histogram(fa, "vllm:iteration_tokens_total", {"model_name": "a", "engine": "3"})[1] == 1
     assert histogram(fb, "vllm:iteration_tokens_total", {"model_name": "b", "engine": "0"})[1] == 0
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(2, 5), st.data()), max_size=4), st.lists(finished_request(), max_size=4),
+       st.randoms(use_true_random=False))
+def test_parallel_samples_count_once_with_their_longest_child(parents, alone, rng):
+    """The n children of a parallel-sampling request (parent_id set, n the parent's) add one
+    observation of n and of the longest child to vllm:request_params_n and
+    vllm:request_max_num_generation_tokens once the last finishes, none if any was aborted,
+    whatever the order they finish in among other requests; every other series counts each child."""
+    import dataclasses
+
+    records = list(alone)
+    want_n = [r.n for r in alone if r.finish_reason != "abort"]
+    want_longest = [r.num_generation_tokens for r in alone if r.finish_reason != "abort"]
+    for p, (n, data) in enumerate(parents):
+        children = [dataclasses.replace(data.draw(finished_request()), n=n, parent_id=f"parent-{p}") for _ in range(n)]
+        records += children
+        if all(c.finish_reason != "abort" for c in children):
+            want_n.append(n)
+            want_longest.append(max(c.num_generation_tokens for c in children))
+    rng.shuffle(records)
+    metrics = ServerMetrics("m", max_model_len=4096)
+    for record in records:
+        metrics.observe_finished_request(record)
+    families = scrape(metrics)
+    assert_histogram(families, "vllm:request_params_n", want_n)
+    assert_histogram(families, "vllm:request_max_num_generation_tokens", want_longest)
+    assert_histogram(families, "vllm:request_generation_tokens",
+                     [r.num_generation_tokens for r in records if r.finish_reason != "abort"])
+    assert not metrics._parents  # every parent settled

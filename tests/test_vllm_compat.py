@@ -301,3 +301,31 @@ def test_metrics_carry_vllms_request_level_series(server, client):
         if family.name != "vllm:cache_config_info" and family.name.startswith("vllm:"):
             assert all(s.labels.get("model_name") == MODEL and s.labels.get("engine") == "0"
                        for s in family.samples), family.name
+
+
+def test_parallel_samples_are_one_request_to_the_n_and_longest_child_series(server):
+    """n=3 is one request to vLLM's request_params_n and request_max_num_generation_tokens (its
+    ParentRequest observes them once, with the longest child), three to the per-request series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def totals() -> dict[str, float]:
+        families = text_string_to_metric_families(httpx.get(f"{server[0]}/metrics").text)
+        return {s.name: s.value for f in families for s in f.samples
+                if s.name.endswith(("_count", "_sum")) and f.name in (
+                    "vllm:request_params_n", "vllm:request_max_num_generation_tokens", "vllm:request_generation_tokens")}
+
+    before = totals()
+    response = post(server, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "n": 3, "max_tokens": 6,
+                                                 "temperature": 1.0, "seed": 5, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    lengths = [len(choice["token_ids"]) for choice in response.json()["choices"]]
+    after = totals()
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("vllm:request_params_n_count") == 1 and grew("vllm:request_params_n_sum") == 3
+    assert grew("vllm:request_max_num_generation_tokens_count") == 1
+    assert grew("vllm:request_max_num_generation_tokens_sum") == max(lengths)
+    assert grew("vllm:request_generation_tokens_count") == 3
+    assert grew("vllm:request_generation_tokens_sum") == sum(lengths)

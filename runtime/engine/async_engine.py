@@ -94,7 +94,7 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  priority: int = 0) -> "RequestStream":
+                  priority: int = 0, parent: tuple[str, int] | None = None) -> "RequestStream":
         """Admit a request; refusals (RequestError, SamplingParamsError) raise here, before
         any output, so a server can still answer 400."""
         loop = asyncio.get_running_loop()
@@ -104,7 +104,7 @@ class AsyncEngine:
         def add(engine: Engine) -> None:
             self._streams[request_id] = (loop, q)
             try:
-                engine.add_request(request_id, prompt_ids, params, priority, arrival)
+                engine.add_request(request_id, prompt_ids, params, priority, arrival, parent=parent)
             except BaseException:
                 self._streams.pop(request_id, None)
                 raise

@@ -259,10 +259,12 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
-                    logits_processors: list[LogitsProcessor] | None = None, with_text: bool = True) -> Request:
+                    logits_processors: list[LogitsProcessor] | None = None, with_text: bool = True,
+                    parent: tuple[str, int] | None = None) -> Request:
         """Admit a request (refusals raise RequestError / SamplingParamsError, naming what is
         wrong). with_text: step() turns its outputs into text here; False when the caller
-        runs the TextStage itself (a server's API process)."""
+        runs the TextStage itself (a server's API process). parent: (id, n) when this is one of
+        a request's n parallel samples (Request.parent)."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         max_tokens = self.limits.check_request(prompt_ids, params)
@@ -281,7 +283,8 @@ class Engine:
             sampler=SequenceSampler(params, prompt_ids, self.session.stop_ids, self.vocab_size,
                                     logits_processors or ()),
             priority=priority, arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            cumulative_logprob=None if params.logprobs is None else 0.0)
+            cumulative_logprob=None if params.logprobs is None else 0.0,
+            parent=(str(parent[0]), int(parent[1])) if parent is not None else None)
         self.requests[request_id] = request
         if text is not None:
             self.texts[request_id] = text
@@ -535,7 +538,8 @@ class Engine:
                 first_scheduled_time=request.first_scheduled_time, first_token_time=request.first_token_time,
                 finished_time=time.monotonic(), num_prompt_tokens=len(request.prompt_ids),
                 num_generation_tokens=len(request.output_ids), max_tokens=request.max_tokens,
-                n=request.params.n, num_preemptions=request.num_preemptions))
+                n=request.parent[1] if request.parent else request.params.n, num_preemptions=request.num_preemptions,
+                parent_id=request.parent[0] if request.parent else None))
 
     def _finish_counts(self, reason: str) -> None:
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1

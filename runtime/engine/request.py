@@ -48,6 +48,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # One of n parallel samples (vLLM's ParentRequest): (the parent's id, its n); None for a
+    # request of its own. The metrics observe n and the longest child once, for the parent.
+    parent: tuple[str, int] | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -94,8 +97,9 @@ class FinishedRequestStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     max_tokens: int  # the resolved limit (the request's, or what the context left)
-    n: int  # the request's SamplingParams.n
+    n: int  # the request's SamplingParams.n (a child of parallel sampling: its parent's n)
     num_preemptions: int = 0
+    parent_id: str | None = None  # a child of parallel sampling: its parent's id (Request.parent)
 
 
 @dataclasses.dataclass

@@ -85,7 +85,7 @@ class CoreClient:
 
     # -- requests --------------------------------------------------------------------------
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  priority: int = 0) -> RequestStream:
+                  priority: int = 0, parent: tuple[str, int] | None = None) -> RequestStream:
         """Admit a request; refusals raise here (RequestError, SamplingParamsError, a bad
         stop string), before any output, so the server can still answer 400."""
         self._check_alive()
@@ -95,7 +95,7 @@ class CoreClient:
         self._open[request_id] = _Open(queue, text)
         try:
             await self._request(wire.ADD, lambda call_id: (call_id, request_id, list(prompt_ids), params,
-                                                           priority, arrival))
+                                                           priority, arrival, parent))
         except BaseException:
             self._open.pop(request_id, None)
             raise

@@ -30,13 +30,14 @@ REPLY, OUTPUT, DEAD = b"reply", b"output", b"dead"
 # What CALL may ask of the core, by name (never arbitrary code: the core is another process).
 UTILITY_METHODS = ("ping", "stats", "metrics_text", "reset_prefix_cache")
 
-AddMessage = tuple[int, str, list[int], SamplingParams, int, float]
+# (call id, request id, prompt ids, params, priority, arrival, parent: (id, n) of parallel sampling)
+AddMessage = tuple[int, str, list[int], SamplingParams, int, float, "tuple[str, int] | None"]
 AbortMessage = tuple[list[str], str, "str | int | None"]
 CallMessage = tuple[int, str, list[Any]]
 ReplyMessage = tuple[int, bool, Any]
 
 encoder = msgspec.msgpack.Encoder()
-add_decoder = msgspec.msgpack.Decoder(tuple[int, str, list[int], SamplingParams, int, float])
+add_decoder = msgspec.msgpack.Decoder(tuple[int, str, list[int], SamplingParams, int, float, tuple[str, int] | None])
 abort_decoder = msgspec.msgpack.Decoder(tuple[list[str], str, str | int | None])
 call_decoder = msgspec.msgpack.Decoder(tuple[int, str, list[Any]])
 reply_decoder = msgspec.msgpack.Decoder(tuple[int, bool, Any])

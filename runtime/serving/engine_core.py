@@ -108,10 +108,10 @@ class EngineCoreLoop:
                 log.error("unknown message kind %r from a client; ignored", kind)
 
     def _add(self, identity: bytes, payload: bytes) -> None:
-        call_id, request_id, prompt_ids, params, priority, arrival = wire.add_decoder.decode(payload)
+        call_id, request_id, prompt_ids, params, priority, arrival, parent = wire.add_decoder.decode(payload)
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt_ids, params, priority, arrival, with_text=False)
+            self.engine.add_request(request_id, prompt_ids, params, priority, arrival, with_text=False, parent=parent)
             self.owners[request_id] = identity
 
         self._reply(identity, call_id, add)

@@ -71,6 +71,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.engine = str(engine_index)
+        # parallel sampling's parents still waiting for children: id -> [children left, the
+        # longest child's generated tokens, whether a child was aborted]
+        self._parents: dict[str, list] = {}
         r = self.registry
         labels = ["model_name", "engine"]
         token_buckets = one_two_five_buckets(max_model_len or DEFAULT_MAX_MODEL_LEN)
@@ -208,10 +211,12 @@ class ServerMetrics:
         scheduled, or without a token) is not observed. Clock noise between processes never
         makes one negative: it is clamped at 0.
 
-        vllm:request_params_n and vllm:request_max_num_generation_tokens are observed with
-        stats.n and the request's generated tokens. vLLM observes them once per parent request
-        (when the last of its n children finishes, with the largest child's count); an engine
-        that splits n into n requests should hand over n=1 for the children or aggregate."""
+        vllm:request_params_n and vllm:request_max_num_generation_tokens are observed once per
+        request as the client sent it, as vLLM's ParentRequest does: a request of its own with its
+        n and generated tokens; the n children of parallel sampling (stats.parent_id set, stats.n
+        the parent's n) once the last of them finishes, with n and the longest child's count, and
+        not at all when one of them was aborted."""
+        self._observe_parent(stats)
         if stats.finish_reason == "abort":
             return
         m, e = self.model_name, self.engine
@@ -236,8 +241,23 @@ class ServerMetrics:
         self._of(self.request_generation_tokens).observe(stats.num_generation_tokens)
         if stats.max_tokens:  # vLLM observes a set max_tokens only
             self._of(self.request_max_tokens).observe(stats.max_tokens)
-        self._of(self.request_n).observe(stats.n)
-        self._of(self.request_max_generation_tokens).observe(stats.num_generation_tokens)
+        if stats.parent_id is None:
+            self._of(self.request_n).observe(stats.n)
+            self._of(self.request_max_generation_tokens).observe(stats.num_generation_tokens)
+
+    def _observe_parent(self, stats: FinishedRequestStats) -> None:
+        """One child of parallel sampling finished: once all n have, the parent's n and longest
+        child (nothing if any child was aborted)."""
+        if stats.parent_id is None:
+            return
+        left, longest, aborted = self._parents.pop(stats.parent_id, [stats.n, 0, False])
+        left, longest = left - 1, max(longest, stats.num_generation_tokens)
+        aborted = aborted or stats.finish_reason == "abort"
+        if left > 0:
+            self._parents[stats.parent_id] = [left, longest, aborted]
+        elif not aborted:
+            self._of(self.request_n).observe(stats.n)
+            self._of(self.request_max_generation_tokens).observe(longest)
 
     def set_cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool, **extra: Any) -> None:
         """vllm:cache_config_info: a gauge at 1 whose labels are the cache configuration, each
