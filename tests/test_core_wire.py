@@ -64,9 +64,11 @@ def core_outputs(draw) -> CoreOutput:
 
 @settings(max_examples=300, deadline=None)
 @given(params=sampling_params(), prompt=st.lists(st.integers(0, 200_000), min_size=1, max_size=64),
-       priority=st.integers(-(2**31), 2**31), arrival=finite)
-def test_an_add_comes_back_as_sent(params, prompt, priority, arrival):
-    message = (7, "cmpl-1-0-0", prompt, params, priority, arrival)
+       priority=st.integers(-(2**31), 2**31), arrival=finite,
+       parent=st.one_of(st.none(), st.tuples(st.text(max_size=40), st.integers(2, 16384))))
+def test_an_add_comes_back_as_sent(params, prompt, priority, arrival, parent):
+    """parent: (id, n) of a parallel-sampling child (the metrics count its parent once), or None."""
+    message = (7, "cmpl-1-0-0", prompt, params, priority, arrival, parent)
     assert wire.add_decoder.decode(wire.encoder.encode(message)) == message
 
 

@@ -885,11 +885,13 @@ class FakeEngine:
 
     def __init__(self):
         self.added = []
+        self.parents = {}  # request id -> the (parent id, n) it was added with
 
-    async def add(self, request_id, prompt_ids, params, priority=0):
+    async def add(self, request_id, prompt_ids, params, priority=0, parent=None):
         from vtool.runtime.engine.request import StepOutput
 
         self.added.append((request_id, list(prompt_ids), params))
+        self.parents[request_id] = parent
         count = params.max_tokens if params.max_tokens else 3
         plp = None
         if params.prompt_logprobs is not None:
@@ -957,6 +959,20 @@ def test_completions_default_max_tokens_reaches_the_engine(fake):
     assert fake.engine.added[-1][2].max_tokens == 16 and body["usage"]["completion_tokens"] == 16
     fake.post("/v1/chat/completions", json={"messages": USER})
     assert fake.engine.added[-1][2].max_tokens is None  # chat: up to the context
+
+
+def test_parallel_samples_name_their_parent_and_single_requests_none(fake):
+    """n > 1: every child reaches the engine with (its prompt's request id, n), the parent the
+    metrics count once (vLLM's ParentRequest); n = 1 and each prompt of a list apart."""
+    fake.post("/v1/completions", json={"prompt": ["hi", "there"], "n": 3, "max_tokens": 2})
+    children = [rid for rid, _, _ in fake.engine.added[-6:]]
+    parents = [fake.engine.parents[rid] for rid in children]
+    assert len({p for p in parents}) == 2 and all(p is not None and p[1] == 3 for p in parents)
+    assert all(rid.startswith(p[0] + "-") for rid, p in zip(children, parents))
+    fake.post("/v1/chat/completions", json={"messages": USER, "n": 2, "max_tokens": 2})
+    assert {fake.engine.parents[rid][1] for rid, _, _ in fake.engine.added[-2:]} == {2}
+    fake.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert fake.engine.parents[fake.engine.added[-1][0]] is None
 
 
 @pytest.mark.parametrize("stream", [False, True])
