@@ -110,11 +110,11 @@ async def _admit(state: ServingState, request_id: str, prompts: list[list[int]],
     streams, choices = [], []
     try:
         for p, prompt_ids in enumerate(prompts):
+            # n > 1: each child names its parent (this prompt's request), whose n and longest
+            # child the metrics observe once, as vLLM's ParentRequest has them
+            parent = (f"{request_id}-{p}", params.n) if params.n > 1 else None
             for j in range(params.n):
                 child = params.for_child(j) if params.n > 1 else params
-                # n > 1: each child names its parent (this prompt's request), whose n and longest
-                # child the metrics observe once, as vLLM's ParentRequest has them
-                parent = (f"{request_id}-{p}", params.n) if params.n > 1 else None
                 streams.append(await state.engine.add(f"{request_id}-{p}-{j}", prompt_ids, child, priority, parent))
                 choices.append(Choice(len(choices), prompt_ids))
     except BaseException:

@@ -75,8 +75,9 @@ def _lanes(expr: tirx.PrimExpr) -> int:
     return int(match.group(1) or 1)
 
 
-def _const(value: float, lanes: int) -> tirx.PrimExpr:
-    return T.float32(value) if lanes == 1 else T.Broadcast(T.float32(value), lanes)
+def _const(value: float, lanes: int, dtype: str = "float32") -> tirx.PrimExpr:
+    scalar = tirx.const(value, dtype)
+    return scalar if lanes == 1 else T.Broadcast(scalar, lanes)
 
 
 def _int_const(value: int, lanes: int) -> tirx.PrimExpr:
@@ -87,9 +88,17 @@ def _typed(base: str, lanes: int) -> str:
     return base if lanes == 1 else f"{base}x{lanes}"
 
 
-def _let(name: str, value: tirx.PrimExpr, lanes: int, body) -> tirx.PrimExpr:  # noqa: ANN001 - Var -> PrimExpr
-    var = tirx.Var(name, _typed("float32", lanes))
+def _let(name: str, value: tirx.PrimExpr, lanes: int, body, dtype: str = "float32") -> tirx.PrimExpr:  # noqa: ANN001 - Var -> PrimExpr
+    var = tirx.Var(name, _typed(dtype, lanes))
     return tirx.Let(var, value, body(var))
+
+
+def _horner(coefficients: tuple[float, ...], x: tirx.PrimExpr, const) -> tirx.PrimExpr:  # noqa: ANN001 - float -> PrimExpr
+    """sum_i coefficients[i] x^i, evaluated from the highest power down."""
+    value = const(coefficients[-1])
+    for coefficient in reversed(coefficients[:-1]):
+        value = value * x + const(coefficient)
+    return value
 
 
 def _is_nan(x: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
@@ -112,9 +121,7 @@ def polynomial_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
         def with_clamped(xc: tirx.Var) -> tirx.PrimExpr:
             def with_n(n: tirx.Var) -> tirx.PrimExpr:
                 def with_r(r: tirx.Var) -> tirx.PrimExpr:
-                    poly = c(EXP_POLY[0])
-                    for coefficient in EXP_POLY[1:]:
-                        poly = poly * r + c(coefficient)
+                    poly = _horner(EXP_POLY[::-1], r, c)  # EXP_POLY lists the highest power first
                     e_r = poly * r * r + r + c(1.0)
                     # 2^n as two factors: n reaches 128 (x up to EXP_MAX), one past a
                     # normal float's exponent
@@ -163,14 +170,10 @@ def polynomial_erf(x: tirx.PrimExpr) -> tirx.PrimExpr:
     def body(xv: tirx.Var) -> tirx.PrimExpr:
         def with_a(a: tirx.Var) -> tirx.PrimExpr:  # |x|, at most ERF_ONE
             def with_a2(a2: tirx.Var) -> tirx.PrimExpr:
-                series = c(ERF_SERIES[-1])
-                for coefficient in reversed(ERF_SERIES[:-1]):
-                    series = series * a2 + c(coefficient)
+                series = _horner(ERF_SERIES, a2, c)
 
                 def with_t(t: tirx.Var) -> tirx.PrimExpr:
-                    tail = c(ERF_TAIL[-1])
-                    for coefficient in reversed(ERF_TAIL[:-1]):
-                        tail = tail * t + c(coefficient)
+                    tail = _horner(ERF_TAIL, t, c)
                     return c(1.0) - tail * t * polynomial_exp(-a2)
 
                 def signed(large: tirx.Var) -> tirx.PrimExpr:
@@ -192,14 +195,8 @@ def _sin_or_cos(x: tirx.PrimExpr, shift: int) -> tirx.PrimExpr:
     """sin(x) (shift 0) or cos(x) = sin(x + pi/2) (shift 1) as vectorizable arithmetic: the
     reduction by pi/2 and both polynomials in float64, one rounding to float32 at the end."""
     lanes = _lanes(x)
-    d = lambda v: T.float64(v) if lanes == 1 else T.Broadcast(T.float64(v), lanes)  # noqa: E731
-    f64 = _typed("float64", lanes)
-
-    def poly(coefficients: tuple[float, ...], r2: tirx.PrimExpr) -> tirx.PrimExpr:
-        value = d(coefficients[-1])
-        for coefficient in reversed(coefficients[:-1]):
-            value = value * r2 + d(coefficient)
-        return value
+    d = lambda v: _const(v, lanes, "float64")  # noqa: E731
+    let = lambda name, value, body: _let(name, value, lanes, body, "float64")  # noqa: E731
 
     def body(xd: tirx.Var) -> tirx.PrimExpr:  # x in float64
         def with_k(k: tirx.Var) -> tirx.PrimExpr:  # x / (pi/2), rounded
@@ -215,23 +212,18 @@ def _sin_or_cos(x: tirx.PrimExpr, shift: int) -> tirx.PrimExpr:
                                                       T.Select(q == _int_const(2, lanes), -sin_r, -cos_r)))
                             return T.Cast(_typed("float32", lanes), value)
 
-                        cos_r = d(1.0) - d(0.5) * r2 + r2 * r2 * poly(COS_POLY, r2)
-                        return _let64("trig_cos", cos_r, f64, with_cos)
+                        cos_r = d(1.0) - d(0.5) * r2 + r2 * r2 * _horner(COS_POLY, r2, d)
+                        return let("trig_cos", cos_r, with_cos)
 
-                    return _let64("trig_sin", r + r * r2 * poly(SIN_POLY, r2), f64, with_sin)
+                    return let("trig_sin", r + r * r2 * _horner(SIN_POLY, r2, d), with_sin)
 
-                return _let64("trig_r2", r * r, f64, with_r2)
+                return let("trig_r2", r * r, with_r2)
 
-            return _let64("trig_r", xd - k * d(1.5707963267948966), f64, with_r)
+            return let("trig_r", xd - k * d(1.5707963267948966), with_r)
 
-        return _let64("trig_k", T.floor(xd * d(0.6366197723675814) + d(0.5)), f64, with_k)
+        return let("trig_k", T.floor(xd * d(0.6366197723675814) + d(0.5)), with_k)
 
-    return _let64("trig_x", T.Cast(f64, x), f64, body)
-
-
-def _let64(name: str, value: tirx.PrimExpr, dtype: str, body) -> tirx.PrimExpr:  # noqa: ANN001 - Var -> PrimExpr
-    var = tirx.Var(name, dtype)
-    return tirx.Let(var, value, body(var))
+    return let("trig_x", T.Cast(_typed("float64", lanes), x), body)
 
 
 def polynomial_sin(x: tirx.PrimExpr) -> tirx.PrimExpr:
