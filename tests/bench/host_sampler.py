@@ -45,34 +45,35 @@ def _copying(raw, raw_max, p, s):  # noqa: ANN001, ANN202 - _scaled_copy before 
 
 
 def _step_ms(logits: np.ndarray, kw: dict, copy: bool, repeats: int, rng_seed: int) -> tuple[float, list[int]]:
+    """Best ms per sample_batch call, and the tokens of the first; copy: with _copying in place."""
     from vtool.runtime.sampling import host
-    from vtool.runtime.sampling.params import SamplingParams
 
     now = host._scaled_copy
-    if copy:
-        host._scaled_copy = _copying
+    host._scaled_copy = _copying if copy else now
     try:
-        return _timed(host, SamplingParams, logits, kw, repeats, rng_seed)
+        return _timed(logits, kw, repeats, rng_seed)
     finally:
         host._scaled_copy = now
 
 
-def _timed(host, SamplingParams, logits: np.ndarray, kw: dict, repeats: int,  # noqa: ANN001, N803
-           rng_seed: int) -> tuple[float, list[int]]:
+def _timed(logits: np.ndarray, kw: dict, repeats: int, rng_seed: int) -> tuple[float, list[int]]:
+    from vtool.runtime.sampling.host import SequenceSampler, sample_batch
+    from vtool.runtime.sampling.params import SamplingParams
+
     batch, vocab = logits.shape
     rng = np.random.default_rng(rng_seed)
     seqs = []
     for i in range(batch):
-        s = host.SequenceSampler(SamplingParams(max_tokens=None, seed=i, **kw),
-                                 prompt_token_ids=rng.integers(0, vocab, 200), vocab_size=vocab)
+        s = SequenceSampler(SamplingParams(max_tokens=None, seed=i, **kw), prompt_token_ids=rng.integers(0, vocab, 200),
+                            vocab_size=vocab)
         for t in rng.integers(0, vocab, 50):
             s.append_token(int(t))
         seqs.append(s)
-    tokens = [r.token_id for r in host.sample_batch(logits, seqs)]
+    tokens = [r.token_id for r in sample_batch(logits, seqs)]
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        host.sample_batch(logits, seqs)
+        sample_batch(logits, seqs)
         best = min(best, time.perf_counter() - t0)
     return best * 1e3, tokens
 
