@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LIB_ENV = "VTOOL_GPU_BLOCK_MMA_LIB"
 ARCHS, PTX = ("sm_90a",), "compute_90"
-FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K")
 # (rows n, cols k): n not a multiple of 16, k/32 blocks not a multiple of 4 (K-quants: k % 256)
 SHAPES = {"Q4_0": [(52, 96), (64, 4096)], "Q4_1": [(52, 96), (64, 4096)], "Q8_0": [(52, 96), (36, 160)],
-          "Q4_K": [(52, 256), (68, 768)]}
+          "Q4_K": [(52, 256), (68, 768)], "Q6_K": [(52, 256), (68, 768)]}
 ROWS = (1, 3, 8, 9, 16, 17, 32, 33, 64, 65, 130)
 SPLITS = (1, 2, 5)
 
@@ -62,6 +62,9 @@ def random_parts(fmt: str, n: int, k: int, rng: np.random.Generator) -> list[np.
     if fmt == "Q8_0":
         return [rng.integers(-128, 128, (tiles, kb, 4, 32), dtype=np.int8), scale(tiles, kb, 4)]
     q = rng.integers(0, 256, (tiles, kb, 4, 16), dtype=np.uint8)
+    if fmt == "Q6_K":  # low nibbles, high 2 bits per 64, d per 256, signed sc per 16
+        return [q, rng.integers(0, 256, (tiles, k // 64, 4, 16), dtype=np.uint8), scale(tiles, k // 256, 4),
+                rng.integers(-128, 128, (tiles, k // 16, 4), dtype=np.int8)]
     if fmt == "Q4_0":
         return [q, scale(tiles, kb, 4)]
     if fmt == "Q4_1":
@@ -80,6 +83,12 @@ def dequantize(fmt: str, parts: list[np.ndarray]) -> np.ndarray:
     else:
         quants = np.concatenate([q & 15, q >> 4], axis=-1).astype(np.float32)  # byte j: elements j, j + 16
     f32 = lambda a: a.astype(np.float32)[..., None]  # noqa: E731
+    if fmt == "Q6_K":
+        w = q6k_quants(parts[0], parts[1]) - np.float32(32)
+        d = np.repeat(parts[2], 8, axis=1).astype(np.float32)[..., None]  # per 256 -> per 32-block
+        sc = parts[3].astype(np.float32).reshape(tiles, kb, 2, 4).transpose(0, 1, 3, 2)  # per 16 -> [.., row, half]
+        w = w * (d * np.repeat(sc, 16, axis=-1))
+        return w.astype(np.float32).transpose(0, 2, 1, 3).reshape(tiles * 4, kb * 32)
     if fmt in ("Q8_0", "Q4_0"):
         w = (quants - (8 if fmt == "Q4_0" else 0)) * f32(parts[1])
     elif fmt == "Q4_1":
@@ -92,11 +101,23 @@ def dequantize(fmt: str, parts: list[np.ndarray]) -> np.ndarray:
     return w.astype(np.float32).transpose(0, 2, 1, 3).reshape(tiles * 4, kb * 32)
 
 
+def q6k_quants(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """Q6_K's 6-bit quants [tile, block, row, 32] from the low nibbles (Q4_0's order) and the high
+    2 bits (byte j of 64 weights holds element 16k + j at bits 2k)."""
+    tiles, kb = low.shape[:2]
+    nib = np.concatenate([low & 15, low >> 4], axis=-1)  # [t, b, r, 32]
+    hb = high.reshape(tiles, kb // 2, 1, 4, 16)
+    two = np.concatenate([(hb >> (2 * k)) & 3 for k in range(4)], axis=2)  # [t, group, k, r, 16]: element 16k + j
+    two = two.transpose(0, 1, 3, 2, 4).reshape(tiles, kb // 2, 4, 64)  # [t, group, r, 64]
+    two = two.reshape(tiles, kb // 2, 4, 2, 32).transpose(0, 1, 3, 2, 4).reshape(tiles, kb, 4, 32)
+    return (nib | (two << 4)).astype(np.float32)
+
+
 def kernel_weights(fmt: str, parts: list[np.ndarray]) -> np.ndarray:
     """The [n, k] float32 weight as the kernel forms it: for the nibble formats the quant as
     f = 1 + q / 16 and w = f * 16d + (c - (16 + off) d), where c - (16 + off) d is rounded once
     more than in dequantize (every product here is exact in float32)."""
-    if fmt == "Q8_0":
+    if fmt in ("Q8_0", "Q6_K"):  # Q6_K's f * 64D - 96D is exact: (q - 32) D rounded once, as here
         return dequantize(fmt, parts)
     q = parts[0]
     tiles, kb = q.shape[:2]
@@ -138,6 +159,24 @@ def test_dequantize_reference_matches_gguf_py() -> None:
         kind = getattr(GGMLQuantizationType, fmt)
         ref = gguf_quants.dequantize(np.frombuffer(bytes(raw), np.uint8).reshape(4, -1), kind)
         np.testing.assert_array_equal(dequantize(fmt, parts), ref)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_k_quant_reference_matches_gguf_py(fmt: str) -> None:
+    """The K-quants' reference against gguf-py's dequantization of the same GGUF blocks, put in
+    the kernel's layout by the runtime's own repacker (runtime/weights/quant_blocks.py)."""
+    gguf = pytest.importorskip("gguf")
+    from vtool.runtime.weights.ggml_blocks import parts as part_names
+    from vtool.runtime.weights.quant_blocks import repack
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+    from shape_gguf import blocks  # valid random K-quant blocks (moderate scales)
+
+    kind = getattr(gguf.GGMLQuantizationType, fmt)
+    raw = blocks(np.random.default_rng(5), 8, 512, kind)
+    ref = gguf.quants.dequantize(raw, kind).reshape(8, 512)
+    got = repack(fmt, raw, 512)
+    np.testing.assert_array_equal(dequantize(fmt, [got[name] for name in part_names(fmt)]), ref)
 
 
 # -- here: the build ------------------------------------------------------------------------------

@@ -235,10 +235,11 @@ def test_engine_batches_give_each_sequence_its_own_tokens(sm90_gpu, exact_float3
 @pytest.mark.slow
 @pytest.mark.parametrize("name, batch, mma", [("q4_1", 1, ["Q4_1", "Q8_0"]), ("q4_1", 5, ["Q4_1", "Q8_0"]),
                                               ("q4_1", 12, ["Q4_1", "Q8_0"]), ("q4_1", 40, ["Q4_1", "Q8_0"]),
-                                              ("mixed", 12, ["Q4_0", "Q4_1", "Q8_0"])])
+                                              ("mixed", 12, ["Q4_0", "Q4_1", "Q8_0"]), ("q4_k_m", 5, ["Q4_K", "Q6_K"]),
+                                              ("q4_k_m", 40, ["Q4_K", "Q6_K"])])
 def test_bf16_batches_on_tensor_cores_equal_the_prompt_path(sm90_gpu, name, batch, mma, tmp_path_factory,
                                                             monkeypatch):
-    """A bf16 library's batch_decode multiplies its Q4_0, Q4_1 and Q8_0 blocks on the tensor cores
+    """A bf16 library's batch_decode multiplies its Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 blocks on the tensor cores
     (toolchain/native/block_mma.cu; with every kept format covered every decode step of several
     sequences stays on batch_decode, a lone sequence takes `decode`). Each sequence's greedy
     tokens equal those of the same engine sending every step through batch_verify's prompt path
@@ -246,9 +247,7 @@ def test_bf16_batches_on_tensor_cores_equal_the_prompt_path(sm90_gpu, name, batc
     cuBLAS; that path is held to transformers in float32 by the test above), and the sequences
     are not one another's. The two sum in different orders, and a 1-ulp bf16 difference can flip
     a near-tied greedy pick: one sequence in ten may part, in the second half of its steps (seen:
-    1 of 40, at its last step). Q4_K is held to numpy in test_gpu_block_mma.py only: the tiny
-    K-quant files keep Q6_K matrices too, which stay on the GEMV (float32 weights), so their
-    batches are not the prompt path's arithmetic."""
+    1 of 40, at its last step)."""
     from vtool.runtime.engine.block_decode import ROWS_ENV
 
     path, artifact = _case(sm90_gpu, name, "bfloat16", tmp_path_factory)

@@ -1,7 +1,7 @@
 """The tensor-core matmul over GGUF blocks for batched decode on CUDA (native/block_mma.cu).
 
 A CUDA build whose weights stay in blocks and whose compute dtype is bf16/f16 sends the
-matmuls of `batch_decode` over Q4_0, Q4_1, Q4_K and Q8_0 weights to `vtool_block_mma_<fmt>`
+matmuls of `batch_decode` over Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights to `vtool_block_mma_<fmt>`
 (models/quantized_linear.py's `use_block_mma`): each weight read once a step, dequantized in
 registers and multiplied on the tensor cores, so a step of many sequences costs about what one
 of a single sequence does. This module compiles that source with nvcc for the build's arch
@@ -17,7 +17,7 @@ from vtool.models.weights import format_runs
 from vtool.toolchain.cuda import CudaBuildError, find_nvcc, gencode_flags, nvcc_version
 from vtool.toolchain.native_objects import cached_object, tvm_ffi_includes
 
-BLOCK_MMA_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")  # the kernels native/block_mma.cu instantiates
+BLOCK_MMA_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K")  # the kernels native/block_mma.cu instantiates
 SOURCE = Path(__file__).with_name("native") / "block_mma.cu"
 MMA_DTYPES = ("bfloat16", "float16")  # the mma's operand types; float32 builds keep the GEMV
 

@@ -11,7 +11,8 @@
 //
 // Layout (runtime/weights/ggml_blocks.py): qweight [n/4, k/32, 4, B] (B = 16 bytes of nibbles,
 // byte j = element j | element j+16 << 4; Q8_0: 32 signed bytes), scales [n/4, k/32, 4] (Q4_K:
-// d and dmin per 256, sub_scale and sub_min per 32).
+// d and dmin per 256, sub_scale and sub_min per 32; Q6_K: qhigh [n/4, k/64, 4, 16] with the high 2
+// bits, d per 256, a signed sub_scale per 16).
 //
 // The weights are the mma's A operand (16 rows of W a tile), x the B operand (8 rows of x a tile),
 // so a warp computes out^T for its weight rows and up to 64 rows of x. The sum over k does not
@@ -54,24 +55,29 @@ constexpr int kBlockRows = 128;            // weight rows of a thread block, all
 constexpr int kWarps = kBlockRows / (16 * kTiles);
 constexpr int kMaxRows = 64;   // rows of x a launch (8 mma tiles of 8)
 
-enum class Fmt { kQ4_0, kQ4_1, kQ4_K, kQ8_0 };
+enum class Fmt { kQ4_0, kQ4_1, kQ4_K, kQ8_0, kQ6_K };
 
 struct Parts {
   const uint8_t* qweight;
   const __half* scale;      // d (Q4_K: per 256)
   const __half* min;        // Q4_1: m; Q4_K: dmin per 256
-  const uint8_t* sub_scale; // Q4_K: sc per 32
+  const uint8_t* sub_scale; // Q4_K: sc per 32; Q6_K: signed sc per 16
+  const uint8_t* qhigh;     // Q6_K: the high 2 bits, [n/4, k/64, 4, 16]
   const uint8_t* sub_min;   // Q4_K: m per 32
 };
 
 template <Fmt F>
 __host__ __device__ constexpr int BlockBytes() { return F == Fmt::kQ8_0 ? 32 : 16; }
 
-// One weight row's block: its quant words and the two floats Dequant applies to each quant.
+// One weight row's block: its quant words and the floats Dequant applies to each quant (Q6_K:
+// one pair for its first 16 weights, one for the last 16, each with its own scale; `high` its
+// high bits, at bit 4 * (block % 2) + 2 * (half) of each byte).
 template <Fmt F>
 struct RowBlock {
   uint32_t words[BlockBytes<F>() / 4];
-  float d, c;
+  uint32_t high[F == Fmt::kQ6_K ? 4 : 1];
+  float d, c, d_hi, c_hi;
+  int high_shift;
 };
 
 // Elements 4s..4s+3 of a row's block as four bytes of one word (byte i = element 4s + i), ready
@@ -81,6 +87,10 @@ template <Fmt F, int S>
 __device__ __forceinline__ uint32_t QuantBytes(const RowBlock<F>& r) {
   if constexpr (F == Fmt::kQ8_0) {
     return r.words[S] ^ 0x80808080u;
+  } else if constexpr (F == Fmt::kQ6_K) {  // q = low nibble | high 2 bits << 4, as 0x80 | q << 1: 1 + q / 64
+    const uint32_t low = (r.words[S % 4] >> (4 * (S / 4))) & 0x0F0F0F0Fu;
+    const uint32_t high = (r.high[S % 4] >> (r.high_shift + 2 * (S / 4))) & 0x03030303u;
+    return ((low | (high << 4)) << 1) | 0x80808080u;
   } else {
     return (((r.words[S % 4] >> (4 * (S / 4))) & 0x0F0F0F0Fu) << 3) | 0x80808080u;
   }
@@ -105,13 +115,14 @@ __device__ __forceinline__ uint32_t Pack<__half>(float lo, float hi) {
 // 2^23 (2^23 + q + 128, less 2^23 + 128: exact), times d; a nibble's 1 + q / 16 (one byte
 // permute) into one fused multiply-add. Either way what the prompt path's float32
 // dequantization gives, but for the rounding of c - (16 + off) d (2^-24 of it) in the second.
-template <Fmt F>
+template <Fmt F, int S>
 __device__ __forceinline__ float Dequant(uint32_t bytes, int i, const RowBlock<F>& r) {
   if constexpr (F == Fmt::kQ8_0) {
     const float v = __int_as_float(static_cast<int>(__byte_perm(bytes, 0x4B000000u, 0x7540u | i)));
     return (v - 8388736.f) * r.d;
   } else {
     const float f = __int_as_float(static_cast<int>(__byte_perm(bytes, 0x3F000000u, 0x7044u | (i << 8))));
+    if constexpr (F == Fmt::kQ6_K && S >= 4) return fmaf(f, r.d_hi, r.c_hi);  // the block's second 16
     return fmaf(f, r.d, r.c);
   }
 }
@@ -157,10 +168,10 @@ __device__ __forceinline__ void Step(const WarpBlocks<F>& w, const uint4 (*xs)[k
     const RowBlock<F>& lo = w.r[t][0];
     const RowBlock<F>& hi = w.r[t][1];
     const uint32_t qlo = QuantBytes<F, S>(lo), qhi = QuantBytes<F, S>(hi);
-    a[t][0] = Pack<T>(Dequant<F>(qlo, 0, lo), Dequant<F>(qlo, 1, lo));  // row g, k rows 2q, 2q+1
-    a[t][1] = Pack<T>(Dequant<F>(qhi, 0, hi), Dequant<F>(qhi, 1, hi));  // row g + 8
-    a[t][2] = Pack<T>(Dequant<F>(qlo, 2, lo), Dequant<F>(qlo, 3, lo));  // row g, k rows 2q+8, 2q+9
-    a[t][3] = Pack<T>(Dequant<F>(qhi, 2, hi), Dequant<F>(qhi, 3, hi));
+    a[t][0] = Pack<T>(Dequant<F, S>(qlo, 0, lo), Dequant<F, S>(qlo, 1, lo));  // row g, k rows 2q, 2q+1
+    a[t][1] = Pack<T>(Dequant<F, S>(qhi, 0, hi), Dequant<F, S>(qhi, 1, hi));  // row g + 8
+    a[t][2] = Pack<T>(Dequant<F, S>(qlo, 2, lo), Dequant<F, S>(qlo, 3, lo));  // row g, k rows 2q+8, 2q+9
+    a[t][3] = Pack<T>(Dequant<F, S>(qhi, 2, hi), Dequant<F, S>(qhi, 3, hi));
   }
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
@@ -183,7 +194,12 @@ constexpr int kStages = 3;
 constexpr int kBlockTiles = kBlockRows / kTileRows;  // 32 tiles of 4 rows
 
 template <Fmt F>
-__host__ __device__ constexpr int StageW() { return kBlockTiles * kGroup * kTileRows * BlockBytes<F>(); }
+__host__ __device__ constexpr int StageQ() { return kBlockTiles * kGroup * kTileRows * BlockBytes<F>(); }
+// Q6_K's high bits: a step's 4 blocks are 2 groups of 64 weights, 16 bytes a row each
+template <Fmt F>
+__host__ __device__ constexpr int StageHigh() { return F == Fmt::kQ6_K ? kBlockTiles * 2 * kTileRows * 16 : 0; }
+template <Fmt F>
+__host__ __device__ constexpr int StageW() { return StageQ<F>() + StageHigh<F>(); }
 constexpr int kStageScales = 2048;  // d, m (or Q4_K's d, dmin, sc, m) of a step
 template <Fmt F, int NT>
 __host__ __device__ constexpr int StageBytes() { return (StageW<F>() + kStageScales + NT * 8 * kRowVecs * 16 + 127) / 128 * 128; }
@@ -212,8 +228,26 @@ __device__ __forceinline__ void IssueStep(const T* x, const Parts& p, char* st, 
     const uint8_t* src = p.qweight + (in ? ((tile * kb + b0) * kTileRows * BlockBytes<F>() + piece * 16) : 0);
     CpAsync(st + (t * kPieces + piece) * 16, src, in, 16);
   }
+  if constexpr (F == Fmt::kQ6_K) {  // 2 groups x 4 rows x 16 bytes a tile, contiguous
+    for (int c = tid; c < kBlockTiles * 8; c += threads) {
+      const int t = c / 8, piece = c % 8;
+      const int64_t tile = tile0 + t;
+      const bool in = tile < tiles && b0 < kb;
+      const uint8_t* src = p.qhigh + (in ? ((tile * (kb / 2) + b0 / 2) * kTileRows * 16 + piece * 16) : 0);
+      CpAsync(st + StageQ<F>() + (t * 8 + piece) * 16, src, in, 16);
+    }
+  }
   char* sc = st + StageW<F>();
-  {  // one (tile, block) a thread: its 4 rows' scales
+  if constexpr (F == Fmt::kQ6_K) {  // d of the super-block (8 bytes a tile), sc of the 8 chunks of 16 (32 a tile)
+    if (tid < 2 * kBlockTiles) {
+      const int t = tid / 2, half = tid % 2;
+      const int64_t tile = tile0 + t;
+      const bool in = tile < tiles && b0 < kb;
+      CpAsync(sc + 512 + t * 32 + half * 16, p.sub_scale + (in ? (tile * (kb * 2) + b0 * 2) * kTileRows + half * 16 : 0),
+              in, 16);
+      if (half == 0) CpAsync(sc + t * 8, p.scale + (in ? (tile * (kb / 8) + b0 / 8) * kTileRows : 0), in, 8);
+    }
+  } else {  // one (tile, block) a thread: its 4 rows' scales
     const int t = tid / kGroup, blk = tid % kGroup;
     const int64_t tile = tile0 + t;
     const bool in = tile < tiles && b0 + blk < kb;
@@ -255,8 +289,24 @@ __device__ __forceinline__ void StagedRow(const char* st, int row, int q, RowBlo
     out.words[4 * i + 3] = v.w;
   }
   const char* sc = st + StageW<F>();
-  float d, c;
-  if constexpr (F == Fmt::kQ4_K) {
+  float d = 0.f, c = 0.f;
+  if constexpr (F == Fmt::kQ6_K) {  // two scales a block (16 weights each), q - 32: w = f * 64D - 96D
+    const uint4 h = reinterpret_cast<const uint4*>(st + StageQ<F>())[(t * 2 + q / 2) * kTileRows + r];
+    out.high[0] = h.x;
+    out.high[1] = h.y;
+    out.high[2] = h.z;
+    out.high[3] = h.w;
+    out.high_shift = 4 * (q % 2);  // the block's place in its group of 64
+    const float dd = __half2float(reinterpret_cast<const __half*>(sc)[t * kTileRows + r]);
+    const int8_t* s16 = reinterpret_cast<const int8_t*>(sc + 512 + t * 32);
+    const float lo = dd * static_cast<float>(s16[(2 * q) * kTileRows + r]);
+    const float hi = dd * static_cast<float>(s16[(2 * q + 1) * kTileRows + r]);
+    out.d = 64.f * lo;
+    out.c = -96.f * lo;
+    out.d_hi = 64.f * hi;
+    out.c_hi = -96.f * hi;
+    return;
+  } else if constexpr (F == Fmt::kQ4_K) {
     const __half* dd = reinterpret_cast<const __half*>(sc);
     const __half* dm = reinterpret_cast<const __half*>(sc + 256);
     const int cell = (t * kGroup + q) * kTileRows + r;
@@ -391,6 +441,7 @@ const char* FormatName(Fmt f) {
     case Fmt::kQ4_0: return "q4_0";
     case Fmt::kQ4_1: return "q4_1";
     case Fmt::kQ4_K: return "q4_k";
+    case Fmt::kQ6_K: return "q6_k";
     default: return "q8_0";
   }
 }
@@ -411,7 +462,7 @@ void CheckPart(Fmt f, const tvm::ffi::TensorView& t, const char* part, int64_t t
 // with several splits (partial.shape[0]) each thread block sums its share of the blocks into
 // partial, then ReduceSplits adds the splits into out; with one the kernel writes out itself.
 void Run(Fmt f, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
-         const tvm::ffi::TensorView* min, const tvm::ffi::TensorView* sub_scale,
+         const tvm::ffi::TensorView* min, const tvm::ffi::TensorView* sub_scale, const tvm::ffi::TensorView* qhigh,
          const tvm::ffi::TensorView* sub_min, tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
   const char* name = FormatName(f);
   TVM_FFI_ICHECK(x.device().device_type == kDLCUDA && out.device().device_type == kDLCUDA &&
@@ -430,14 +481,17 @@ void Run(Fmt f, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::
   }
   TVM_FFI_ICHECK(partial.size(-1) == n) << "vtool_block_mma_" << name << ": partial and out differ in n";
   TVM_FFI_ICHECK(splits >= 1 && splits <= 65535) << "vtool_block_mma_" << name << ": " << splits << " splits";
-  TVM_FFI_ICHECK(n % kTileRows == 0 && k % (f == Fmt::kQ4_K ? 256 : kBlock) == 0)
+  const bool k_quant = f == Fmt::kQ4_K || f == Fmt::kQ6_K;
+  TVM_FFI_ICHECK(n % kTileRows == 0 && k % (k_quant ? 256 : kBlock) == 0)
       << "vtool_block_mma_" << name << ": a [" << n << ", " << k << "] weight does not fit the block layout";
   const int64_t tiles = n / kTileRows, kb = k / kBlock;
   CheckPart(f, qweight, "qweight", tiles, kb, f == Fmt::kQ8_0 ? 32 : 16, f == Fmt::kQ8_0 ? kDLInt : kDLUInt, 8);
-  const int64_t scale_groups = f == Fmt::kQ4_K ? k / 256 : kb;
+  const int64_t scale_groups = k_quant ? k / 256 : kb;
   CheckPart(f, scale, "scale", tiles, scale_groups, 0, kDLFloat, 16);
   if (min) CheckPart(f, *min, "min", tiles, scale_groups, 0, kDLFloat, 16);
-  if (sub_scale) CheckPart(f, *sub_scale, "sub_scale", tiles, kb, 0, kDLUInt, 8);
+  if (sub_scale && f == Fmt::kQ6_K) CheckPart(f, *sub_scale, "sub_scale", tiles, k / 16, 0, kDLInt, 8);
+  if (sub_scale && f != Fmt::kQ6_K) CheckPart(f, *sub_scale, "sub_scale", tiles, kb, 0, kDLUInt, 8);
+  if (qhigh) CheckPart(f, *qhigh, "qhigh", tiles, k / 64, 16, kDLUInt, 8);
   if (sub_min) CheckPart(f, *sub_min, "sub_min", tiles, kb, 0, kDLUInt, 8);
   TVM_FFI_ICHECK(out.dtype().code == kDLFloat && out.dtype().bits == 32 && partial.dtype().code == kDLFloat &&
                  partial.dtype().bits == 32)
@@ -451,7 +505,8 @@ void Run(Fmt f, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::
   Parts p{static_cast<const uint8_t*>(Data(qweight)), static_cast<const __half*>(Data(scale)),
           min ? static_cast<const __half*>(Data(*min)) : nullptr,
           sub_scale ? static_cast<const uint8_t*>(Data(*sub_scale)) : nullptr,
-          sub_min ? static_cast<const uint8_t*>(Data(*sub_min)) : nullptr};
+          sub_min ? static_cast<const uint8_t*>(Data(*sub_min)) : nullptr,
+          qhigh ? static_cast<const uint8_t*>(Data(*qhigh)) : nullptr};
   // The stream TVM launches its own kernels on: ordered with them, and captured with them in a
   // CUDA graph.
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, x.device().device_id));
@@ -463,6 +518,7 @@ void Run(Fmt f, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::
     case Fmt::kQ4_1: Launch<T, Fmt::kQ4_1>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
     case Fmt::kQ4_K: Launch<T, Fmt::kQ4_K>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
     case Fmt::kQ8_0: Launch<T, Fmt::kQ8_0>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
+    case Fmt::kQ6_K: Launch<T, Fmt::kQ6_K>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
   }
   if (bf16) {
     VTOOL_LAUNCH(__nv_bfloat16)
@@ -483,23 +539,29 @@ void Run(Fmt f, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::
 
 void MmaQ4_0(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
              tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
-  Run(Fmt::kQ4_0, x, qweight, scale, nullptr, nullptr, nullptr, partial, out);
+  Run(Fmt::kQ4_0, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, partial, out);
 }
 
 void MmaQ4_1(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
              tvm::ffi::TensorView min, tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
-  Run(Fmt::kQ4_1, x, qweight, scale, &min, nullptr, nullptr, partial, out);
+  Run(Fmt::kQ4_1, x, qweight, scale, &min, nullptr, nullptr, nullptr, partial, out);
 }
 
 void MmaQ8_0(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
              tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
-  Run(Fmt::kQ8_0, x, qweight, scale, nullptr, nullptr, nullptr, partial, out);
+  Run(Fmt::kQ8_0, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, partial, out);
 }
 
 void MmaQ4_K(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
              tvm::ffi::TensorView min, tvm::ffi::TensorView sub_scale, tvm::ffi::TensorView sub_min,
              tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
-  Run(Fmt::kQ4_K, x, qweight, scale, &min, &sub_scale, &sub_min, partial, out);
+  Run(Fmt::kQ4_K, x, qweight, scale, &min, &sub_scale, nullptr, &sub_min, partial, out);
+}
+
+void MmaQ6_K(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView qhigh,
+             tvm::ffi::TensorView scale, tvm::ffi::TensorView sub_scale, tvm::ffi::TensorView partial,
+             tvm::ffi::TensorView out) {
+  Run(Fmt::kQ6_K, x, qweight, scale, nullptr, &sub_scale, &qhigh, nullptr, partial, out);
 }
 
 }  // namespace
@@ -508,3 +570,4 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_0, MmaQ4_0);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_1, MmaQ4_1);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q8_0, MmaQ8_0);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_k, MmaQ4_K);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q6_k, MmaQ6_K);
