@@ -502,11 +502,14 @@ void Run(Fmt f, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::
   if (m == 0) return;
   TVM_FFI_ICHECK(n < (1LL << 31) && k < (1LL << 31) && m < (1LL << 31)) << "vtool_block_mma_" << name << ": too large";
 
-  Parts p{static_cast<const uint8_t*>(Data(qweight)), static_cast<const __half*>(Data(scale)),
-          min ? static_cast<const __half*>(Data(*min)) : nullptr,
-          sub_scale ? static_cast<const uint8_t*>(Data(*sub_scale)) : nullptr,
-          sub_min ? static_cast<const uint8_t*>(Data(*sub_min)) : nullptr,
-          qhigh ? static_cast<const uint8_t*>(Data(*qhigh)) : nullptr};
+  // Named members, not an aggregate's order: a part added to Parts cannot shift the others.
+  Parts p{};
+  p.qweight = static_cast<const uint8_t*>(Data(qweight));
+  p.scale = static_cast<const __half*>(Data(scale));
+  p.min = min ? static_cast<const __half*>(Data(*min)) : nullptr;
+  p.sub_scale = sub_scale ? static_cast<const uint8_t*>(Data(*sub_scale)) : nullptr;
+  p.qhigh = qhigh ? static_cast<const uint8_t*>(Data(*qhigh)) : nullptr;
+  p.sub_min = sub_min ? static_cast<const uint8_t*>(Data(*sub_min)) : nullptr;
   // The stream TVM launches its own kernels on: ordered with them, and captured with them in a
   // CUDA graph.
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, x.device().device_id));
