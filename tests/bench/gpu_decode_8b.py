@@ -127,7 +127,7 @@ def profile_kernels(name: str, run, weight_bytes: int, steps: int = 16) -> None:
     the GEMV kernels reach on their own."""
     per_step, launches = kernel_times(run, steps)
     total = sum(per_step.values())
-    top = sorted(per_step.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(per_step.items(), key=lambda kv: -kv[1])[:40]
     gemv = sum(v for k, v in per_step.items() if "matmul" in k.lower())
     record(step=f"{name}_profile", kernel_us_per_step=round(total, 1), gemv_us_per_step=round(gemv, 1),
            gemv_gb_s=round(weight_bytes / (gemv * 1e-6) / 1e9, 1) if gemv else None,
