@@ -43,7 +43,7 @@ def _mostly_known(values: list[str]) -> st.SearchStrategy[str]:
     """An unknown value one time in ~10: five options at once would otherwise be refused
     for one of them most of the time."""
     return st.sampled_from(values[:-1] * (9 // (len(values) - 1) + 1) + values[-1:])
-SOURCES = ["st-hd64", "st-hd16", "gguf-q4_1", "gguf-mixed", "gguf-f32"]
+SOURCES = ["st-hd64", "st-hd16", "gguf-q4_1", "gguf-mixed", "gguf-f32", "gguf-q5_0"]
 
 
 # --- checkpoints -------------------------------------------------------------------------------
@@ -81,6 +81,8 @@ def sources(tmp_path_factory) -> dict:
         "gguf-mixed": write_tiny_gguf(tmp / "mixed.gguf", lambda n: Q.Q4_K if ".attn_q." in n or ".attn_k." in n
                                       else Q.Q6_K, shape=K_SHAPE),
         "gguf-f32": write_tiny_gguf(tmp / "f32.gguf", lambda _n: Q.F32),
+        # a format batched decode has no tensor-core kernel for: `auto` dequantizes it on CUDA
+        "gguf-q5_0": write_tiny_gguf(tmp / "q50.gguf", lambda _n: Q.Q5_0),
     }
     return {k: open_checkpoint(p) for k, p in paths.items()}
 
@@ -121,7 +123,7 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
     from vtool.toolchain.cuda import check_attention_shape, check_prefill_tiling
     from vtool.toolchain.quantize import SCHEMES, plan_formats
 
-    families = ("x86", "arm")  # --quantization auto keeps a GGUF file's blocks
+    families = ("x86", "arm")  # --quantization auto keeps a GGUF file's blocks (CUDA: a rule of its own)
     quant_families = (*families, "cuda")  # explicit --quantization gguf / q4_0 / q4_1 / q8_0
     if dtype not in ("float32", "float16", "bfloat16"):
         raise VtoolError(f"unsupported dtype {dtype!r}; supported: float32, float16, bfloat16")
@@ -143,7 +145,7 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
                 if m.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
                 and all(infos[x].dtype in ("F32", "F16", "BF16") and infos[x].shape[-1] % 16 == 0 for x in srcs)}
         scheme, dense = "fp8", {}
-    elif quantization == "none" or (quantization == "auto" and (ckpt.format != "gguf" or spec.family not in families)):
+    elif quantization == "none" or (quantization == "auto" and ckpt.format != "gguf"):
         scheme, kept, dense = "none", {}, {}
     elif quantization in SCHEMES:
         if ckpt.format == "gguf":
@@ -168,6 +170,10 @@ def _old_resolution(ckpt, target, dtype, quantization, activations, gemm, attent
             raise VtoolError(f"--quantization gguf has kernels for x86 CPU targets only, not {spec.name} "
                              f"({spec.family}); use --quantization none there")
         kept, dense = kept_formats(cfg, {n: (t.dtype, t.shape) for n, t in ckpt.tensors().items()})
+        formats = {f for v in kept.values() for f in v.split(",")}
+        if quantization == "auto" and spec.family == "cuda" and not (  # session 29: tensor-core batches
+                dtype in ("bfloat16", "float16") and formats <= {"Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"}):
+            kept = {}
         scheme = "gguf" if kept else "none"
         if not kept:
             if quantization != "auto":
@@ -322,6 +328,30 @@ def test_same_inputs_same_key_any_change_another(sources, target):
         assert plan.cache_key() == cache_key(dict(plan.source_config), plan.target, plan.dtype, plan.quantization_key(),
                                              plan.gemm, plan.attention_backend, plan.tuning_digest)
         json.dumps(plan.as_dict())  # JSON-ready
+
+
+@pytest.mark.parametrize("source, dtype, kept", [
+    ("gguf-q4_1", "bfloat16", True), ("gguf-mixed", "float16", True),  # Q4_K/Q6_K: tensor-core batches
+    ("gguf-q4_1", "float32", False),  # float32 batches would take the block GEMV
+    ("gguf-q5_0", "bfloat16", False),  # no tensor-core kernel for Q5_0
+])
+def test_cuda_auto_keeps_gguf_blocks_only_where_batches_run_on_tensor_cores(sources, source, dtype, kept):
+    """On CUDA, `--quantization auto` keeps a GGUF file's blocks when batched decode multiplies
+    every kept format on the tensor cores; otherwise it dequantizes at load and says why, naming
+    the formats and the explicit way to keep them. CPU targets keep them always, silently."""
+    heard: list[str] = []
+    plan = resolve_plan(sources[source], "sm_90a", BuildOptions(dtype=dtype, attention="tir"), notice=heard.append)
+    assert plan.quantization == ("gguf" if kept else "none")
+    assert bool(plan.kept) == kept
+    if kept:
+        assert not [m for m in heard if "--quantization" in m]
+    else:
+        why = [m for m in heard if "--quantization auto" in m]
+        assert len(why) == 1 and "--quantization gguf" in why[0] and dtype in why[0]
+        assert ("Q5_0" in why[0]) == (source == "gguf-q5_0")
+    heard.clear()
+    cpu = resolve_plan(sources[source], "x86-avx2", BuildOptions(dtype="float32"), notice=heard.append)
+    assert cpu.quantization == "gguf" and not [m for m in heard if "--quantization" in m]
 
 
 def test_records_change_the_key_only_where_there_are_records(sources):

@@ -275,7 +275,7 @@ def test_quantizing_holds_no_float32_copy(tmp_path):
 
     ckpt = open_checkpoint(_wide_checkpoint(tmp_path / "m"))
     cfg = parse_hf_config(ckpt.config())
-    _, kept, _ = resolve_quantization("q4_1", ckpt, cfg, buildable("host"))
+    _, kept, _ = resolve_quantization("q4_1", ckpt, cfg, buildable("host"), "float32")
     sources = quantized_sources(cfg, kept)
     largest = max(int(np.prod(ckpt.tensors()[n].shape)) * 4 for n in sources)
     total = sum(int(np.prod(t.shape)) * 4 for t in ckpt.tensors().values())

@@ -28,7 +28,7 @@ from vtool.runtime.weights.checkpoint import Checkpoint
 from vtool.runtime.weights.hf_overrides import apply_hf_overrides, canonical, parse_hf_overrides
 from vtool.targets import TargetSpec, buildable
 from vtool.targets.table import TargetError
-from vtool.toolchain.block_mma import block_mma_formats
+from vtool.toolchain.block_mma import BLOCK_MMA_FORMATS, MMA_DTYPES, block_mma_formats
 from vtool.toolchain.families import FAMILIES, Family, family_of
 from vtool.toolchain.flashinfer_attention import attention_key, resolve_attention
 from vtool.toolchain.gemm_offload import resolve_gemm
@@ -271,7 +271,8 @@ def resolve_plan(checkpoint: Checkpoint, target: str | TargetSpec, options: Buil
     shapes = {n: t.shape for n, t in checkpoint.tensors().items()}
     check_checkpoint_shapes(cfg, shapes, str(checkpoint.path))
     family.check_model(cfg, options.dtype)
-    quantization, kept, dense = resolve_quantization(options.quantization, checkpoint, cfg, spec)
+    quantization, kept, dense = resolve_quantization(options.quantization, checkpoint, cfg, spec, options.dtype,
+                                                     notice=notice)
     quantize_now = quantization in SCHEMES
     qsources = quantized_sources(cfg, kept) if quantize_now else {}
     left_float = tuple(plan_formats(cfg, shapes, quantization)[1]) if quantize_now else None
@@ -326,10 +327,11 @@ def _records_digest(spec: TargetSpec) -> str:
     return RecordSet.load(spec.name, dict(spec.tvm)).digest  # records change the library
 
 
-def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
-                         target_spec: TargetSpec) -> tuple[str, dict[str, str], dict[str, str]]:
+def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig, target_spec: TargetSpec, dtype: str,
+                         notice: Notice | None = None) -> tuple[str, dict[str, str], dict[str, str]]:
     """(scheme, kept: module -> block format, dense: module -> stored types dequantized
-    instead) for --quantization `requested`; a combination that cannot work is refused."""
+    instead) for --quantization `requested` of a `dtype` build; a combination that cannot work
+    is refused. `notice` hears why an "auto" dequantizes a GGUF file's blocks."""
     if requested not in QUANTIZATIONS:
         raise VtoolError(f"unknown quantization {requested!r}; supported: {', '.join(QUANTIZATIONS)}")
     stored_fp8 = stored_fp8_tensors(ckpt)
@@ -348,7 +350,7 @@ def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
     if requested == "fp8" or stored_fp8:
         return "fp8", fp8_formats(ckpt, cfg), {}
     quantized_kernels = family_of(target_spec).quantized_kernels
-    if requested == "auto" and (ckpt.format != "gguf" or not family_of(target_spec).quantized_by_default):
+    if requested == "auto" and ckpt.format != "gguf":
         return "none", {}, {}
     if ckpt.format != "gguf":
         raise VtoolError(f"--quantization gguf keeps a GGUF file's quantized blocks, but {ckpt.path} is a "
@@ -362,6 +364,14 @@ def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig,
             return "none", {}, {}
         raise VtoolError(f"--quantization gguf: {ckpt.path} has no weight stored as {', '.join(BLOCK_FORMATS)} "
                          f"(the formats with kernels); use --quantization none")
+    formats = frozenset(fmt for spec in kept.values() for fmt, _, _ in format_runs(spec))
+    if requested == "auto" and not family_of(target_spec).keeps_gguf_by_default(dtype, formats):
+        if notice:
+            notice(f"--quantization auto: {ckpt.path}'s {', '.join(sorted(formats))} blocks are dequantized to "
+                   f"{dtype} at load: a {target_spec.name} build keeps only blocks whose batched decode "
+                   f"runs on the tensor cores ({', '.join(BLOCK_MMA_FORMATS)} in {' or '.join(MMA_DTYPES)} "
+                   "builds); --quantization gguf keeps them anyway")
+        return "none", {}, {}
     return "gguf", kept, dense
 
 
