@@ -5,7 +5,8 @@ C = A . W^T (+ bias) at static row counts, A [rows, k], W [n, k] float32.
                                    [--tile auto|6x2|8x3]
 
 --tile: the micro-kernel's tile (rows x vectors of outputs) forced, instead of the rule's choice
-(`micro_tiles`: 8 x 3 on AVX-512 where n is a multiple of 48, else 6 x 2).
+(`micro_tiles`: 8 x 3 on AVX-512 where n is a multiple of 48, else 6 x 2). --kb N: N inputs per
+packed weight panel, instead of the first of the tile's `kb_choices` that divides k.
 
 Prints one JSON line per row count: the row schedule, the micro-kernel (where it fits), numpy,
 best of 30 calls each, GFLOP/s and the error against float64.
@@ -13,6 +14,7 @@ best of 30 calls each, GFLOP/s and the error against float64.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -27,6 +29,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,7,16,32,64,455")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tile", default="auto", choices=["auto", "6x2", "8x3"])
+    ap.add_argument("--kb", type=int, default=0, help="inputs per packed panel forced (0: the tile's kb_choices)")
     args = ap.parse_args()
     from vtool.runtime.artifact.tvm_runtime import apply_cpu_threads
 
@@ -39,9 +42,13 @@ def main() -> None:
     from vtool.schedules.cpu import matmul
     from vtool.schedules.cpu.matmul import _schedule_gemm, _schedule_rows
 
-    if args.tile != "auto":
-        forced = next(t for t in matmul.TILES_AVX512 + matmul.TILES if f"{t.rows}x{t.vectors}" == args.tile)
-        matmul.micro_tiles = lambda lanes: (forced,)
+    if args.tile != "auto" or args.kb:
+        tiles = [t for t in matmul.TILES_AVX512 + matmul.TILES if args.tile in ("auto", f"{t.rows}x{t.vectors}")]
+        if args.kb:
+            tiles = [dataclasses.replace(t, kb_choices=(args.kb,)) for t in tiles]
+        chosen = matmul.micro_tiles
+        matmul.micro_tiles = lambda lanes: tuple(t for t in tiles if args.tile != "auto" or t.rows in
+                                                 {c.rows for c in chosen(lanes)})
 
     target = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512" if "avx512f" in open("/proc/cpuinfo").read()
                                 else "haswell", "num-cores": args.threads})
@@ -57,7 +64,7 @@ def main() -> None:
         C = te.compute((rows, n), lambda i, j: te.sum(A[i, r] * W[j, r], axis=r), name="NT_matmul")
         func = te.create_prim_func([A, W, C]).with_attr("global_symbol", "main")
         want = a.astype(np.float64) @ w.T.astype(np.float64)
-        line = {"rows": rows, "n": n, "k": k, "threads": args.threads, "tile": args.tile}
+        line = {"rows": rows, "n": n, "k": k, "threads": args.threads, "tile": args.tile, "kb": args.kb or "auto"}
         for name, schedule in (("rows", _schedule_rows), ("micro_kernel", _schedule_gemm)):
             scheduled = schedule(func, lanes)
             if scheduled is None:
