@@ -45,6 +45,11 @@ def format_runs(spec: str) -> list[tuple[str, int, int]]:
     return runs
 
 
+def block_formats(kept: Mapping[str, str]) -> frozenset[str]:
+    """Every block format of a plan's kept weights (module -> format; a split one names several)."""
+    return frozenset(fmt for spec in kept.values() for fmt, _, _ in format_runs(spec))
+
+
 class WeightPlanError(VtoolError):
     """The checkpoint does not provide what the config says the model needs."""
 

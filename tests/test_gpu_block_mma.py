@@ -1,5 +1,5 @@
 """The tensor-core matmul over GGUF blocks (toolchain/native/block_mma.cu) that bf16/f16 CUDA
-builds call for batch_decode's matmuls over Q4_0, Q4_1, Q4_K and Q8_0 weights.
+builds call for batch_decode's matmuls over Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights.
 
 Here (CI, no GPU): the source compiles for the build's arch list and the library exports one
 function per format; a bf16 CUDA build of a GGUF file records which formats take it, a float32

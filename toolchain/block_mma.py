@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from vtool.models.weights import format_runs
+from vtool.models.weights import block_formats
 from vtool.toolchain.cuda import CudaBuildError, find_nvcc, gencode_flags, nvcc_version
 from vtool.toolchain.native_objects import cached_object, tvm_ffi_includes
 
@@ -22,17 +22,12 @@ SOURCE = Path(__file__).with_name("native") / "block_mma.cu"
 MMA_DTYPES = ("bfloat16", "float16")  # the mma's operand types; float32 builds keep the GEMV
 
 
-def _block_formats(kept: Mapping[str, str]) -> set[str]:
-    """Every block format of a plan's kept weights (a split spec names several)."""
-    return {fmt for spec in kept.values() for fmt, _, _ in format_runs(spec)}
-
-
 def block_mma_formats(kept: Mapping[str, str] | None, dtype: str) -> tuple[str, ...]:
     """The kept formats whose batched-decode matmuls a CUDA build of `dtype` sends to the
     tensor-core kernel (none for float32, whose parity with transformers stays in the GEMV)."""
     if dtype not in MMA_DTYPES or not kept:
         return ()
-    return tuple(sorted(_block_formats(kept) & set(BLOCK_MMA_FORMATS)))
+    return tuple(sorted(block_formats(kept) & set(BLOCK_MMA_FORMATS)))
 
 
 def compile_object(archs, ptx: str) -> Path:

@@ -51,9 +51,9 @@ class Family:
     device: str  # the tvm_ffi device type its libraries run on (the runtime's own table must agree)
     # --- which options apply
     quantized_kernels: bool  # weights kept in GGML blocks: --quantization gguf, q4_0, q4_1, q8_0, q4_k, q6_k
-    # --quantization auto keeps a GGUF file's blocks for (dtype, the block formats it would keep),
-    # else dequantizes them to the dtype at load
-    keeps_gguf_by_default: Callable[[str, frozenset[str]], bool]
+    # why --quantization auto dequantizes a GGUF file's blocks at load for (dtype, the block
+    # formats it would keep); None: auto keeps them
+    why_auto_dequantizes_gguf: Callable[[str, frozenset[str]], str | None]
     int8_isa: Callable[[TargetSpec], str | None]  # integer-dot ISA for --activations (None: float only)
     gemm: tuple[str, ...]  # --gemm backends, "tir" first
     gemm_auto: Mapping[str, str]  # dtype -> what --gemm auto picks; other dtypes get "tir"
@@ -114,18 +114,21 @@ def _nothing(*_args: Any) -> list[Any]:
     return []
 
 
-def _always(_dtype: str, _formats: frozenset[str]) -> bool:
-    return True
+def _keeps_every_format(_dtype: str, _formats: frozenset[str]) -> str | None:
+    return None
 
 
-def _cuda_keeps_gguf(dtype: str, formats: frozenset[str]) -> bool:
+def _cuda_why_dequantize(dtype: str, formats: frozenset[str]) -> str | None:
     """Keep a GGUF file's blocks on CUDA where batched decode multiplies every kept format on
     the tensor cores (bf16/f16 builds of Q4_0/Q4_1/Q4_K/Q6_K/Q8_0): each step then reads the
     blocks once, whatever its batch. Other formats and float32 would take the block GEMV, whose
-    cost grows with every sequence, so those builds dequantize at load instead."""
+    cost grows with every sequence, so those builds dequantize at load instead (and say why)."""
     from vtool.toolchain.block_mma import BLOCK_MMA_FORMATS, MMA_DTYPES
 
-    return dtype in MMA_DTYPES and bool(formats) and formats <= set(BLOCK_MMA_FORMATS)
+    if dtype in MMA_DTYPES and formats <= set(BLOCK_MMA_FORMATS):
+        return None
+    return (f"a CUDA build keeps only blocks whose batched decode runs on the tensor cores "
+            f"({', '.join(BLOCK_MMA_FORMATS)} in {' or '.join(MMA_DTYPES)} builds)")
 
 
 def _no_check(_cfg: ModelConfig, _dtype: str) -> None:
@@ -218,7 +221,7 @@ def _cpu(name: str, label: str, int8_isa: Callable[[TargetSpec], str | None]) ->
     and one set of CPU rules (vector_lanes reads the target's width)."""
     return Family(
         name=name, label=label, device="cpu",
-        quantized_kernels=True, keeps_gguf_by_default=_always, int8_isa=int8_isa, gemm=("tir",), gemm_auto=MappingProxyType({}), attention=("tir",),
+        quantized_kernels=True, why_auto_dequantizes_gguf=_keeps_every_format, int8_isa=int8_isa, gemm=("tir",), gemm_auto=MappingProxyType({}), attention=("tir",),
         relax_backend="tvm.relax.backend.cpu_generic", model_passes=(), schedules="cpu", opt_level=None,
         pass_config=MappingProxyType({}), graph_batch_sizes=(), extra_modules=_nothing, describe_pipeline=_describe_cpu,
         check_model=_no_check, toolchain=_cpu_toolchain, compile=_cpu_compile,
@@ -229,9 +232,9 @@ CUDA = Family(
     name="cuda", label="CUDA", device="cuda",
     # GGUF blocks dequantized inside the matmuls (schedules/cuda/quantized.py and, for batched
     # decode, the tensor-core kernel of toolchain/block_mma.py); `auto` keeps them where every
-    # batch size has a kernel that reads them once a step (_cuda_keeps_gguf). Q8_0 activations
+    # batch size has a kernel that reads them once a step (_cuda_why_dequantize). Q8_0 activations
     # are an x86 integer-dot scheme.
-    quantized_kernels=True, keeps_gguf_by_default=_cuda_keeps_gguf, int8_isa=_no_int8_isa,
+    quantized_kernels=True, why_auto_dequantizes_gguf=_cuda_why_dequantize, int8_isa=_no_int8_isa,
     # bf16/f16 prefill is where tensor cores matter (cuBLAS); float32 keeps TIR so its parity
     # with transformers stays bit-for-bit in reach (toolchain/gemm_offload.py)
     gemm=("tir", "cublas"), gemm_auto=MappingProxyType({"bfloat16": "cublas", "float16": "cublas"}),

@@ -21,14 +21,14 @@ from typing import Any, Callable, Mapping
 
 from vtool import VtoolError
 from vtool.models.config import ModelConfig, parse_hf_config, source_config
-from vtool.models.weights import check_checkpoint_shapes, format_runs, kept_formats, weight_modules
+from vtool.models.weights import block_formats, check_checkpoint_shapes, format_runs, kept_formats, weight_modules
 from vtool.runtime.weights.ggml_blocks import FORMATS as BLOCK_FORMATS
 from vtool.runtime.artifact.library import installed_versions
 from vtool.runtime.weights.checkpoint import Checkpoint
 from vtool.runtime.weights.hf_overrides import apply_hf_overrides, canonical, parse_hf_overrides
 from vtool.targets import TargetSpec, buildable
 from vtool.targets.table import TargetError
-from vtool.toolchain.block_mma import BLOCK_MMA_FORMATS, MMA_DTYPES, block_mma_formats
+from vtool.toolchain.block_mma import block_mma_formats
 from vtool.toolchain.families import FAMILIES, Family, family_of
 from vtool.toolchain.flashinfer_attention import attention_key, resolve_attention
 from vtool.toolchain.gemm_offload import resolve_gemm
@@ -364,13 +364,12 @@ def resolve_quantization(requested: str, ckpt: Checkpoint, cfg: ModelConfig, tar
             return "none", {}, {}
         raise VtoolError(f"--quantization gguf: {ckpt.path} has no weight stored as {', '.join(BLOCK_FORMATS)} "
                          f"(the formats with kernels); use --quantization none")
-    formats = frozenset(fmt for spec in kept.values() for fmt, _, _ in format_runs(spec))
-    if requested == "auto" and not family_of(target_spec).keeps_gguf_by_default(dtype, formats):
+    formats = block_formats(kept)
+    why = family_of(target_spec).why_auto_dequantizes_gguf(dtype, formats) if requested == "auto" else None
+    if why:
         if notice:
             notice(f"--quantization auto: {ckpt.path}'s {', '.join(sorted(formats))} blocks are dequantized to "
-                   f"{dtype} at load: a {target_spec.name} build keeps only blocks whose batched decode "
-                   f"runs on the tensor cores ({', '.join(BLOCK_MMA_FORMATS)} in {' or '.join(MMA_DTYPES)} "
-                   "builds); --quantization gguf keeps them anyway")
+                   f"{dtype} at load: {why}; --quantization gguf keeps them anyway")
         return "none", {}, {}
     return "gguf", kept, dense
 
@@ -402,7 +401,7 @@ def resolve_activations(requested: str, target_spec: TargetSpec, kept: Mapping[s
     from vtool.models.int8_activations import DOT_FORMATS
 
     isa = family_of(target_spec).int8_isa(target_spec)
-    formats = {fmt for spec in kept.values() for fmt, _, _ in format_runs(spec)}
+    formats = block_formats(kept)
     usable = isa is not None and bool(formats & set(DOT_FORMATS))
     if requested == "none" or (requested == "auto" and not usable):
         return "none"
