@@ -18,13 +18,12 @@ from vtool.schedules.cpu.matmul import schedule_nt_matmul
 from vtool.schedules.cpu.moe import schedule_moe_gemv
 from vtool.schedules.cpu.quantized import schedule_quantized_matmul
 from vtool.schedules.cpu.rescale_fix import fix_rescale_reads
+from vtool.schedules.cpu.rope_attention import FREEING_SUFFIX, freeing_window, rewrite_inline_rope
 from vtool.schedules.cpu.rowwise import schedule_rowwise
 from vtool.schedules.cpu.sliding_attention import NAME as SLIDING_PREFILL, fix_sliding_prefill
 from vtool.schedules.cpu.vector_math import vectorizable_math
 from vtool.schedules.views import becomes_view
 
-# models/window_cache.py FREEING_SUFFIX (schedules never import models; a test holds the two equal)
-FREEING_SUFFIX = "_window_freeing"
 _OUT_ELEMWISE_FUSABLE = 4  # relax OpPatternKind: elementwise 0, broadcast 1, injective 2, reduce 3
 
 
@@ -44,6 +43,7 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
         target = tvm.target.Target.current()
         lanes = vector_lanes(target)
         updates = {}
+        window = _freeing_window(mod)
         for gv, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc) or func.attrs is None:
                 continue
@@ -58,8 +58,9 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
                          or rewrite_prefill_paged_sliding(gv.name_hint, func)
                          or rewrite_decode_paged_sliding(gv.name_hint, func)
                          or fix_sliding_prefill(gv.name_hint, func)
-                         # the window-freeing cache's own TVM kernels (inline rope: never vtool's),
-                         # its prefill with the same fix
+                         # the window-freeing cache's own kernels (inline rope): parallel ones that
+                         # rotate (head dims of 16s), else TVM's with its prefill's fix
+                         or (rewrite_inline_rope(gv.name_hint, func, window) if window else None)
                          or (fix_sliding_prefill(SLIDING_PREFILL, func)
                              if gv.name_hint == SLIDING_PREFILL + FREEING_SUFFIX else None))
             if rewritten is not None:
@@ -92,6 +93,15 @@ def cpu_schedule_pass() -> tvm.transform.Pass:
         return mod
 
     return _apply
+
+
+def _freeing_window(mod: tvm.IRModule) -> int | None:
+    """The window of the module's window-freeing KV cache (models/window_cache.py), read from its
+    sliding-window prefill kernel, or None when the module has no such cache."""
+    for gv, func in mod.functions_items():
+        if gv.name_hint == SLIDING_PREFILL + FREEING_SUFFIX and isinstance(func, tirx.PrimFunc):
+            return freeing_window(func)
+    return None
 
 
 def schedule_pass() -> tvm.transform.Pass:

@@ -333,9 +333,15 @@ def _scores(q: tirx.Buffer, q_row: tirx.PrimExpr, h: tirx.PrimExpr, d: int, key)
 
 def dot_tile(query, key, d: int) -> tirx.PrimExpr:  # noqa: ANN001 - loaders of float32x16 vectors
     """float32x16, lane t = query . key t, where query(c) and key(t, c) load lanes c*16 .. c*16 + 15
-    of the query and of key t: each key's products summed over the head dim into one vector, then
-    the 16 vectors reduced together by a transpose-and-add tree (4 levels of two shuffles and an
-    add), in place of a horizontal sum per key. A lane only ever adds values of its own key."""
+    of the query and of key t (see sum_tile)."""
+    return sum_tile(lambda t, c: query(c) * key(t, c), d)
+
+
+def sum_tile(term, d: int) -> tirx.PrimExpr:  # noqa: ANN001 - term(t, c): a float32x16 of key t's lanes c*16..
+    """float32x16, lane t = the sum over c < d / 16 of every lane of term(t, c) (a dot product's
+    products for key t): each key's terms summed into one vector, then the 16 vectors reduced
+    together by a transpose-and-add tree (4 levels of two shuffles and an add), in place of a
+    horizontal sum per key. A lane only ever adds values of its own key."""
     n_c = d // LANES
     vt = f"float32x{LANES}"
     bindings = []  # (var, value): each vector computed once (TIR would repeat a shared subexpression)
@@ -343,8 +349,8 @@ def dot_tile(query, key, d: int) -> tirx.PrimExpr:  # noqa: ANN001 - loaders of 
     for t in range(LANES):
         v = None
         for c in range(n_c):
-            term = query(c) * key(t, c)
-            v = term if v is None else v + term
+            product = term(t, c)
+            v = product if v is None else v + product
         var = tirx.Var(f"dot{t}", vt)
         bindings.append((var, v))
         vecs.append(var)
