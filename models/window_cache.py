@@ -29,14 +29,15 @@ cache does about it (measured on the tiny Mistral/Phi-3 shapes, tests/test_windo
   (`_masked_prefill`), so with `size` = W - 1 kept tokens every query sees exactly W keys,
   decode (all kept keys plus itself) and chunks of at most W tokens alike (the ragged kernel
   attends each chunk to itself causally, unmasked: prompts stay chunked by the window).
-* Kernels. vtool's CPU attention kernels apply no rope (rotary_mode 0), so this cache's ragged
-  prefill, sliding prefill and sliding decode kernels are TVM's own, added under names of
-  their own (`FREEING_SUFFIX`) which vtool's CPU rewrites do not match (schedules/cpu/
-  __init__.py gives the prefill only the fixes of schedules/cpu/sliding_attention.py and
-  rescale_fix.py). They are serial and recompute
-  each key's rotation per query: at a window of 512 (hidden 512, 4 layers, 2 cores) an
-  800-token prompt took 21 s instead of 0.6 s and a decode step 44 ms instead of 7.5 ms, which
-  is why the runtime uses this cache only when asked (EngineConfig.kv_window_freeing).
+* Kernels. vtool's CPU attention kernels for the per-layer cache apply no rope (rotary_mode 0),
+  so this cache's ragged prefill, sliding prefill and sliding decode kernels are added under
+  names of their own (`FREEING_SUFFIX`), which those rewrites do not match. schedules/cpu/
+  rope_attention.py gives them parallel inline-rope kernels where the head dim is a multiple of
+  16 (the query rotated by its distance to each key); otherwise they stay TVM's, serial and
+  rotating each key per query (at a window of 512, 132x the per-layer cache's prompt time and
+  17x its decode step), with the fixes of schedules/cpu/sliding_attention.py and
+  rescale_fix.py. The manifest says which (`window_freeing_kernels`), and the runtime uses this
+  cache by default only on the parallel ones (runtime/engine/kv_cache.py frees_window_by_default).
 * What breaks. `kv_state_popn` after a slide cannot bring back the tokens slid out for the
   popped ones (the window comes back short: logits off by 12 on the tiny Mistral) and its
   page count ignores the slid offset (PopN in paged_kv_cache.cc); `kv_state_fork_sequence` is refused past the attention sink (0 here). So the

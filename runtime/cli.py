@@ -290,10 +290,11 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
 @click.option("--max-num-batched-tokens", default=1024, show_default=True, type=click.IntRange(min=1),
               help="tokens per engine step (prefill chunks + decodes)")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True)
-@click.option("--kv-window-freeing/--no-kv-window-freeing", default=False, show_default=True,
+@click.option("--kv-window-freeing/--no-kv-window-freeing", default=None,
               help="a model whose every layer has a sliding window (Mistral, Phi-3-mini-4k): give back the KV "
                    "blocks the window has passed, so a sequence holds one window's blocks however long it runs "
-                   "(CPU builds; slower attention: docs/USAGE.md)")
+                   "(CPU builds). Default: on where the library's kernels for it are vtool's parallel ones "
+                   "(head dims of 16s); --kv-window-freeing also on TVM's serial ones (docs/USAGE.md)")
 @click.option("--scheduling-policy", default="fcfs", show_default=True, type=click.Choice(["fcfs", "priority"]))
 @click.option("--enable-log-requests/--disable-log-requests", default=True, show_default=True)
 @click.option("--enable-log-outputs", is_flag=True)
@@ -332,7 +333,7 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
           tokenizer_config: str | None, block_size: int, num_blocks: int | None, kv_cache_memory_bytes: int | None,
           gpu_memory_utilization: float,
           max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool,
-          kv_window_freeing: bool, scheduling_policy: str, enable_log_requests: bool, enable_log_outputs: bool, max_log_len: int,
+          kv_window_freeing: bool | None, scheduling_policy: str, enable_log_requests: bool, enable_log_outputs: bool, max_log_len: int,
           disable_metrics: bool, enable_force_include_usage: bool, return_tokens_as_token_ids: bool,
           api_key: str | None, reasoning_parser: str | None,
           default_chat_template_kwargs: str | None, async_scheduling: bool,

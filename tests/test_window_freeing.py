@@ -2,15 +2,17 @@
 
 The tiny Mistral and Phi-3 shapes (tests/support/tiny_models.py: window 8, every layer) get the
 library's second cache, create_tir_sliding_kv_cache (models/window_cache.py: TVM's cache-wide
-sliding window, inline rope, the window masked per query), which an engine uses when asked
-(EngineConfig.kv_window_freeing, Generator(free_window=True)): each sequence keeps its last 7
-tokens and holds at most 2 blocks of 16 however long it runs. A 40-token prompt and 60 greedy
+sliding window, inline rope, the window masked per query), which engines and generators use by
+default since its attention runs on vtool's parallel inline-rope kernels (schedules/cpu/
+rope_attention.py; EngineConfig.kv_window_freeing, Generator(free_window=...) turn it off): each
+sequence keeps its last 7 tokens and holds at most 2 blocks of 16 however long it runs. A 40-token prompt and 60 greedy
 tokens (100 tokens: 7 blocks on the per-layer cache) give transformers' tokens and logits, the
 block mirror agrees with TVM's free-page count after every step, and the KV gauge is back at 0
 at the end. Speculative decoding (which pops rejected drafts: TVM cannot bring slid tokens back)
 keeps the per-layer cache. Models with a global layer never get the freeing cache."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import shutil
@@ -71,17 +73,18 @@ def test_the_build_has_the_freeing_cache(windowed):
     manifest = json.loads((windowed.artifact / "manifest.json").read_text())
     assert SLIDING_CACHE in manifest["entry_points"] and "create_tir_paged_kv_cache" in manifest["entry_points"]
     library = (windowed.artifact / "model.so").read_bytes()
-    # its kernels are TVM's (inline rope), under names vtool's CPU rewrites do not take
+    # its kernels under names of their own: vtool's parallel inline-rope ones (head dims of 16s)
     assert b"batch_prefill_paged_kv_cpu_sliding_window_window_freeing" in library
     assert b"batch_prefill_ragged_kv_window_freeing" in library
+    assert manifest["window_freeing_kernels"] == "parallel"
 
 
 def test_generation_past_the_window_matches_transformers(windowed):
     """`vtool run`'s generator on the freeing cache: prompt logits, 60 greedy tokens and their
     logits against transformers; TVM's pages held stay at 2 at most."""
     ref_prompt, ref_tokens, ref_logits = windowed.ref
-    assert Generator(windowed.model, 256).kept == 0  # the per-layer cache unless asked
-    gen = Generator(windowed.model, 256, free_window=True)
+    assert Generator(windowed.model, 256, free_window=False).kept == 0  # the per-layer cache when told
+    gen = Generator(windowed.model, 256)  # the freeing cache by default
     assert gen.kept == KEPT
     prompt = float(np.abs(gen.prompt_logits(PROMPT) - ref_prompt).max())
     available = global_func("vm.builtin.attention_kv_cache_get_num_available_pages")
@@ -133,6 +136,23 @@ def test_the_engine_frees_blocks_outside_the_window(windowed):
     kept, per_seq_kept, _ = run_engine(windowed, frees=False)
     assert kept == done
     assert per_seq_kept == -(-(len(PROMPT) + STEPS) // 16) > BOUND  # what the bound above rules out
+
+
+def test_a_library_on_tvms_serial_kernels_frees_only_when_asked(windowed):
+    """A library whose freeing cache runs TVM's serial kernels (head dims not of 16s, or built
+    before vtool's inline-rope kernels: no `window_freeing_kernels: parallel` in its manifest)
+    keeps the per-layer cache by default, in the engine and the generator, and frees when asked."""
+    old = copy.copy(windowed.model)
+    old.manifest = {**windowed.model.manifest, "window_freeing_kernels": "serial"}
+    assert Generator(old, 256).kept == 0 and Generator(old, 256, free_window=True).kept == KEPT
+    for asked, frees in ((None, False), (True, True), (False, False)):
+        engine = Engine(session_of(types.SimpleNamespace(folder=windowed.folder, model=old)),
+                        EngineConfig(max_num_batched_tokens=64, kv_window_freeing=asked))
+        assert engine.kv.frees is frees, asked
+    del old.manifest["window_freeing_kernels"]
+    assert Generator(old, 256).kept == 0
+    default = Engine(session_of(windowed), EngineConfig(max_num_batched_tokens=64))
+    assert default.kv.frees  # the parallel kernels: freed by default
 
 
 def test_a_cache_of_few_blocks_serves_long_sequences(windowed):
@@ -365,9 +385,9 @@ def test_only_all_window_models_on_the_cpu_get_the_freeing_cache(tiny_shape_dir)
 
 # -- the server flag ---------------------------------------------------------------------------------
 
-def test_serve_frees_window_blocks_when_asked(tiny_model_dir, tmp_path):
-    """`vtool serve --kv-window-freeing` on a Mistral with a window of 8 (the tiny chat Llama's
-    weights and tokenizer under Mistral's config): with one KV block asked for, a 40-token prompt
+def test_serve_frees_window_blocks_by_default(tiny_model_dir, tmp_path):
+    """`vtool serve` on a Mistral with a window of 8 (the tiny chat Llama's weights and tokenizer
+    under Mistral's config, head dim 16), no flag: with one KV block asked for, a 40-token prompt
     and 60 greedy tokens (100 tokens, 7 blocks without freeing) come back as transformers'
     tokens, and /server_info says the freeing cache is in use."""
     import httpx
@@ -381,7 +401,7 @@ def test_serve_frees_window_blocks_when_asked(tiny_model_dir, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     ref_tokens = greedy(hf_model(folder), PROMPT, STEPS)[1]
     log = tmp_path / "serve.log"
-    args = ["--model", str(folder), "--kv-window-freeing", "--num-blocks", "1", "--max-num-seqs", "2",
+    args = ["--model", str(folder), "--num-blocks", "1", "--max-num-seqs", "2",
             "--max-model-len", "256", "--served-model-name", "m"]
     with vtool_serve(args, log) as url:
         assert httpx.get(f"{url}/server_info").json()["engine"]["kv_window_freeing_active"] is True

@@ -25,6 +25,8 @@ from filelock import FileLock
 
 from vtool.models.config import ModelConfig
 from vtool.models.registry import model_family
+from vtool.models.window_cache import ENTRY as WINDOW_CACHE_ENTRY
+from vtool.schedules.cpu.rope_attention import window_freeing_kernels
 from vtool.runtime.artifact.library import installed_versions
 from vtool.runtime.weights.checkpoint import Checkpoint, open_checkpoint
 from vtool.runtime.artifact.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, ManifestError, read_manifest, write_manifest
@@ -356,6 +358,10 @@ def _build_into(folder: Path, key: str, plan: BuildPlan, checkpoint: Checkpoint,
             "attention": plan.attention,
             "versions": installed_versions(),
             "entry_points": compiled["entry_points"],
+            # the window-freeing KV cache's attention kernels: vtool's parallel ones, which the
+            # runtime uses by default, or TVM's serial ones, used only when asked for
+            **({"window_freeing_kernels": window_freeing_kernels(cfg.head_dim)}
+               if WINDOW_CACHE_ENTRY in compiled["entry_points"] else {}),
             # "generate" or "embed" (models/family.py; an embedding model's pooling when its
             # checkpoint has no sentence-transformers config: runtime/engine/pooling.py)
             "task": model_family(cfg.architecture).task,

@@ -21,7 +21,8 @@ from vtool import VtoolError
 from vtool.runtime.engine.chained_steps import DeviceTokens, chain_rows, chained_step
 from vtool.runtime.engine.grammar_stage import GrammarStage
 from vtool.runtime.engine.kv_blocks import blocks_for_window
-from vtool.runtime.engine.kv_cache import PagedKVCache, cache_layers, frees_window, sliding_window, window_kept
+from vtool.runtime.engine.kv_cache import (PagedKVCache, cache_layers, frees_window, frees_window_by_default,
+                                          sliding_window, window_kept)
 from vtool.runtime.engine.output_processor import OutputProcessor
 from vtool.runtime.engine.prefix_cache import PrefixCache
 from vtool.runtime.engine.request import CoreOutput, FinishedRequestStats, Request, Status, StepOutput
@@ -80,10 +81,10 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # A model whose every layer is windowed (CPU builds): give back the KV blocks wholly outside
     # the window while a sequence runs (kv_cache.py sliding_window), so a sequence holds at most
-    # about window / 16 + 2 blocks. Off by default: that cache runs TVM's serial attention kernels
-    # with rope applied inside them (models/window_cache.py), measured 6x slower per decode step
-    # and 35x per prompt than vtool's at a window of 512. Speculative decoding keeps every block.
-    kv_window_freeing: bool = False
+    # about window / 16 + 2 blocks. None: where the library's kernels for it are vtool's parallel
+    # ones (kv_cache.py frees_window_by_default); True: also on TVM's serial ones (over 100x slower
+    # prompts); False: never. Speculative decoding keeps every block.
+    kv_window_freeing: bool | None = None
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in POLICIES:
@@ -186,13 +187,20 @@ class Engine:
         # Before the KV cache: on a GPU the cache takes a share of what memory is free, and a
         # draft model's weights and cache must be in place by then.
         self.speculator = Speculator.create(config.speculative, self) if config.speculative else None
-        # Every layer windowed: the cache that frees what the window passed, when asked for, unless
-        # speculative decoding must take rejected drafts back (kv_cache.py sliding_window).
-        frees = config.kv_window_freeing and self.speculator is None and frees_window(self.model)
-        if config.kv_window_freeing and not frees:
-            log.warning("KV blocks outside the sliding window are kept: %s", "speculative decoding takes tokens back"
-                     if self.speculator is not None and frees_window(self.model) else
-                     "the model has no window-freeing cache (a global layer, no window, or not a CPU build)")
+        # Every layer windowed: the cache that frees what the window passed (by default where its
+        # kernels are fast), unless speculative decoding must take rejected drafts back
+        # (kv_cache.py sliding_window).
+        asked = config.kv_window_freeing
+        wanted = frees_window_by_default(self.model) if asked is None else asked
+        frees = wanted and self.speculator is None and frees_window(self.model)
+        if wanted and not frees:  # a warning when asked for, a note when it was the default
+            log.log(logging.WARNING if asked else logging.INFO, "KV blocks outside the sliding window are kept: %s",
+                    "speculative decoding takes tokens back" if self.speculator is not None
+                    and frees_window(self.model) else
+                    "the model has no window-freeing cache (a global layer, no window, or not a CPU build)")
+        elif asked is None and frees_window(self.model) and not wanted:
+            log.info("KV blocks outside the sliding window are kept: the library's window-freeing attention is "
+                     "TVM's serial kernels (--kv-window-freeing uses them anyway)")
         per_seq_tokens = self.max_model_len
         if frees:  # a sequence never holds more; TVM adds 2 pages per sequence to what it is given
             per_seq_tokens = min(per_seq_tokens, blocks_for_window(window_kept(self.model), config.block_size)

@@ -16,7 +16,8 @@ from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.sampling.host import SequenceSampler, sample_batch
 from vtool.runtime.artifact.tvm_runtime import global_func
 from vtool.runtime.engine.kv_blocks import blocks_for_window
-from vtool.runtime.engine.kv_cache import SLIDING_CACHE, frees_window, sliding_window, window_kept
+from vtool.runtime.engine.kv_cache import (SLIDING_CACHE, frees_window, frees_window_by_default, sliding_window,
+                                          window_kept)
 from vtool.runtime.engine.validation import RequestLimits
 from vtool.runtime.sampling.params import SamplingParams, check_token_ids
 
@@ -47,9 +48,10 @@ class Generator:
 
     SEQ_ID = 0
 
-    def __init__(self, model: CompiledModel, max_model_len: int, free_window: bool = False):
+    def __init__(self, model: CompiledModel, max_model_len: int, free_window: bool | None = None):
         """free_window: on a model whose every layer is windowed, the cache that frees the
-        pages outside the window (kv_cache.py sliding_window; slower: EngineConfig.kv_window_freeing)."""
+        pages outside the window (kv_cache.py sliding_window); None: where its kernels are
+        vtool's parallel ones (frees_window_by_default), as EngineConfig.kv_window_freeing."""
         self.model = model
         self.max_model_len = max_model_len
         self._kv = None
@@ -60,7 +62,8 @@ class Generator:
         self._remove = global_func("vm.builtin.kv_state_remove_sequence")
         self.window = sliding_window(model)  # a sliding-window model takes at most this per step (kv_cache.py)
         # every layer windowed: the cache that frees what the window passed (nothing here pops or forks)
-        self.kept = window_kept(model) if free_window and frees_window(model) else 0
+        frees = frees_window_by_default(model) if free_window is None else free_window and frees_window(model)
+        self.kept = window_kept(model) if frees else 0
         self._enable_window = global_func("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")
 
     @property

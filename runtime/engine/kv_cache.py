@@ -23,23 +23,31 @@ def sliding_window(model: CompiledModel) -> int:
     What is freed, and when. By default nothing before the sequence ends: the model's
     per-layer cache (create_tir_paged_kv_cache) holds every page of a sequence until it is
     removed. A model whose every layer is windowed (Mistral, Phi-3, Qwen2 with
-    max_window_layers 0) is also built with SLIDING_CACHE (CPU builds: models/window_cache.py);
-    an engine asked for it (EngineConfig.kv_window_freeing; Generator(free_window=True)) uses
-    it: after every step each sequence keeps its last window - 1 tokens (a query sees those
-    and itself: the window) and every page wholly before them goes back, so a sequence holds
-    at most ceil((window + 14) / 16) pages however long it runs. It is opt-in because its
-    attention kernels are TVM's serial ones with rope applied inside them (several times
-    slower). That cache cannot pop (speculative decoding's rejected drafts) or fork, so an
-    engine with speculative decoding, and a draft model's own cache, keep the per-layer cache,
-    as does every model with a global layer (Gemma-2/3, Qwen2 with max_window_layers > 0,
-    OLMo-3): those layers attend to every token, so no page is ever outside every layer's
-    window."""
+    max_window_layers 0) is also built with SLIDING_CACHE (CPU builds: models/window_cache.py),
+    which engines and generators use by default where its attention kernels are vtool's
+    parallel ones (frees_window_by_default; EngineConfig.kv_window_freeing and
+    Generator(free_window=...) say otherwise): after every step each sequence keeps its last
+    window - 1 tokens (a query sees those and itself: the window) and every page wholly before
+    them goes back, so a sequence holds at most ceil((window + 14) / 16) pages however long it
+    runs. That cache cannot pop (speculative decoding's rejected drafts) or fork, so an engine
+    with speculative decoding, and a draft model's own cache, keep the per-layer cache, as does
+    every model with a global layer (Gemma-2/3, Qwen2 with max_window_layers > 0, OLMo-3): those
+    layers attend to every token, so no page is ever outside every layer's window."""
     return int(model.manifest.get("config", {}).get("sliding_window") or 0)
 
 
 def frees_window(model: CompiledModel) -> bool:
     """Whether the library has SLIDING_CACHE, the cache that frees what the window passed."""
     return SLIDING_CACHE in model.manifest.get("entry_points", ())
+
+
+def frees_window_by_default(model: CompiledModel) -> bool:
+    """Whether SLIDING_CACHE is used unless told otherwise: the library has it and its attention
+    runs on vtool's parallel inline-rope kernels (schedules/cpu/rope_attention.py; the manifest's
+    window_freeing_kernels). On TVM's serial ones (head dims not a multiple of 16, or a library
+    built before those kernels) a prompt of a 512-token window took over 100 times as long, so
+    there it is used only when asked for."""
+    return frees_window(model) and model.manifest.get("window_freeing_kernels") == "parallel"
 
 
 def cache_layers(config: dict[str, Any], frees: bool = False) -> int:

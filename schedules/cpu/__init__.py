@@ -4,8 +4,10 @@ Each rule returns a scheduled PrimFunc or None; a kernel no rule takes stays as
 legalized (slow, never wrong). Kernels already scheduled elsewhere (the KV cache's
 attention kernels ship their own) are left alone, except the KV cache's serial CPU prefill
 and decode attention, full and sliding-window, which schedules/cpu/attention.py replaces by
-parallel, vectorized kernels. Last, every kernel's float32 exp, sigmoid and tanh become
-vector arithmetic (schedules/cpu/vector_math.py) instead of a libm call per element.
+parallel, vectorized kernels, and the window-freeing cache's inline-rope ones, which
+schedules/cpu/rope_attention.py replaces the same way. Last, every kernel's float32 exp,
+sigmoid and tanh become vector arithmetic (schedules/cpu/vector_math.py) instead of a libm
+call per element.
 """
 from __future__ import annotations
 

@@ -54,6 +54,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from vtool.runtime.artifact.library import CompiledModel
+    from vtool.runtime.artifact.tvm_runtime import global_func
     from vtool.runtime.engine.generate import Generator
     from vtool.runtime.sampling.params import SamplingParams
     from vtool.runtime.weights.checkpoint import open_checkpoint
@@ -67,8 +68,11 @@ def main() -> None:
         if args.tvm_kernels:
             runs.append(("freeing, TVM's kernels", tvm_kernels_model(folder, Path(tmp) / "cache"), True, 1))
         results = []
+        available = global_func("vm.builtin.attention_kv_cache_get_num_available_pages")
         for name, compiled, frees, rounds in runs:
             gen = Generator(compiled, args.prompt + args.steps + 16, free_window=frees)
+            gen._fresh_sequence(args.prompt + args.steps)  # the cache each run reuses, its pages all free
+            empty = int(available(gen._kv))
             prefill, decode, tokens = [], [], []
             for _ in range(rounds):
                 out = gen.generate(prompt, SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True))
@@ -77,7 +81,8 @@ def main() -> None:
                 tokens = out.token_ids
             results.append((min(prefill), min(decode), tokens))
             print(f"{name:>24}: prefill {args.prompt} tokens {min(prefill) * 1e3:9.1f} ms, "
-                  f"decode {min(decode) * 1e3:7.2f} ms/step over {args.steps} steps", flush=True)
+                  f"decode {min(decode) * 1e3:7.2f} ms/step over {args.steps} steps, "
+                  f"{empty - int(available(gen._kv))} blocks held at the end", flush=True)
         p0, d0, t0 = results[0]
         for (name, *_), (p1, d1, t1) in zip(runs[1:], results[1:]):
             same = sum(a == b for a, b in zip(t0, t1))
