@@ -25,8 +25,6 @@ from filelock import FileLock
 
 from vtool.models.config import ModelConfig
 from vtool.models.registry import model_family
-from vtool.models.window_cache import ENTRY as WINDOW_CACHE_ENTRY
-from vtool.schedules.cpu.rope_attention import window_freeing_kernels
 from vtool.runtime.artifact.library import installed_versions
 from vtool.runtime.weights.checkpoint import Checkpoint, open_checkpoint
 from vtool.runtime.artifact.manifest import FORMAT_VERSION, LIBRARY_NAME, MANIFEST_NAME, ManifestError, read_manifest, write_manifest
@@ -338,6 +336,7 @@ def _build_into(folder: Path, key: str, plan: BuildPlan, checkpoint: Checkpoint,
             build_info["tuning"] = compiled["tuning"]
 
         extra: dict[str, Any] = {"weights_file": weights_record} if weights_record else {}
+        extra |= _window_freeing_record(cfg, compiled["entry_points"])
         write_manifest(staging, {**extra,
             "format_version": FORMAT_VERSION,
             "cache_key": key,
@@ -358,10 +357,6 @@ def _build_into(folder: Path, key: str, plan: BuildPlan, checkpoint: Checkpoint,
             "attention": plan.attention,
             "versions": installed_versions(),
             "entry_points": compiled["entry_points"],
-            # the window-freeing KV cache's attention kernels: vtool's parallel ones, which the
-            # runtime uses by default, or TVM's serial ones, used only when asked for
-            **({"window_freeing_kernels": window_freeing_kernels(cfg.head_dim)}
-               if WINDOW_CACHE_ENTRY in compiled["entry_points"] else {}),
             # "generate" or "embed" (models/family.py; an embedding model's pooling when its
             # checkpoint has no sentence-transformers config: runtime/engine/pooling.py)
             "task": model_family(cfg.architecture).task,
@@ -379,6 +374,17 @@ def _build_into(folder: Path, key: str, plan: BuildPlan, checkpoint: Checkpoint,
             shutil.rmtree(staging, ignore_errors=True)
     progress(f"built {folder} in {time.perf_counter() - t0:.1f} s")
     return folder
+
+
+def _window_freeing_record(cfg: ModelConfig, entry_points: list[str]) -> dict[str, str]:
+    """The manifest's record of the window-freeing KV cache's attention kernels, when the library
+    has that cache: vtool's parallel ones, which the runtime uses by default, or TVM's serial
+    ones, used only when asked for (runtime/engine/kv_cache.py frees_window_by_default). Imported
+    here, not at the top: `vtool run` imports this module, and these pull in TVM's compiler."""
+    from vtool.models.window_cache import ENTRY
+    from vtool.schedules.cpu.rope_attention import window_freeing_kernels
+
+    return {"window_freeing_kernels": window_freeing_kernels(cfg.head_dim)} if ENTRY in entry_points else {}
 
 
 def _is_complete(folder: Path, key: str) -> bool:
