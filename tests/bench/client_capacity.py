@@ -13,8 +13,12 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import platform
 import socket
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_info import cpu_name  # noqa: E402
 
 CHUNK = ("data: " + json.dumps({"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "m",
          "choices": [{"index": 0, "text": " tok", "logprobs": None, "finish_reason": None}]}) + "\n\n").encode()
@@ -54,15 +58,6 @@ def serve(sock: socket.socket, tokens: int) -> None:
 
     asyncio.run(main())
 
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main() -> None:

@@ -277,7 +277,7 @@ def main() -> None:
         "llama_cpp": info["llama_cpp_commit"], "llama_cpp_isa": a.llamacpp_isa,
         "llama_cpp_build": {k: info.get(k) for k in ("isa", "configure", "compiler", "isa_check") if k in info},
         "llama_bench": str(binary.relative_to(root)), "vtool_target": {"given": a.target},
-        "machine": {"cpu": llamacpp.cpu_name(), "cores": os.cpu_count()},
+        "machine": {"cpu": llamacpp.cpu_name(), **llamacpp.cpu_info()},
         "bandwidth_gbs": bandwidth, "bandwidth_source": bw_source,
         "vtool_figures": "pp512: `prefill` entry; tg128: `decode` entry + host argmax; tg128_engine: Engine.step "
                          "(greedy host sampler, detokenizer)", "models": {}}

@@ -23,17 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llamacpp import cpu_name  # noqa: E402
+from cpu_info import cpu_info, cpu_name  # noqa: E402
 
-
-def cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma")))
-    except OSError:
-        pass
-    return []
 
 
 def texts_of(tokenizer, length: int, count: int) -> list[str]:  # noqa: ANN001 - a tokenizers/transformers one
@@ -101,7 +92,7 @@ def main() -> None:
     tok, hf_embed = peer(args.model, args.threads, args.peer_attention)
     os.environ["VTOOL_CPU_THREADS"] = str(args.threads)  # the runtime's thread count (read at load)
     llm = LLM(str(args.model))
-    print(json.dumps({"cpu": cpu_name(), "flags": cpu_flags(), "threads": args.threads, "model": args.model.name,
+    print(json.dumps({"cpu": cpu_name(), "flags": cpu_info()["simd_flags"], "threads": args.threads, "model": args.model.name,
                       "peer": f"transformers float32, {args.peer_attention} attention"}),
           flush=True)
     for length in (int(x) for x in args.lengths.split(",")):

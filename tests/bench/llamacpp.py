@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -65,6 +64,7 @@ from typing import Any, Iterator
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_info import cpu_info, cpu_name  # noqa: E402
 from membw import OtherLoad, own_sched_group, wait_quiet  # noqa: E402
 
 from vtool.runtime.weights.default_model import SHA256 as DEFAULT_MODEL_SHA256
@@ -647,15 +647,6 @@ def prepare_models(root: Path, only: list[str] | None) -> dict[str, dict[str, An
 
 # ----------------------------------------------------------------------------- llama-bench
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def loadavg() -> list[float]:
     try:
@@ -789,8 +780,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "what": "llama-bench pp512 / tg128, t/s", "isa": a.isa,
         "build": {**info, "llama_bench_version": (version.stdout + version.stderr).strip()},
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(),
-                    "python": sys.version.split()[0]},
+        "machine": {"cpu": cpu_name(), **cpu_info(), "python": sys.version.split()[0]},
         "bandwidth_gbs": a.bandwidth_gbs, "models": {}}
     for name, m in models.items():
         m["repack_check"] = repack_check(binary, m["path"])

@@ -42,6 +42,7 @@ from typing import Any, Iterator
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from cpu_info import cpu_info  # noqa: E402  (re-exported: spec_vs_llamacpp imports it from here)
 from vtool.runtime.bench.local_server import stop_process, wait_healthy  # noqa: E402
 
 KEYS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms",
@@ -51,24 +52,6 @@ KEYS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "
 def log(msg: str) -> None:
     print(f"[serve_vs_llama_server] {msg}", file=sys.stderr, flush=True)
 
-
-def cpu_info() -> dict[str, Any]:
-    """The CPU's model name and feature flags (/proc/cpuinfo, first processor)."""
-    name, flags = "", []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and not name:
-                name = value.strip()
-            elif key in ("flags", "Features") and not flags:
-                flags = value.split()
-            if name and flags:
-                break
-    except OSError:
-        pass
-    simd = [f for f in flags if f.startswith(("sse", "ssse", "avx", "amx", "fma", "f16c", "neon", "asimd", "sve"))]
-    return {"model_name": name, "cores": os.cpu_count(), "simd_flags": simd, "flags": flags}
 
 
 @contextlib.contextmanager

@@ -13,11 +13,14 @@ with schedules/cpu/rope_attention.py's rule turned off): what the cache ran befo
 from __future__ import annotations
 
 import argparse
-import platform
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_info import cpu_summary  # noqa: E402
 
 CONFIG = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=2, head_dim=64, vocab_size=4096, max_position_embeddings=4096,
@@ -37,12 +40,6 @@ def make_model(folder: Path) -> Path:
     model.save_pretrained(folder)
     return folder
 
-
-def cpu_name() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")),
-                 platform.processor())
-    return f"{model}; avx512f {'yes' if ' avx512f' in flags else 'no'}"
 
 
 def main() -> None:
@@ -88,7 +85,7 @@ def main() -> None:
             same = sum(a == b for a, b in zip(t0, t1))
             print(f"{name} / per-layer: prefill {p1 / p0:.2f}x, decode {d1 / d0:.2f}x the time; "
                   f"greedy tokens equal {same}/{len(t0)}")
-        print(f"CPU: {cpu_name()}")
+        print(f"CPU: {cpu_summary()}")
 
 
 def tvm_kernels_model(folder: Path, cache: Path):  # noqa: ANN201 - a CompiledModel
