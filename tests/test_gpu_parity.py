@@ -3,7 +3,7 @@
 (a) The tiny random shapes of tiny_models.py (Llama, Llama-3 rope, Qwen2 bias, Qwen3
     q/k norm, Mistral) built for this GPU's arch: float32 logits within 1e-4 of
     transformers (torch CUDA, TF32 off) at every prompt position and decode step, and the
-    same 32 greedy tokens. bfloat16: see check_bfloat16 (logits against the float32 truth,
+    same 32 greedy tokens. bfloat16: see half_oracle.check_half (logits against the float32 truth,
     bounded by transformers' own bfloat16 error; greedy tokens equal up to a near-tie).
 (b) SmolLM2-135M-Instruct (the embedded Q4_1 GGUF, dequantized) in bfloat16, through the
     single-sequence generator and through the batching engine, against transformers
@@ -39,6 +39,8 @@ import numpy as np
 import pytest
 import torch
 
+from half_oracle import (SMOLLM2_NEAR_TIE, STEPS, TINY_NEAR_TIE_REF_ERRS, check_greedy, check_half,
+                         first_divergence, half_reference, hf_greedy, max_abs)
 from hf_oracle import load_gguf_model, load_gguf_tokenizer
 from tiny_models import GPU_DIAGNOSTIC_SHAPES, TINY_SHAPES, make_tiny_model
 from vtool import VtoolError
@@ -51,7 +53,6 @@ from vtool.runtime.artifact.tvm_runtime import DRIVER, RuntimeLoadError, cuda_ru
 
 ARTIFACTS_ENV = "VTOOL_GPU_ARTIFACTS"
 INDEX_NAME = "index.json"
-STEPS = 32
 PROMPT = [1, 5, 17, 42, 99, 7, 3, 250, 11, 300, 64]  # as test_parity_tiny
 FP32_TOLERANCE = 1e-4
 # Decode bounds above FP32_TOLERANCE, each measured against transformers in float64 on the H200:
@@ -60,29 +61,13 @@ FP32_TOLERANCE = 1e-4
 # puts vtool's steps 6.1e-5 off and transformers' own float32 pass 7.1e-5 off
 # (docs/results/h200-rope-scaling-session18.txt)
 FP32_DECODE_TOLERANCE = {"qwen2-yarn": 2e-4}
-# bfloat16. `ref_err` is transformers' own bf16 error on this GPU: max |logit| of its bf16
-# run against its float32 run, over the prompt and the 32 greedy steps (same tokens). vtool's
-# bf16 logits must be no further from the float32 truth than BF16_VS_TRUTH * ref_err (a
-# real bug -- wrong rope, norm, bias, head -- is off by the logit scale, 10-50x ref_err; on
-# the CPU build vtool measured 0.35-1.54x). By the triangle inequality vtool then differs from
-# transformers bf16 by at most (BF16_VS_TRUTH + 1) * ref_err. BF16_FLOOR keeps the bound
-# meaningful should ref_err be tiny.
-BF16_VS_TRUTH = 2.5
-BF16_FLOOR = 0.05
-# A greedy divergence must be a near-tie in the reference: its logit for its own token at
-# most this far above its logit for ours. SmolLM2's bf16 logits (|logit| 16-64) are spaced
-# 0.125-0.25, so this is 2-4 bf16 steps (CPU build: divergences at gaps 0.0, 0.125, 0.0).
-# The tiny random models put 512 logits within +-13 and their bf16 noise (ref_err 0.25-1.5)
-# exceeds such steps, so there the bound is TINY_NEAR_TIE_REF_ERRS * ref_err (CPU build:
-# gaps 0.0-1.09 at ref_err 0.25-1.46).
+# bfloat16 bounds: tests/support/half_oracle.py.
 # bf16 gaps measured on the H200 and not yet understood (strict: a pass says the mark can go).
 KNOWN_BF16_GAPS = {
     "gemma2-nocap": "Gemma-2's tiny model without its attention cap (head_dim 256, as Gemma-3's real ones): "
                     "float32 within 4.3e-5, but bf16 teacher-forced logits 1.99 from float32 against a bound "
                     "of 1.41 (2.5 x transformers' own 0.56); with the cap, or at head_dim 32, well inside",
 }
-SMOLLM2_NEAR_TIE = 0.5
-TINY_NEAR_TIE_REF_ERRS = 2.0
 SMOLLM2_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
@@ -223,29 +208,6 @@ def _exact_torch_float32():
 
 # -- transformers on the GPU --------------------------------------------------------------
 
-def hf_greedy(model: Any, prompt: list[int], steps: int) -> tuple[np.ndarray, list[int], list[np.ndarray]]:
-    """hf_oracle.greedy on the model's device: (prompt logits, greedy tokens, the logits
-    each token was chosen from), as float32 numpy."""
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        out = model(torch.tensor([prompt], device=device), use_cache=True)
-        prompt_logits = out.logits[0].float().cpu().numpy()
-        past, step_logits, tokens = out.past_key_values, [prompt_logits[-1]], []
-        while True:
-            tokens.append(int(np.argmax(step_logits[-1])))
-            if len(tokens) == steps:
-                return prompt_logits, tokens, step_logits
-            out = model(torch.tensor([[tokens[-1]]], device=device), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            step_logits.append(out.logits[0, -1].float().cpu().numpy())
-
-
-def hf_prompt_logits(model: Any, prompt: list[int]) -> np.ndarray:
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        return model(torch.tensor([prompt], device=device)).logits[0].float().cpu().numpy()
-
-
 def load_hf_tiny(folder: Path, dtype: torch.dtype) -> Any:
     """transformers' model on the GPU, on its plain (eager) paths, as the CPU oracles run it:
     the default SDPA attention drops Gemma-2's attention soft-cap (the capped tiny model's
@@ -257,40 +219,6 @@ def load_hf_tiny(folder: Path, dtype: torch.dtype) -> Any:
     moe = {"experts_implementation": "eager"} if config.get("num_experts") or config.get("num_local_experts") else {}
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager",
                                                 **moe).to("cuda").eval()
-
-
-def first_divergence(ours: list[int], ref: list[int]) -> int | None:
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        if a != b:
-            return i
-    return None if len(ours) == len(ref) else min(len(ours), len(ref))
-
-
-def check_greedy(label: str, ours: list[int], ref: list[int], ref_logits: list[np.ndarray], near_tie: float,
-                 decode: Any = None) -> int | None:
-    """Same greedy tokens, or a first divergence where the reference itself nearly ties:
-    the reference's logit for our token is within `near_tie` of its logit for its own
-    (if every logit agrees within tol, argmax can only flip where that gap is <= 2 tol).
-    Returns the divergence step (None: identical)."""
-    step = first_divergence(ours, ref)
-    if step is None:
-        print(f"[{label}] {len(ref)}/{len(ref)} greedy tokens identical")
-        return None
-    logits = ref_logits[step]
-    top2 = np.sort(logits)[-2:]
-    gap = float(logits[ref[step]] - logits[ours[step]])
-    show = decode or (lambda ids: ids)
-    print(f"[{label}] first divergence at step {step}: vtool {ours[step]} vs reference {ref[step]}; reference "
-          f"logit gap to our token {gap:.4f} (top-2 gap {float(top2[1] - top2[0]):.4f}, near-tie bound {near_tie:.4f})"
-          f"\n   vtool:     {show(ours)!r}\n   reference: {show(ref)!r}")
-    assert gap <= near_tie, (
-        f"{label}: greedy tokens diverge at step {step} (vtool {ours[step]}, reference {ref[step]}) where the "
-        f"reference prefers its token by {gap:.4f} > {near_tie:.4f}: not a near-tie")
-    return step
-
-
-def max_abs(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
 
 
 # -- tests that run anywhere: the arch rule and the refusal without a driver ----------------
@@ -404,48 +332,8 @@ def test_tiny_bfloat16_matches_transformers(tiny, request):
     if tiny.name in KNOWN_BF16_GAPS:
         request.node.add_marker(pytest.mark.xfail(reason=KNOWN_BF16_GAPS[tiny.name], strict=True))
     folder, gen = tiny.load("bfloat16")
-    ref = bf16_reference(load_hf_tiny(folder, torch.float32), load_hf_tiny(folder, torch.bfloat16), PROMPT)
-    check_bfloat16(f"{tiny.name} bfloat16", gen, PROMPT, ref, near_tie=TINY_NEAR_TIE_REF_ERRS * ref["ref_err"])
-
-
-# -- bfloat16: the reference and the check -----------------------------------------------------
-
-def bf16_reference(hf32: Any, hf16: Any, prompt: list[int]) -> dict[str, Any]:
-    """transformers bf16 greedy (tokens, the logits each was chosen from), its logits along
-    the whole sequence, the float32 truth along the same sequence, and ref_err."""
-    ref_prompt, tokens, step_logits = hf_greedy(hf16, prompt, STEPS)
-    sequence = prompt + tokens[:-1]
-    hf16_seq = np.concatenate([ref_prompt, np.stack(step_logits[1:])])  # position i: logits after sequence[:i+1]
-    truth = hf_prompt_logits(hf32, sequence)
-    return {"tokens": tokens, "logits": step_logits, "sequence": sequence, "hf16": hf16_seq, "truth": truth,
-            "ref_err": max_abs(hf16_seq, truth)}
-
-
-def check_bfloat16(label: str, gen: Generator, prompt: list[int], ref: dict[str, Any], near_tie: float,
-                   decode: Any = None) -> None:
-    """vtool bf16 against the reference of bf16_reference:
-    1. teacher-forced (batch_prefill over prompt + the reference's tokens): every position
-       within max(BF16_VS_TRUTH * ref_err, BF16_FLOOR) of the float32 truth;
-    2. free-running greedy (prefill + decode): the decode-path logits within the same bound
-       while the sequences agree, and the tokens equal up to a near-tie (check_greedy)."""
-    n, ref_err = len(prompt), ref["ref_err"]
-    bound = max(BF16_VS_TRUTH * ref_err, BF16_FLOOR)
-    forced = gen.prompt_logits(ref["sequence"])
-    forced_err = max_abs(forced, ref["truth"])
-    seen: list[np.ndarray] = []
-    result = gen.generate(prompt, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append)
-    step = first_divergence(result.token_ids, ref["tokens"])
-    shared = STEPS if step is None else step + 1  # logits up to the divergence come from the same prefix
-    decode_errs = [max_abs(seen[k], ref["truth"][n - 1 + k]) for k in range(shared)]
-    print(f"[{label}] max|dlogit| vs float32: vtool teacher-forced {forced_err:.3f}, decode path "
-          f"{max(decode_errs):.3f}; transformers bf16 (ref_err) {ref_err:.3f}; bound {bound:.3f}. "
-          f"vs transformers bf16: {max_abs(forced, ref['hf16']):.3f}")
-    assert forced_err <= bound, (f"{label}: teacher-forced bf16 logits are {forced_err:.3f} from float32, more than "
-                                 f"{BF16_VS_TRUTH} x transformers' own bf16 error {ref_err:.3f}")
-    worst = int(np.argmax(decode_errs))
-    assert decode_errs[worst] <= bound, (f"{label}: decode-path bf16 logits at step {worst} are "
-                                         f"{decode_errs[worst]:.3f} from float32 > {bound:.3f}")
-    check_greedy(label, result.token_ids, ref["tokens"], ref["logits"], near_tie=near_tie, decode=decode)
+    ref = half_reference(load_hf_tiny(folder, torch.float32), load_hf_tiny(folder, torch.bfloat16), PROMPT)
+    check_half(f"{tiny.name} bfloat16", gen, PROMPT, ref, near_tie=TINY_NEAR_TIE_REF_ERRS * ref["ref_err"])
 
 
 # -- (b) SmolLM2 in bfloat16 -----------------------------------------------------------------
@@ -462,7 +350,7 @@ def smollm2(artifacts):
     hf16 = copy.deepcopy(base).to("cuda", torch.bfloat16)
     tokenizer = load_gguf_tokenizer(gguf)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in SMOLLM2_PROMPTS]
-    refs = [bf16_reference(hf32, hf16, ids) for ids in prompts]
+    refs = [half_reference(hf32, hf16, ids) for ids in prompts]
     del hf32, hf16
     torch.cuda.empty_cache()
     return session, tokenizer, prompts, refs
@@ -473,7 +361,7 @@ def smollm2(artifacts):
 @pytest.mark.slow
 def test_smollm2_bfloat16_generator_matches_transformers(smollm2, index):
     session, tokenizer, prompts, refs = smollm2
-    check_bfloat16(f"smollm2 bf16 #{index}", session.generator, prompts[index], refs[index],
+    check_half(f"smollm2 bf16 #{index}", session.generator, prompts[index], refs[index],
                    near_tie=SMOLLM2_NEAR_TIE, decode=tokenizer.decode)
 
 
@@ -662,8 +550,8 @@ def test_flashinfer_bfloat16_matches_transformers(gpu, case):
     model = CompiledModel(artifact, open_checkpoint(folder))
     assert model.manifest.get("attention") == "flashinfer"
     gen = Generator(model, max_model_len=256)
-    ref = bf16_reference(load_hf_tiny(folder, torch.float32), load_hf_tiny(folder, torch.bfloat16), PROMPT)
-    check_bfloat16(f"{case} flashinfer bfloat16", gen, PROMPT, ref, near_tie=TINY_NEAR_TIE_REF_ERRS * ref["ref_err"])
+    ref = half_reference(load_hf_tiny(folder, torch.float32), load_hf_tiny(folder, torch.bfloat16), PROMPT)
+    check_half(f"{case} flashinfer bfloat16", gen, PROMPT, ref, near_tie=TINY_NEAR_TIE_REF_ERRS * ref["ref_err"])
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ On a GPU: tiny llama GGUF files of test_quant_gguf.py's variants (every kept for
 files, a fused q|k|v of two formats) against transformers running the same file through its
 GGUF loader (dequantized to float32) on the GPU: float32 logits within 1e-4 at every prompt
 position and decode step, the same greedy tokens; bfloat16 within test_gpu_parity.py's bound
-(transformers' own bf16 error times BF16_VS_TRUTH); and the batching engine with 3 and 12
+(transformers' own bf16 error times half_oracle.VS_TRUTH); and the batching engine with 3 and 12
 sequences (batched decode through the GEMV and through the tiled matmul) giving each
 sequence's greedy tokens alone.
 
@@ -184,8 +184,8 @@ def _generator(path: Path, artifact: Path) -> Any:
 @pytest.mark.slow
 @pytest.mark.parametrize("name, dtype", CASES)
 def test_matches_transformers_on_the_same_file(sm90_gpu, exact_float32, name, dtype, tmp_path_factory):
-    from test_gpu_parity import (TINY_NEAR_TIE_REF_ERRS, bf16_reference, check_bfloat16, hf_greedy,
-                                 hf_prompt_logits, max_abs)
+    from half_oracle import (TINY_NEAR_TIE_REF_ERRS, check_half, half_reference, hf_greedy, hf_prompt_logits,
+                             max_abs)
     from vtool.runtime.sampling.params import SamplingParams
 
     path, artifact = _case(sm90_gpu, name, dtype, tmp_path_factory)
@@ -194,8 +194,8 @@ def test_matches_transformers_on_the_same_file(sm90_gpu, exact_float32, name, dt
     gen = _generator(path, artifact)
     label = f"{name} {dtype}"
     if dtype == "bfloat16":
-        ref = bf16_reference(_hf(path, torch.float32), _hf(path, torch.bfloat16), PROMPT)
-        check_bfloat16(label, gen, PROMPT, ref, near_tie=TINY_NEAR_TIE_REF_ERRS * ref["ref_err"])
+        ref = half_reference(_hf(path, torch.float32), _hf(path, torch.bfloat16), PROMPT)
+        check_half(label, gen, PROMPT, ref, near_tie=TINY_NEAR_TIE_REF_ERRS * ref["ref_err"])
         return
     hf = _hf(path, torch.float32)
     _ref_prompt, ref_tokens, ref_logits = hf_greedy(hf, PROMPT, STEPS)
@@ -221,7 +221,7 @@ def test_engine_batches_give_each_sequence_its_own_tokens(sm90_gpu, exact_float3
     from vtool.runtime.engine.block_decode import ROWS_ENV
 
     monkeypatch.setenv(ROWS_ENV, gemv_rows)
-    from test_gpu_parity import hf_greedy
+    from half_oracle import hf_greedy
 
     path, artifact = _case(sm90_gpu, "q4_k_m", "float32", tmp_path_factory)
     hf = _hf(path, torch.float32)

@@ -235,3 +235,61 @@ def test_attention_kernels_keep_their_tanh():
     assert vectorizable_math(te.create_prim_func([a, capped, sm_scale])) is None
     plain = te.compute((8,), lambda i: te.tanh(a[i]), name="c")
     assert vectorizable_math(te.create_prim_func([a, plain])) is not None
+
+
+def _half_store_func(name: str, out_dtype: str):  # noqa: ANN202 - a PrimFunc
+    """b[i] = out_dtype(name(a[i] * 2) + 1), float32 inside."""
+    from tvm import te
+
+    a = te.placeholder((64,), "float32", name="a")
+    b = te.compute((64,), lambda i: (getattr(te, name)(a[i] * 2.0) + 1.0).astype(out_dtype), name="b")
+    return te.create_prim_func([a, b])
+
+
+def _vectorized(func):  # noqa: ANN001, ANN202 - PrimFunc -> PrimFunc
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    (i,) = sch.get_loops(sch.get_sblock("b"))
+    sch.vectorize(sch.split(i, [None, 16])[1])
+    return sch.mod["main"]
+
+
+@pytest.mark.parametrize("name", ["exp", "tanh", "sin"])
+def test_calls_rounded_to_bfloat16_keep_libm_and_compile(name: str):
+    """A call whose result is cast to bfloat16 is not rewritten: TVM's bfloat16 legalization
+    copies the cast's operand, and a copied Let chain made VectorizeLoop fail ("Let cannot bind
+    the same var to two different values"; every bfloat16 CPU build failed). Rewritten, the
+    kernel fails to compile; kept, it compiles and rounds libm's value. float16 (a native LLVM
+    cast) is still rewritten."""
+    import ml_dtypes
+    import tvm
+
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
+    func = _half_store_func(name, "bfloat16")
+    assert vectorizable_math(func) is None
+    assert vectorizable_math(_half_store_func(name, "float16")) is not None
+    with pytest.raises(Exception, match="Let cannot bind the same var"):  # what the rule avoids
+        tvm.compile(_vectorized(_rewrite_ignoring_the_rule(func)), target=target)
+    lib = tvm.compile(_vectorized(func), target=target)
+    x = np.linspace(-3, 3, 64, dtype=np.float32)
+    out = tvm.runtime.tensor(np.zeros(64, ml_dtypes.bfloat16))
+    lib["main"](tvm.runtime.tensor(x), out)
+    want = (TRUTH[name](x * 2) + 1).astype(np.float32).astype(ml_dtypes.bfloat16)
+    got = out.numpy()
+    # one bfloat16 step apart at most (libm's float32 value, then one rounding)
+    assert np.all(np.abs(got.astype(np.float64) - want.astype(np.float64)) <= np.abs(want.astype(np.float64)) * 2**-7)
+
+
+def _rewrite_ignoring_the_rule(func):  # noqa: ANN001, ANN202 - PrimFunc -> PrimFunc
+    """func with every call rewritten, the bfloat16 rule ignored (to show what it prevents)."""
+    import tvm
+    import tvm_ffi
+
+    from vtool.schedules.cpu import vector_math
+
+    def rewrite(call):  # noqa: ANN001, ANN202
+        make = vector_math._REWRITES.get(call.op) if isinstance(call.op, tvm.ir.Op) else None
+        return make(call.args[0]) if make is not None else call
+
+    return tvm_ffi.structural_map(func, [(tvm.ir.Call, rewrite)])

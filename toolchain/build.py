@@ -113,7 +113,7 @@ def compile_cpu(plan: BuildPlan, library_path: Path, progress: Progress) -> dict
                                                      plan.attention, plan.activations)
     records = _tuning_records(target_spec, progress, plan.records)
     progress(f"compiling for {target_spec.name}")
-    with target:
+    with target, plan.family.pass_context(plan.dtype):
         executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(target, target_spec.family,
                                                                                   plan.gemm, records=records))
     _report_tuning(records, progress)
@@ -199,7 +199,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     t0 = time.perf_counter()
     try:
         with cuda.fatbin_callback(target_spec.archs, target_spec.ptx, record), target, \
-                pass_context(target_spec.family):
+                pass_context(target_spec.family, dtype):
             executable = tvm.compile(mod, target=target, relax_pipeline=build_pipeline(
                 target, target_spec.family, gemm, records=tuning, graph_sizes=graph_sizes))
     except Exception:

@@ -64,6 +64,7 @@ class Family:
     schedules: str  # the rule set under vtool.schedules (a subpackage exporting schedule_pass())
     opt_level: int | None  # the PassContext it compiles under; None: the ambient one
     pass_config: Mapping[str, Any]
+    dtype_pass_config: Mapping[str, Mapping[str, Any]]  # dtype -> config added for builds of that dtype
     # batch sizes whose batched decode runs from CUDA graphs (what --cuda-graph-sizes auto picks;
     # () for a family without graphs, where any other value is refused)
     graph_batch_sizes: tuple[int, ...]
@@ -88,14 +89,16 @@ class Family:
         """TVM's Relax backend pipeline module (library_dispatch_passes, ...)."""
         return importlib.import_module(f"{self.relax_backend}.pipeline")
 
-    def pass_context(self) -> Any:
-        """The PassContext a build compiles under (`vtool tune` extracts kernels under it too:
-        passes and configs that differ would give kernels whose hashes no build looks up)."""
-        if self.opt_level is None:
+    def pass_context(self, dtype: str | None = None) -> Any:
+        """The PassContext a build of `dtype` compiles under (`vtool tune` extracts kernels under
+        it too: passes and configs that differ would give kernels whose hashes no build looks up)."""
+        config = {**self.pass_config, **self.dtype_pass_config.get(dtype or "", {})}
+        if self.opt_level is None and not config:
             return contextlib.nullcontext()
         import tvm
 
-        return tvm.transform.PassContext(opt_level=self.opt_level, config=dict(self.pass_config))
+        opt_level = self.opt_level if self.opt_level is not None else tvm.transform.PassContext.current().opt_level
+        return tvm.transform.PassContext(opt_level=opt_level, config=config)
 
 
 # --- hooks (each imports its module when called) ------------------------------------------------
@@ -216,6 +219,15 @@ def _describe_cuda(family: Family, gemm: str, graph_sizes: tuple[int, ...] = ())
 
 # --- the table -------------------------------------------------------------------------------
 
+# bfloat16 CPU builds compile without TIR's common-subexpression pass. The CPU's vector exp,
+# sigmoid, tanh, erf, sin and cos are chains of Let expressions (schedules/cpu/vector_math.py);
+# BF16ComputeLegalize's float32 -> bfloat16 rounding reads its operand twice, so such a chain
+# appears twice, and TVM 0.27's CSE then hoists a piece of it above the Let that binds its
+# variable ("variable cse_v16 has been used before definition", first in fused_rope). CUDA
+# builds run without the pass for the same fault. LLVM still eliminates common subexpressions.
+_CPU_DTYPE_PASS_CONFIG = MappingProxyType({"bfloat16": MappingProxyType({"tirx.disable_cse_tir": True})})
+
+
 def _cpu(name: str, label: str, int8_isa: Callable[[TargetSpec], str | None]) -> Family:
     """x86 and aarch64 share TVM's cpu_generic backend (its passes hold nothing x86-specific)
     and one set of CPU rules (vector_lanes reads the target's width)."""
@@ -223,7 +235,8 @@ def _cpu(name: str, label: str, int8_isa: Callable[[TargetSpec], str | None]) ->
         name=name, label=label, device="cpu",
         quantized_kernels=True, why_auto_dequantizes_gguf=_keeps_every_format, int8_isa=int8_isa, gemm=("tir",), gemm_auto=MappingProxyType({}), attention=("tir",),
         relax_backend="tvm.relax.backend.cpu_generic", model_passes=(), schedules="cpu", opt_level=None,
-        pass_config=MappingProxyType({}), graph_batch_sizes=(), extra_modules=_nothing, describe_pipeline=_describe_cpu,
+        pass_config=MappingProxyType({}), dtype_pass_config=_CPU_DTYPE_PASS_CONFIG,
+        graph_batch_sizes=(), extra_modules=_nothing, describe_pipeline=_describe_cpu,
         check_model=_no_check, toolchain=_cpu_toolchain, compile=_cpu_compile,
         min_rule_us=5.0, tensor_intrinsics=False)
 
@@ -247,6 +260,7 @@ CUDA = Family(
     # pass emits a use before its definition in the KV cache's llama3-rope kernels for CUDA
     # ("cse_v18 has been used before definition").
     pass_config=MappingProxyType({"relax.backend.use_cuda_graph": True, "tirx.disable_cse_tir": True}),
+    dtype_pass_config=MappingProxyType({}),
     # batch_decode's kernel runs captured per batch size, at these sizes (vLLM's default list, to
     # 128); a decode step is padded up to the next one (toolchain/pipeline.py, decode_buckets.py)
     graph_batch_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128),

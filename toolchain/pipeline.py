@@ -52,11 +52,11 @@ def pass_config(family: str) -> dict[str, Any]:
     return dict(family_named(family).pass_config)
 
 
-def pass_context(family: str) -> Any:
-    """The PassContext a build of this family compiles under (CPU builds: the ambient one).
-    `vtool tune` extracts kernels under it too: passes and configs that differ would give
-    kernels whose hashes no build looks up."""
-    return family_named(family).pass_context()
+def pass_context(family: str, dtype: str | None = None) -> Any:
+    """The PassContext a build of this family and dtype compiles under (CPU builds: the ambient
+    one, bfloat16's config added). `vtool tune` extracts kernels under it too: passes and
+    configs that differ would give kernels whose hashes no build looks up."""
+    return family_named(family).pass_context(dtype)
 
 
 def describe(family: str, gemm: str = "tir", graph_sizes: tuple[int, ...] = ()) -> dict[str, Any]:

@@ -107,7 +107,7 @@ def plan_kernels(plan: BuildPlan, progress: Callable[[str], None] | None = None)
     target, mod, _params, _eps = model_module(plan.config, plan.target, plan.dtype, progress, dict(plan.kept),
                                               plan.attention, plan.activations, plan.gemm)
     progress(f"extracting the kernels (gemm {plan.gemm}, attention {plan.attention}, activations {plan.activations})")
-    with target, family.pass_context():
+    with target, family.pass_context(plan.dtype):
         mod = build_pipeline(target, family.name, plan.gemm, until_schedules=True)(mod)
     return target, mod
 

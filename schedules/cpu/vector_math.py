@@ -238,18 +238,41 @@ _REWRITES = {_EXP: polynomial_exp, _SIGMOID: polynomial_sigmoid, _TANH: polynomi
              _SIN: polynomial_sin, _COS: polynomial_cos}
 
 
+def _calls_rounded_to_bfloat16(func: tirx.PrimFunc) -> list[tvm.ir.Call]:
+    """The calls inside a cast to bfloat16. TVM's BF16ComputeLegalize rounds such a cast's
+    operand with integer arithmetic that reads it twice, so the operand is copied whole; a
+    copied Let chain then binds each of its variables twice, which VectorizeLoop refuses ("Let
+    cannot bind the same var to two different values") and CSE mangles ("used before
+    definition"). These calls keep libm's scalar functions."""
+    inside: list[tvm.ir.Call] = []
+
+    def collect(node: tvm.ir.Call) -> None:
+        inside.append(node)
+
+    def on_cast(cast: tirx.Cast) -> None:
+        if str(cast.ty).startswith("bfloat16"):
+            tvm_ffi.structural_walk(cast.value, [(tvm.ir.Call, collect)])
+
+    tvm_ffi.structural_walk(func.body, [(tirx.Cast, on_cast)])
+    return inside
+
+
 def vectorizable_math(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """`func` with every float32 exp, sigmoid, tanh, erf, sin and cos written as vector arithmetic, or None
     when it has none, or when it is an attention kernel (a `sm_scale` parameter): their only
     such call is a soft-capped score's tanh (Gemma-2), inside masks and the online softmax's
-    selects, where TVM's simplifier then took 18-56 s to compile one kernel (against under 2 s)."""
+    selects, where TVM's simplifier then took 18-56 s to compile one kernel (against under 2 s).
+    Calls whose result is rounded to bfloat16 stay as they are (_calls_rounded_to_bfloat16)."""
     if any(getattr(p, "name", None) == "sm_scale" for p in func.params):
         return None
     hits: list[tvm.ir.Call] = []
+    kept = _calls_rounded_to_bfloat16(func)
 
     def rewrite(call: tvm.ir.Call) -> tirx.PrimExpr:
         make = _REWRITES.get(call.op) if isinstance(call.op, tvm.ir.Op) else None
         if make is None or len(call.args) != 1 or not re.fullmatch(r"float32(x\d+)?", str(call.ty)):
+            return call
+        if any(call.same_as(k) for k in kept):
             return call
         hits.append(call)
         return make(call.args[0])
