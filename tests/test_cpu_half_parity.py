@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from half_oracle import SMOLLM2_NEAR_TIE, STEPS, TINY_NEAR_TIE_REF_ERRS, check_greedy, check_half, half_reference
+from half_oracle import (SMOLLM2_NEAR_TIE, STEPS, TINY_NEAR_TIE_REF_ERRS, check_greedy, check_half, half_reference,
+                         run_engine)
 from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.engine.generate import Generator
 from vtool.runtime.sampling.params import SamplingParams
@@ -91,15 +92,7 @@ def test_smollm2_bfloat16_engine_batch_matches_transformers(smollm2_bf16):
     session, tokenizer, prompts, refs = smollm2_bf16
     engine = Engine(session, EngineConfig(max_num_seqs=4, enable_prefix_caching=False))
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params)
-    done: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    for _ in range(10 * STEPS):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            done[out.request_id].extend(out.new_token_ids)
-    assert not engine.has_unfinished(), "the engine stopped making progress"
+    done = run_engine(engine, prompts, lambda _i: params)
     for i, ref in enumerate(refs):
         check_greedy(f"smollm2 bf16 engine #{i}", done[f"r{i}"], ref["tokens"], ref["logits"],
                      near_tie=SMOLLM2_NEAR_TIE, decode=tokenizer.decode)

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from half_oracle import (SMOLLM2_NEAR_TIE, STEPS, TINY_NEAR_TIE_REF_ERRS, check_greedy, check_half,
-                         first_divergence, half_reference, hf_greedy, max_abs)
+                         first_divergence, half_reference, hf_greedy, max_abs, run_engine)
 from hf_oracle import load_gguf_model, load_gguf_tokenizer
 from tiny_models import GPU_DIAGNOSTIC_SHAPES, TINY_SHAPES, make_tiny_model
 from vtool import VtoolError
@@ -383,25 +383,11 @@ def test_smollm2_bfloat16_engine_batch_matches_transformers(smollm2):
           f"of {total / 2**30:.1f}")
     assert engine.kv.blocks.num_blocks >= min(cap, int(free_before * 0.5) // per_block)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    done = _run_engine(engine, prompts, lambda _i: params)
+    done = run_engine(engine, prompts, lambda _i: params)
     assert engine.kv.in_sync(), "block mirror and TVM disagree"
     for i, ref in enumerate(refs):
         check_greedy(f"smollm2 engine #{i}", done[f"r{i}"], ref["tokens"], ref["logits"],
                      near_tie=SMOLLM2_NEAR_TIE, decode=tokenizer.decode)
-
-
-def _run_engine(engine: Any, prompts: list[list[int]], params_for: Any) -> dict[str, list[int]]:
-    """Request r{i} = prompts[i] with params_for(i); step until all finish; the tokens of each."""
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params_for(i))
-    done: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    for _ in range(10 * STEPS):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            done[out.request_id].extend(out.new_token_ids)
-    assert not engine.has_unfinished(), "the engine stopped making progress"
-    return done
 
 
 def _engine_tokens(session, prompts, params_for, device_sampling: bool) -> tuple[dict, Any]:
@@ -409,7 +395,7 @@ def _engine_tokens(session, prompts, params_for, device_sampling: bool) -> tuple
 
     engine = Engine(session, EngineConfig(max_num_seqs=4, enable_prefix_caching=False,
                                           gpu_memory_utilization=0.3, device_sampling=device_sampling))
-    return _run_engine(engine, prompts, params_for), engine
+    return run_engine(engine, prompts, params_for), engine
 
 
 @pytest.mark.gpu
@@ -579,7 +565,7 @@ def test_smollm2_as_its_own_draft_changes_no_greedy_token_on_the_gpu(smollm2, ar
         return rows(*args)
 
     engine.runner._finish_greedy_rows = counted_rows
-    got = _run_engine(engine, prompts[:1], lambda _i: greedy)
+    got = run_engine(engine, prompts[:1], lambda _i: greedy)
     stats = engine.stats()
     print(f"[smollm2 self-draft] {calls}, {stats['spec_num_accepted_tokens']}/{stats['spec_num_draft_tokens']} kept")
     assert got == plain
@@ -588,7 +574,7 @@ def test_smollm2_as_its_own_draft_changes_no_greedy_token_on_the_gpu(smollm2, ar
     assert engine.kv.in_sync() and engine.kv_usage() == 0.0
     mixed = [greedy, SamplingParams(temperature=0.8, seed=5, max_tokens=STEPS, ignore_eos=True)]
     calls["device_verifies"] = 0
-    both = _run_engine(engine, prompts[:2], lambda i: mixed[i])
+    both = run_engine(engine, prompts[:2], lambda i: mixed[i])
     assert both["r0"] == plain["r0"] and calls["device_verifies"] == 0
     assert engine.kv.in_sync() and engine.kv_usage() == 0.0
 
@@ -637,7 +623,7 @@ def test_tiny_model_as_its_own_draft_takes_its_argmax_on_the_gpu(artifacts, tmp_
         return argmax_rows(*args)
 
     runner.argmax_rows = counted
-    got = _run_engine(engine, prompts, lambda _i: greedy)
+    got = run_engine(engine, prompts, lambda _i: greedy)
     stats = engine.stats()
     print(f"[tiny self-draft] {calls}, {stats['spec_num_accepted_tokens']}/{stats['spec_num_draft_tokens']} kept")
     assert got == plain

@@ -273,7 +273,7 @@ def _prompts(batch: int) -> list[list[int]]:
 
 def _engine_greedy(path: Path, artifact: Path, prompts: list[list[int]], tmp_path_factory) -> dict[str, list[int]]:
     """Every prompt through one engine, greedy, STEPS tokens each: request r{i}'s tokens."""
-    from test_gpu_parity import _run_engine
+    from half_oracle import run_engine
     from vtool.runtime.artifact.library import CompiledModel
     from vtool.runtime.engine.engine import Engine, EngineConfig
     from vtool.runtime.engine.generate import Generator
@@ -289,7 +289,7 @@ def _engine_greedy(path: Path, artifact: Path, prompts: list[list[int]], tmp_pat
     session = Session(ckpt, model, tokenizer, [], 128, Generator(model, 128))
     engine = Engine(session, EngineConfig(max_num_seqs=len(prompts), enable_prefix_caching=False,
                                           gpu_memory_utilization=0.3))
-    return _run_engine(engine, prompts, lambda i: SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
+    return run_engine(engine, prompts, lambda i: SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
 
 
 def _word_tokenizer(folder: Path) -> Path:

@@ -3,7 +3,7 @@ logits against the float32 truth, bounded by transformers' own error in the same
 same device, and greedy tokens equal up to a near-tie of the reference.
 
 Used by tests/test_gpu_parity.py and test_gpu_quantized.py (CUDA) and test_cpu_half_parity.py
-(the CPU builds)."""
+(the CPU builds); run_engine, every request's tokens from the batching engine."""
 from __future__ import annotations
 
 from typing import Any
@@ -131,3 +131,19 @@ def check_half(label: str, gen: Generator, prompt: list[int], ref: dict[str, Any
     assert decode_errs[worst] <= bound, (f"{label}: decode-path logits at step {worst} are "
                                          f"{decode_errs[worst]:.3f} from float32 > {bound:.3f}")
     check_greedy(label, result.token_ids, ref["tokens"], ref["logits"], near_tie=near_tie, decode=decode)
+
+
+# -- the batching engine ----------------------------------------------------------------------
+
+def run_engine(engine: Any, prompts: list[list[int]], params_for: Any) -> dict[str, list[int]]:
+    """Request r{i} = prompts[i] with params_for(i); step until all finish; the tokens of each."""
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params_for(i))
+    done: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for _ in range(10 * STEPS):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            done[out.request_id].extend(out.new_token_ids)
+    assert not engine.has_unfinished(), "the engine stopped making progress"
+    return done
