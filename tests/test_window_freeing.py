@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_oracle import greedy
+from hf_oracle import float32_rounding, greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vtool import VtoolError
@@ -43,10 +43,12 @@ PROMPT = [1] + np.random.default_rng(1).integers(3, 500, 39).tolist()  # 40 toke
 STEPS = 60  # 100 tokens in all: 7 blocks of 16 kept on the per-layer cache
 WINDOW, KEPT = 8, 7  # a sequence keeps window - 1 tokens; the query is the window's last
 BOUND = blocks_for_window(KEPT, 16)  # 2 blocks per sequence at most
+# Bounds on top of transformers' own float32 rounding on the run (hf_oracle.float32_rounding, as
+# test_parity_tiny): tiny Mistral's float32 decode is 6.2e-5 from its float64 run over these 60
+# steps. Past 24 steps the per-layer cache measured 1.01e-4 (Xeon, AVX-512) and 1.44e-4 (AMD EPYC
+# Zen 3, AVX2); the freeing cache 9.7e-5 and 1.04e-4 (Mistral), 7.5e-5 and 7.0e-5 (Phi-3), its
+# AVX2 figure reached by step 24.
 TOL = 1e-4
-# Past 24 steps: transformers' own float32 decode drifts from its float64 run by 3.4e-5 over these
-# 60 steps (tiny Mistral), and the per-layer cache measures 1.01e-4 on them; the freeing cache
-# measured 9.7e-5 (Mistral) and 7.5e-5 (Phi-3).
 TOL_LONG = 2e-4
 
 
@@ -60,9 +62,10 @@ def hf_model(folder: Path):
 def windowed(request, tiny_shape_dir):
     folder = tiny_shape_dir(request.param)
     artifact = build_artifact(folder, "host", "float32")
+    ref = greedy(hf_model(folder), PROMPT, STEPS)
     return types.SimpleNamespace(name=request.param, folder=folder, artifact=artifact,
-                                 model=CompiledModel(artifact, open_checkpoint(folder)),
-                                 ref=greedy(hf_model(folder), PROMPT, STEPS))
+                                 model=CompiledModel(artifact, open_checkpoint(folder)), ref=ref,
+                                 rounding=float32_rounding(folder, PROMPT, ref, attn_implementation="eager"))
 
 
 def session_of(w) -> Session:
@@ -96,8 +99,10 @@ def test_generation_past_the_window_matches_transformers(windowed):
                           on_token=lambda _t: held.append(total - int(available(gen._kv))))
     assert result.token_ids == ref_tokens
     errors = [float(np.abs(a - b).max()) for a, b in zip(seen, ref_logits)]
-    print(windowed.name, "prompt", prompt, "first 24 steps", max(errors[:24]), "all", max(errors), "held", held)
-    assert prompt < TOL and max(errors[:24]) < TOL and max(errors) < TOL_LONG
+    print(windowed.name, "prompt", prompt, "first 24 steps", max(errors[:24]), "all", max(errors), "held", held,
+          "transformers' float32 rounding", windowed.rounding)
+    tol, tol_long = TOL + windowed.rounding, TOL_LONG + windowed.rounding
+    assert prompt < tol and max(errors[:24]) < tol and max(errors) < tol_long
     assert max(held) <= BOUND and held[-1] >= 1
 
 
@@ -254,7 +259,7 @@ def test_a_step_on_a_full_cache_borrows_the_page_its_slide_frees(windowed):
         assert kv.in_sync() and kv.blocks.num_free_blocks == 0
     err = float(np.abs(np.concatenate(logits) - windowed.ref[0]).max())
     print(windowed.name, "borrowing steps: max |diff|", err)
-    assert err < TOL
+    assert err < TOL + windowed.rounding
 
 
 # -- the mirror alone, against a model of TVM's page table (paged_kv_cache.cc) ----------------------
