@@ -65,6 +65,7 @@ class Family:
     opt_level: int | None  # the PassContext it compiles under; None: the ambient one
     pass_config: Mapping[str, Any]
     dtype_pass_config: Mapping[str, Mapping[str, Any]]  # dtype -> config added for builds of that dtype
+    dtype_notice: Mapping[str, str]  # dtype -> what a build of that dtype is told (a slow path, say)
     # batch sizes whose batched decode runs from CUDA graphs (what --cuda-graph-sizes auto picks;
     # () for a family without graphs, where any other value is refused)
     graph_batch_sizes: tuple[int, ...]
@@ -227,6 +228,15 @@ def _describe_cuda(family: Family, gemm: str, graph_sizes: tuple[int, ...] = ())
 # builds run without the pass for the same fault. LLVM still eliminates common subexpressions.
 _CPU_DTYPE_PASS_CONFIG = MappingProxyType({"bfloat16": MappingProxyType({"tirx.disable_cse_tir": True})})
 
+def _cpu_half_notice(dtype: str) -> str:
+    return (f"--dtype {dtype} on a CPU target: it matches transformers, but vtool's CPU kernels are made for "
+            "float32: attention runs on TVM's serial kernels, and prompts and decode over GGUF blocks take "
+            "longer than at float32 (only dense-weight decode gains from the halved bytes; BENCHMARKS.md, "
+            "'Half precision on the CPU'); float32, the default, is the fast CPU choice")
+
+
+_CPU_DTYPE_NOTICE = MappingProxyType({dtype: _cpu_half_notice(dtype) for dtype in ("bfloat16", "float16")})
+
 
 def _cpu(name: str, label: str, int8_isa: Callable[[TargetSpec], str | None]) -> Family:
     """x86 and aarch64 share TVM's cpu_generic backend (its passes hold nothing x86-specific)
@@ -235,7 +245,7 @@ def _cpu(name: str, label: str, int8_isa: Callable[[TargetSpec], str | None]) ->
         name=name, label=label, device="cpu",
         quantized_kernels=True, why_auto_dequantizes_gguf=_keeps_every_format, int8_isa=int8_isa, gemm=("tir",), gemm_auto=MappingProxyType({}), attention=("tir",),
         relax_backend="tvm.relax.backend.cpu_generic", model_passes=(), schedules="cpu", opt_level=None,
-        pass_config=MappingProxyType({}), dtype_pass_config=_CPU_DTYPE_PASS_CONFIG,
+        pass_config=MappingProxyType({}), dtype_pass_config=_CPU_DTYPE_PASS_CONFIG, dtype_notice=_CPU_DTYPE_NOTICE,
         graph_batch_sizes=(), extra_modules=_nothing, describe_pipeline=_describe_cpu,
         check_model=_no_check, toolchain=_cpu_toolchain, compile=_cpu_compile,
         min_rule_us=5.0, tensor_intrinsics=False)
@@ -260,7 +270,7 @@ CUDA = Family(
     # pass emits a use before its definition in the KV cache's llama3-rope kernels for CUDA
     # ("cse_v18 has been used before definition").
     pass_config=MappingProxyType({"relax.backend.use_cuda_graph": True, "tirx.disable_cse_tir": True}),
-    dtype_pass_config=MappingProxyType({}),
+    dtype_pass_config=MappingProxyType({}), dtype_notice=MappingProxyType({}),
     # batch_decode's kernel runs captured per batch size, at these sizes (vLLM's default list, to
     # 128); a decode step is padded up to the next one (toolchain/pipeline.py, decode_buckets.py)
     graph_batch_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128),

@@ -271,6 +271,8 @@ def resolve_plan(checkpoint: Checkpoint, target: str | TargetSpec, options: Buil
     shapes = {n: t.shape for n, t in checkpoint.tensors().items()}
     check_checkpoint_shapes(cfg, shapes, str(checkpoint.path))
     family.check_model(cfg, options.dtype)
+    if notice and options.dtype in family.dtype_notice:
+        notice(family.dtype_notice[options.dtype])
     quantization, kept, dense = resolve_quantization(options.quantization, checkpoint, cfg, spec, options.dtype,
                                                      notice=notice)
     quantize_now = quantization in SCHEMES
