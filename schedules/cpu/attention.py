@@ -37,6 +37,36 @@ NAME = "batch_prefill_ragged_kv"
 LANES = 16  # float32 lanes of the dot products (AVX-512); the head dim must be a multiple of it
 TILE = LANES  # keys per online-softmax step: one vector of scores
 LOG2E = math.log2(math.e)
+# The caches these kernels read: float32, or 16 bits (a bfloat16/float16 build's). Scores, the
+# online softmax and the accumulator are float32 whatever the cache; a 16-bit value is widened
+# exactly when loaded and the output rounded once when stored.
+KV_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def widen(value: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A scalar or vector load as float32 (a 16-bit value widened exactly); float32 unchanged.
+    bfloat16 is widened on its bits (the high half of a float32): a cast left to TVM's bfloat16
+    legalization inside sum_tile's Let chain came out as garbage (scores of 1e10)."""
+    kind = str(value.ty)
+    base, _, lanes = kind.partition("x")
+    suffix = f"x{lanes}" if lanes else ""
+    if base == "float32":
+        return value
+    if base == "bfloat16":
+        bits = T.Cast("uint32" + suffix, T.reinterpret("uint16" + suffix, value))
+        return T.reinterpret("float32" + suffix, T.shift_left(bits, tirx.const(16, "uint32" + suffix)
+                                                              if suffix else tirx.const(16, "uint32")))
+    return T.Cast("float32" + suffix, value)
+
+
+def narrow(buffer: tirx.Buffer, value: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A float32 `value` as `buffer`'s dtype (one rounding for a 16-bit buffer)."""
+    return value if str(buffer.dtype) == "float32" else T.Cast(str(buffer.dtype), value)
+
+
+def vload32(buffer: tirx.Buffer, indices: list) -> tirx.PrimExpr:
+    """LANES consecutive values of `buffer` from `indices`, as float32xLANES."""
+    return widen(buffer.vload(indices, f"{buffer.dtype}x{LANES}"))
 
 
 def _shape(func: tirx.PrimFunc, index: int) -> list | None:
@@ -59,9 +89,9 @@ def rewrite_prefill_ragged(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | No
     except TypeError:
         return None
     dtype = str(func.params[0].dtype)
-    if dtype != "float32" or h_q % h_kv or d_qk % LANES or d_v % LANES or int(k[2]) != d_qk:
+    if dtype not in KV_DTYPES or h_q % h_kv or d_qk % LANES or d_v % LANES or int(k[2]) != d_qk:
         return None
-    new = _kernel(h_kv, h_q, d_qk, d_v, softcap_of(func))
+    new = _kernel(h_kv, h_q, d_qk, d_v, softcap_of(func), dtype)
     return new.with_attrs(func.attrs) if func.attrs is not None else new
 
 
@@ -74,8 +104,9 @@ def _balanced(j: tirx.PrimExpr, n: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.if_then_else(j % 2 == 0, j // 2, n - 1 - j // 2)
 
 
-def _kernel(h_kv: int, h_q: int, d_qk: int, d_v: int, softcap: float = 0.0) -> tirx.PrimFunc:
-    """`softcap`: the attention logit soft-cap of the kernel replaced (schedules/softcap.py; 0: none)."""
+def _kernel(h_kv: int, h_q: int, d_qk: int, d_v: int, softcap: float = 0.0, dtype: str = "float32") -> tirx.PrimFunc:
+    """`softcap`: the attention logit soft-cap of the kernel replaced (schedules/softcap.py; 0: none).
+    `dtype`: q, k, v and output's (KV_DTYPES)."""
     group = h_q // h_kv
     n_vc = d_v // LANES
     neg = -5e4  # TVM's kernels' "minus infinity" (finite: exp2 of a difference stays defined)
@@ -94,16 +125,16 @@ def _kernel(h_kv: int, h_q: int, d_qk: int, d_v: int, softcap: float = 0.0) -> t
         kv_indptr_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         k_rope_pos_offset_elem_offset = T.int32()
-        q = T.match_buffer(var_q, (qo_len, h_q, d_qk), "float32")
+        q = T.match_buffer(var_q, (qo_len, h_q, d_qk), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        k = T.match_buffer(var_k, (kv_len, h_kv, d_qk), "float32")
-        v = T.match_buffer(var_v, (kv_len, h_kv, d_v), "float32")
+        k = T.match_buffer(var_k, (kv_len, h_kv, d_qk), dtype)
+        v = T.match_buffer(var_v, (kv_len, h_kv, d_v), dtype)
         kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32",  # noqa: F841
                                          elem_offset=q_rope_position_elem_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",  # noqa: F841
                                            elem_offset=k_rope_pos_offset_elem_offset)
-        output = T.match_buffer(var_output, (qo_len, h_q, d_v), "float32")
+        output = T.match_buffer(var_output, (qo_len, h_q, d_v), dtype)
         lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
 
         T.Assert(rotary_mode == 0, "vtool's CPU prefill attention takes rotary_mode 0 (rope applied before the cache)")
@@ -152,9 +183,10 @@ def _kernel(h_kv: int, h_q: int, d_qk: int, d_v: int, softcap: float = 0.0) -> t
                                 st[1] = st[1] + s[t]
                                 for c in T.unroll(n_vc):
                                     for j in T.vectorized(LANES):
-                                        acc[c * LANES + j] = acc[c * LANES + j] + s[t] * v[kv0 + kt * TILE + t, hk, c * LANES + j]
+                                        acc[c * LANES + j] = acc[c * LANES + j] + s[t] * widen(v[kv0 + kt * TILE + t, hk, c * LANES + j])
                     for i in T.vectorized(d_v):
-                        output[q_row, h, i] = T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0))
+                        output[q_row, h, i] = narrow(output, T.if_then_else(st[1] > T.float32(0), acc[i] / st[1],
+                                                                            T.float32(0)))
                     lse[q_row, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(neg))
 
     return batch_prefill_ragged_kv
@@ -180,9 +212,9 @@ def rewrite_decode_paged(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | None
         h_q, d, h_kv, page_size = int(q[1]), int(q[2]), int(pages[2]), int(pages[3])
     except TypeError:
         return None
-    if str(func.params[0].dtype) != "float32" or h_q % h_kv or d % LANES or int(pages[4]) != d:
+    if str(func.params[0].dtype) not in KV_DTYPES or h_q % h_kv or d % LANES or int(pages[4]) != d:
         return None
-    new = _decode_kernel(h_kv, h_q, d, page_size, softcap_of(func))
+    new = _decode_kernel(h_kv, h_q, d, page_size, softcap_of(func), str(func.params[0].dtype))
     return new.with_attrs(func.attrs) if func.attrs is not None else new
 
 
@@ -226,10 +258,10 @@ def _page_attention(d: int, page_size: int, softcap: float = 0.0):  # noqa: ANN2
                     for t in T.serial(page_size):
                         if p * page_size + t < n_keys:
                             for j in T.vectorized(LANES):
-                                part[j] = q[row, h, j] * pages[page, 0, hk, t, j]
+                                part[j] = widen(q[row, h, j]) * widen(pages[page, 0, hk, t, j])
                             for c in T.unroll(1, n_c):
                                 for j in T.vectorized(LANES):
-                                    part[j] = part[j] + q[row, h, c * LANES + j] * pages[page, 0, hk, t, c * LANES + j]
+                                    part[j] = part[j] + widen(q[row, h, c * LANES + j]) * widen(pages[page, 0, hk, t, c * LANES + j])
                             for j in T.vectorized(8):  # a tree, not a 16-add chain
                                 part[j] = part[j] + part[j + 8]
                             for j in T.vectorized(4):
@@ -253,15 +285,16 @@ def _page_attention(d: int, page_size: int, softcap: float = 0.0):  # noqa: ANN2
                         st[1] = st[1] + s[t]
                         for c in T.unroll(n_c):
                             for j in T.vectorized(LANES):
-                                acc[c * LANES + j] = acc[c * LANES + j] + s[t] * pages[page, 1, hk, t, c * LANES + j]
+                                acc[c * LANES + j] = acc[c * LANES + j] + s[t] * widen(pages[page, 1, hk, t, c * LANES + j])
             for i in T.vectorized(d):
-                output[row, h, i] = T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0))
+                output[row, h, i] = narrow(output, T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0)))
             lse[row, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(neg))
 
     return attend
 
 
-def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float = 0.0) -> tirx.PrimFunc:
+def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float = 0.0,
+                   dtype: str = "float32") -> tirx.PrimFunc:
     """Parallel over (sequence, query head); one page of keys per online-softmax step; the
     q.k dot products and p.v updates vectorized over the head dimension. With pages of 16
     keys, the page's scores and softmax weights come out 16 at once, as in the paged prefill
@@ -285,8 +318,8 @@ def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float =
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
-        q = T.match_buffer(q_handle, (batch, h_q, d), "float32")
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), "float32")
+        q = T.match_buffer(q_handle, (batch, h_q, d), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), dtype)
         page_indptr = T.match_buffer(page_indptr_handle, (batch + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(page_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
         last_page_len = T.match_buffer(length_info_handle, (batch,), "int32", elem_offset=length_info_elem_offset)
@@ -294,7 +327,7 @@ def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float =
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(q_rope_position_handle, (batch,), "int32",  # noqa: F841
                                          elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(output_handle, (batch, h_q, d), "float32")
+        output = T.match_buffer(output_handle, (batch, h_q, d), dtype)
         lse = T.match_buffer(lse_handle, (batch, h_q), "float32")
 
         T.Assert(rotary_mode == 0, "vtool's CPU decode attention takes rotary_mode 0 (rope applied before the cache)")
@@ -314,21 +347,18 @@ def _decode_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float =
 def _page_scores(q: tirx.Buffer, pages: tirx.Buffer, q_row: tirx.PrimExpr, h: tirx.PrimExpr, page: tirx.PrimExpr,
                  hk: tirx.PrimExpr, d: int) -> tirx.PrimExpr:
     """float32x16, lane t = q[q_row, h] . key t of `page` (a page of LANES keys)."""
-    vt = f"float32x{LANES}"
-    return _scores(q, q_row, h, d, lambda t, c: pages.vload([page, 0, hk, t, c * LANES], vt))
+    return _scores(q, q_row, h, d, lambda t, c: vload32(pages, [page, 0, hk, t, c * LANES]))
 
 
 def _ragged_scores(q: tirx.Buffer, k: tirx.Buffer, q_row: tirx.PrimExpr, h: tirx.PrimExpr, hk: tirx.PrimExpr,
                    first: tirx.PrimExpr, last: tirx.PrimExpr, d: int) -> tirx.PrimExpr:
     """float32x16, lane t = q[q_row, h] . k[min(first + t, last), hk] (ragged keys [rows, heads, d])."""
-    vt = f"float32x{LANES}"
-    return _scores(q, q_row, h, d, lambda t, c: k.vload([T.min(first + t, last), hk, c * LANES], vt))
+    return _scores(q, q_row, h, d, lambda t, c: vload32(k, [T.min(first + t, last), hk, c * LANES]))
 
 
 def _scores(q: tirx.Buffer, q_row: tirx.PrimExpr, h: tirx.PrimExpr, d: int, key) -> tirx.PrimExpr:  # noqa: ANN001
     """float32x16, lane t = q[q_row, h] . key t (see dot_tile)."""
-    vt = f"float32x{LANES}"
-    return dot_tile(lambda c: q.vload([q_row, h, c * LANES], vt), key, d)
+    return dot_tile(lambda c: vload32(q, [q_row, h, c * LANES]), key, d)
 
 
 def dot_tile(query, key, d: int) -> tirx.PrimExpr:  # noqa: ANN001 - loaders of float32x16 vectors
@@ -427,13 +457,14 @@ def rewrite_prefill_paged(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | Non
         h_q, d, h_kv, page_size = int(q[1]), int(q[2]), int(pages[2]), int(pages[3])
     except TypeError:
         return None
-    if str(func.params[0].dtype) != "float32" or h_q % h_kv or d % LANES or int(pages[4]) != d:
+    if str(func.params[0].dtype) not in KV_DTYPES or h_q % h_kv or d % LANES or int(pages[4]) != d:
         return None
-    new = _paged_prefill_kernel(h_kv, h_q, d, page_size, softcap_of(func))
+    new = _paged_prefill_kernel(h_kv, h_q, d, page_size, softcap_of(func), str(func.params[0].dtype))
     return new.with_attrs(func.attrs) if func.attrs is not None else new
 
 
-def _paged_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float = 0.0) -> tirx.PrimFunc:
+def _paged_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float = 0.0,
+                          dtype: str = "float32") -> tirx.PrimFunc:
     """Per sequence, parallel over its (query, head) pairs; query i of n sees the first
     kv_len - n + i + 1 keys when causal (TVM's mask), all kv_len otherwise. One page of keys
     per online-softmax step, as the decode kernel."""
@@ -457,9 +488,9 @@ def _paged_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: 
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
-        q = T.match_buffer(var_q, (total_len, h_q, d), "float32")
+        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), "float32")
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
         last_page_len = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset)
@@ -467,7 +498,7 @@ def _paged_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: 
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",  # noqa: F841
                                          elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(var_output, (total_len, h_q, d), "float32")
+        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
 
         T.Assert(rotary_mode == 0, "vtool's CPU paged prefill attention takes rotary_mode 0 (rope applied before the cache)")
@@ -599,10 +630,10 @@ def _window_page_attention(d: int, page_size: int, softcap: float = 0.0):  # noq
                 for t in T.serial(page_size):
                     if p * page_size + t >= s_lo and p * page_size + t < s_hi:
                         for j in T.vectorized(LANES):
-                            part[j] = q[row, h, j] * pages[page, 0, hk, t, j]
+                            part[j] = widen(q[row, h, j]) * widen(pages[page, 0, hk, t, j])
                         for c in T.unroll(1, n_c):
                             for j in T.vectorized(LANES):
-                                part[j] = part[j] + q[row, h, c * LANES + j] * pages[page, 0, hk, t, c * LANES + j]
+                                part[j] = part[j] + widen(q[row, h, c * LANES + j]) * widen(pages[page, 0, hk, t, c * LANES + j])
                         for j in T.vectorized(8):
                             part[j] = part[j] + part[j + 8]
                         for j in T.vectorized(4):
@@ -626,7 +657,7 @@ def _window_page_attention(d: int, page_size: int, softcap: float = 0.0):  # noq
                     st[1] = st[1] + s[t]
                     for c in T.unroll(n_c):
                         for j in T.vectorized(LANES):
-                            acc[c * LANES + j] = acc[c * LANES + j] + s[t] * pages[page, 1, hk, t, c * LANES + j]
+                            acc[c * LANES + j] = acc[c * LANES + j] + s[t] * widen(pages[page, 1, hk, t, c * LANES + j])
 
     @T.macro
     def attend(q, pages, page_values, output, lse, row, h, hk, first, lo0, hi0, lo1, hi1, scale):
@@ -642,7 +673,7 @@ def _window_page_attention(d: int, page_size: int, softcap: float = 0.0):  # noq
             segment(q, pages, page_values, row, h, hk, first, lo0, hi0, scale, acc, part, s, st)
             segment(q, pages, page_values, row, h, hk, first, lo1, hi1, scale, acc, part, s, st)
             for i in T.vectorized(d):
-                output[row, h, i] = T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0))
+                output[row, h, i] = narrow(output, T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0)))
             lse[row, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(neg))
 
     return attend
@@ -663,7 +694,7 @@ def _sliding_shapes(func: tirx.PrimFunc, n_params: int, n_buffers: int, q_at: in
         h_q, d, h_kv, page_size, three = int(q[1]), int(q[2]), int(pages[2]), int(pages[3]), int(length[0])
     except TypeError:
         return None
-    if three != 3 or str(func.params[0].dtype) != "float32" or h_q % h_kv or d % LANES or int(pages[4]) != d:
+    if three != 3 or str(func.params[0].dtype) not in KV_DTYPES or h_q % h_kv or d % LANES or int(pages[4]) != d:
         return None
     return h_q, d, h_kv, page_size
 
@@ -681,12 +712,13 @@ def rewrite_prefill_paged_sliding(name: str, func: tirx.PrimFunc) -> tirx.PrimFu
     windows = set(_WINDOW.findall(func.script()))
     if len(windows) != 1:
         return None
-    new = _sliding_prefill_kernel(dims[2], dims[0], dims[1], dims[3], int(windows.pop()), softcap_of(func))
+    new = _sliding_prefill_kernel(dims[2], dims[0], dims[1], dims[3], int(windows.pop()), softcap_of(func),
+                                  str(func.params[0].dtype))
     return new.with_attrs(func.attrs) if func.attrs is not None else new
 
 
 def _sliding_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int, window: int,
-                            softcap: float = 0.0) -> tirx.PrimFunc:
+                            softcap: float = 0.0, dtype: str = "float32") -> tirx.PrimFunc:
     group = h_q // h_kv
     attend = _window_page_attention(d, page_size, softcap)
 
@@ -707,9 +739,9 @@ def _sliding_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int, window:
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
-        q = T.match_buffer(var_q, (total_len, h_q, d), "float32")
+        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), "float32")
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
         length_info = T.match_buffer(var_length_info, (3, batch_size), "int32", elem_offset=length_info_elem_offset)
@@ -717,7 +749,7 @@ def _sliding_prefill_kernel(h_kv: int, h_q: int, d: int, page_size: int, window:
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",  # noqa: F841
                                          elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(var_output, (total_len, h_q, d), "float32")
+        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
 
         T.Assert(rotary_mode == 0, "vtool's CPU paged prefill attention takes rotary_mode 0 (rope applied before the cache)")
@@ -750,11 +782,12 @@ def rewrite_decode_paged_sliding(name: str, func: tirx.PrimFunc) -> tirx.PrimFun
     dims = _sliding_shapes(func, 13, 9, 0, 1, 4)
     if dims is None:
         return None
-    new = _sliding_decode_kernel(dims[2], dims[0], dims[1], dims[3], softcap_of(func))
+    new = _sliding_decode_kernel(dims[2], dims[0], dims[1], dims[3], softcap_of(func), str(func.params[0].dtype))
     return new.with_attrs(func.attrs) if func.attrs is not None else new
 
 
-def _sliding_decode_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float = 0.0) -> tirx.PrimFunc:
+def _sliding_decode_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap: float = 0.0,
+                           dtype: str = "float32") -> tirx.PrimFunc:
     group = h_q // h_kv
     attend = _window_page_attention(d, page_size, softcap)
 
@@ -773,8 +806,8 @@ def _sliding_decode_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap:
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
-        q = T.match_buffer(q_handle, (batch, h_q, d), "float32")
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), "float32")
+        q = T.match_buffer(q_handle, (batch, h_q, d), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), dtype)
         page_indptr = T.match_buffer(page_indptr_handle, (batch + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(page_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
         length_info = T.match_buffer(length_info_handle, (3, batch), "int32", elem_offset=length_info_elem_offset)
@@ -782,7 +815,7 @@ def _sliding_decode_kernel(h_kv: int, h_q: int, d: int, page_size: int, softcap:
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(q_rope_position_handle, (batch,), "int32",  # noqa: F841
                                          elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(output_handle, (batch, h_q, d), "float32")
+        output = T.match_buffer(output_handle, (batch, h_q, d), dtype)
         lse = T.match_buffer(lse_handle, (batch, h_q), "float32")
 
         T.Assert(rotary_mode == 0, "vtool's CPU decode attention takes rotary_mode 0 (rope applied before the cache)")

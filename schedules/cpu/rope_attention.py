@@ -33,9 +33,9 @@ import re
 from tvm import tirx
 from tvm.script import tirx as T
 
-from vtool.schedules.cpu.attention import (LANES, LOG2E, NAME as RAGGED_NAME, SLIDING_DECODE_NAME,
+from vtool.schedules.cpu.attention import (KV_DTYPES, LANES, LOG2E, NAME as RAGGED_NAME, SLIDING_DECODE_NAME,
                                           SLIDING_PREFILL_NAME, TILE, _balanced, _shape, _sliding_shapes, exp2_tile,
-                                          sum_tile)
+                                          narrow, sum_tile, vload32, widen)
 from vtool.schedules.softcap import capper, softcap_of
 
 # appended by models/window_cache.py to the names of the freeing cache's own kernels (a test
@@ -66,18 +66,19 @@ def rewrite_inline_rope(name: str, func: tirx.PrimFunc, window: int) -> tirx.Pri
     these kernels take. `window`: the cache's window (freeing_window)."""
     rows = 2 * window
     softcap = softcap_of(func)
+    dtype = str(func.params[0].dtype)
     new = None
     if name == RAGGED_NAME + FREEING_SUFFIX:
         dims = _ragged_dims(func)
-        new = _ragged_kernel(*dims, rows, softcap) if dims is not None else None
+        new = _ragged_kernel(*dims, rows, softcap, dtype) if dims is not None else None
     elif name == SLIDING_PREFILL_NAME + FREEING_SUFFIX:
         dims = _sliding_shapes(func, 15, 10, 0, 2, 5)
         if dims is not None and dims[3] == LANES and freeing_window(func) == window:
-            new = _prefill_kernel(dims[2], dims[0], dims[1], window, rows, softcap)
+            new = _prefill_kernel(dims[2], dims[0], dims[1], window, rows, softcap, dtype)
     elif name == SLIDING_DECODE_NAME + FREEING_SUFFIX:
         dims = _sliding_shapes(func, 13, 9, 0, 1, 4)
         if dims is not None and dims[3] == LANES:
-            new = _decode_kernel(dims[2], dims[0], dims[1], rows, softcap)
+            new = _decode_kernel(dims[2], dims[0], dims[1], rows, softcap, dtype)
     if new is None:
         return None
     return new.with_attrs(func.attrs) if func.attrs is not None else new
@@ -98,7 +99,7 @@ def _ragged_dims(func: tirx.PrimFunc) -> tuple[int, int, int] | None:
         h_q, d, h_kv, d_k, d_v = int(q[1]), int(q[2]), int(k[1]), int(k[2]), int(v[2])
     except TypeError:
         return None
-    if str(func.params[0].dtype) != "float32" or h_q % h_kv or d % LANES or d_k != d or d_v != d:
+    if str(func.params[0].dtype) not in KV_DTYPES or h_q % h_kv or d % LANES or d_k != d or d_v != d:
         return None
     return h_kv, h_q, d
 
@@ -154,10 +155,10 @@ def _load_query(d: int):  # noqa: ANN202 - a TVMScript macro
     @T.macro
     def load(q, qv, row, h):
         for j in T.serial(half):
-            qv[0, j] = q[row, h, j]
-            qv[0, j + half] = q[row, h, j + half]
-            qv[1, j] = -q[row, h, j + half]
-            qv[1, j + half] = q[row, h, j]
+            qv[0, j] = widen(q[row, h, j])
+            qv[0, j + half] = widen(q[row, h, j + half])
+            qv[1, j] = -widen(q[row, h, j + half])
+            qv[1, j + half] = widen(q[row, h, j])
 
     return load
 
@@ -192,8 +193,7 @@ def _window_attention(d: int, rows: int, softcap: float):  # noqa: ANN202 - a TV
             s[T.Ramp(0, 1, LANES)] = T.Select(
                 T.Ramp(0, 1, LANES) < T.Broadcast(s_hi - p * LANES, LANES),
                 T.Select(T.Ramp(0, 1, LANES) >= T.Broadcast(s_lo - p * LANES, LANES),
-                         cap(_rotated_scores(qv, tab, lambda t, c: pages.vload([page, 0, hk, t, c * LANES],
-                                                                               f"float32x{LANES}"),
+                         cap(_rotated_scores(qv, tab, lambda t, c: vload32(pages, [page, 0, hk, t, c * LANES]),
                                              lambda t: base - p * LANES - t, rows, d) * T.Broadcast(scale, LANES)),
                          T.Broadcast(T.float32(_NEG), LANES)),
                 T.Broadcast(T.float32(_NEG), LANES))
@@ -211,7 +211,7 @@ def _window_attention(d: int, rows: int, softcap: float):  # noqa: ANN202 - a TV
                     st[1] = st[1] + s[t]
                     for c in T.unroll(n_c):
                         for j in T.vectorized(LANES):
-                            acc[c * LANES + j] = acc[c * LANES + j] + s[t] * pages[page, 1, hk, t, c * LANES + j]
+                            acc[c * LANES + j] = acc[c * LANES + j] + s[t] * widen(pages[page, 1, hk, t, c * LANES + j])
 
     @T.macro
     def attend(q, tab, pages, page_values, output, lse, row, h, hk, first, lo0, hi0, base0, lo1, hi1, base1, scale):
@@ -228,13 +228,15 @@ def _window_attention(d: int, rows: int, softcap: float):  # noqa: ANN202 - a TV
             segment(qv, tab, pages, page_values, hk, first, lo0, hi0, base0, scale, acc, s, st)
             segment(qv, tab, pages, page_values, hk, first, lo1, hi1, base1, scale, acc, s, st)
             for i in T.vectorized(d):
-                output[row, h, i] = T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0))
+                output[row, h, i] = narrow(output, T.if_then_else(st[1] > T.float32(0), acc[i] / st[1],
+                                                                  T.float32(0)))
             lse[row, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(_NEG))
 
     return attend
 
 
-def _ragged_kernel(h_kv: int, h_q: int, d: int, rows: int, softcap: float = 0.0) -> tirx.PrimFunc:
+def _ragged_kernel(h_kv: int, h_q: int, d: int, rows: int, softcap: float = 0.0,
+                   dtype: str = "float32") -> tirx.PrimFunc:
     """schedules/cpu/attention.py's ragged prefill (a chunk attending to itself, causally) with
     the key at row j of sequence b at position k_rope_pos_offset[b] + j."""
     group = h_q // h_kv
@@ -257,16 +259,16 @@ def _ragged_kernel(h_kv: int, h_q: int, d: int, rows: int, softcap: float = 0.0)
         kv_indptr_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         k_rope_pos_offset_elem_offset = T.int32()
-        q = T.match_buffer(var_q, (qo_len, h_q, d), "float32")
+        q = T.match_buffer(var_q, (qo_len, h_q, d), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        k = T.match_buffer(var_k, (kv_len, h_kv, d), "float32")
-        v = T.match_buffer(var_v, (kv_len, h_kv, d), "float32")
+        k = T.match_buffer(var_k, (kv_len, h_kv, d), dtype)
+        v = T.match_buffer(var_v, (kv_len, h_kv, d), dtype)
         kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
-        output = T.match_buffer(var_output, (qo_len, h_q, d), "float32")
+        output = T.match_buffer(var_output, (qo_len, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
 
         T.Assert(rotary_mode == 1, "the window-freeing cache's CPU ragged prefill applies rope inline (rotary_mode 1)")
@@ -311,8 +313,7 @@ def _ragged_kernel(h_kv: int, h_q: int, d: int, rows: int, softcap: float = 0.0)
                             T.Ramp(0, 1, LANES) < T.Broadcast(n_keys - kt * TILE, LANES),
                             cap(_rotated_scores(
                                 qv, tab,
-                                lambda t, c: k.vload([kv0 + T.min(kt * TILE + t, n_kv - 1), hk, c * LANES],
-                                                     f"float32x{LANES}"),
+                                lambda t, c: vload32(k, [kv0 + T.min(kt * TILE + t, n_kv - 1), hk, c * LANES]),
                                 lambda t: base - T.min(kt * TILE + t, n_kv - 1), rows, d)
                                 * T.Broadcast(scale, LANES)),
                             T.Broadcast(T.float32(_NEG), LANES))
@@ -331,15 +332,17 @@ def _ragged_kernel(h_kv: int, h_q: int, d: int, rows: int, softcap: float = 0.0)
                                 for c in T.unroll(n_c):
                                     for j in T.vectorized(LANES):
                                         acc[c * LANES + j] = acc[c * LANES + j] \
-                                            + s[t] * v[kv0 + kt * TILE + t, hk, c * LANES + j]
+                                            + s[t] * widen(v[kv0 + kt * TILE + t, hk, c * LANES + j])
                     for i in T.vectorized(d):
-                        output[q_row, h, i] = T.if_then_else(st[1] > T.float32(0), acc[i] / st[1], T.float32(0))
+                        output[q_row, h, i] = narrow(output, T.if_then_else(st[1] > T.float32(0), acc[i] / st[1],
+                                                                            T.float32(0)))
                     lse[q_row, h] = T.if_then_else(st[1] > T.float32(0), st[0] + T.log2(st[1]), T.float32(_NEG))
 
     return batch_prefill_ragged_kv
 
 
-def _prefill_kernel(h_kv: int, h_q: int, d: int, window: int, rows: int, softcap: float = 0.0) -> tirx.PrimFunc:
+def _prefill_kernel(h_kv: int, h_q: int, d: int, window: int, rows: int, softcap: float = 0.0,
+                    dtype: str = "float32") -> tirx.PrimFunc:
     """The sliding-window paged prefill over the cached keys, query i of a chunk seeing the last
     max(window - i - 1, 0) of them whatever `causal` says (models/window_cache.py `_masked_prefill`
     makes TVM's kernel so; with window - 1 kept keys every query sees exactly `window`)."""
@@ -365,9 +368,9 @@ def _prefill_kernel(h_kv: int, h_q: int, d: int, window: int, rows: int, softcap
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
-        q = T.match_buffer(var_q, (total_len, h_q, d), "float32")
+        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, LANES, d), "float32")
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, LANES, d), dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
         length_info = T.match_buffer(var_length_info, (3, batch_size), "int32", elem_offset=length_info_elem_offset)
@@ -375,7 +378,7 @@ def _prefill_kernel(h_kv: int, h_q: int, d: int, window: int, rows: int, softcap
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(var_output, (total_len, h_q, d), "float32")
+        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
 
         T.Assert(rotary_mode == 1, "the window-freeing cache's CPU paged prefill applies rope inline (rotary_mode 1)")
@@ -414,7 +417,8 @@ def _prefill_kernel(h_kv: int, h_q: int, d: int, window: int, rows: int, softcap
     return batch_prefill_paged_kv_cpu_sliding_window
 
 
-def _decode_kernel(h_kv: int, h_q: int, d: int, rows: int, softcap: float = 0.0) -> tirx.PrimFunc:
+def _decode_kernel(h_kv: int, h_q: int, d: int, rows: int, softcap: float = 0.0,
+                   dtype: str = "float32") -> tirx.PrimFunc:
     """The sliding-window paged decode: every cached key (the sink's, then the window's)."""
     group = h_q // h_kv
     fill = _rope_table(d, rows)
@@ -436,8 +440,8 @@ def _decode_kernel(h_kv: int, h_q: int, d: int, rows: int, softcap: float = 0.0)
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
-        q = T.match_buffer(q_handle, (batch, h_q, d), "float32")
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, LANES, d), "float32")
+        q = T.match_buffer(q_handle, (batch, h_q, d), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, LANES, d), dtype)
         page_indptr = T.match_buffer(page_indptr_handle, (batch + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(page_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
         length_info = T.match_buffer(length_info_handle, (3, batch), "int32", elem_offset=length_info_elem_offset)
@@ -445,7 +449,7 @@ def _decode_kernel(h_kv: int, h_q: int, d: int, rows: int, softcap: float = 0.0)
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(q_rope_position_handle, (batch,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(output_handle, (batch, h_q, d), "float32")
+        output = T.match_buffer(output_handle, (batch, h_q, d), dtype)
         lse = T.match_buffer(lse_handle, (batch, h_q), "float32")
 
         T.Assert(rotary_mode == 1, "the window-freeing cache's CPU decode applies rope inline (rotary_mode 1)")
