@@ -58,29 +58,44 @@ def test_tiny_half_precision_matches_transformers(tiny_shape_dir, shape, dtype):
 
 # -- (b) the default model in bfloat16 ----------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2_bf16():
-    from hf_oracle import load_gguf_model, load_gguf_tokenizer
+# "dense": dequantized to bfloat16 (--quantization none), as the GPU suite's SmolLM2 case;
+# "blocks": the default build, Q4_1/Q8_0 blocks kept and activation rows quantized to Q8_0 for
+# the integer-dot kernels (widened from bfloat16 first), both transformers runs quantizing their
+# Linear inputs the same way (hf_oracle.q8_0_activations).
+SMOLLM2_BUILDS = {"dense": "none", "blocks": "auto"}
+
+
+@pytest.fixture(scope="module", params=sorted(SMOLLM2_BUILDS))
+def smollm2_bf16(request):
+    import contextlib
+
+    from hf_oracle import load_gguf_model, load_gguf_tokenizer, q8_0_activations
     from vtool.runtime.session import open_session
     from vtool.runtime.weights.default_model import default_model_path
 
     gguf = default_model_path()
-    artifact = build_artifact(gguf, "host", "bfloat16", checkpoint=open_checkpoint(gguf))
+    artifact = build_artifact(gguf, "host", "bfloat16", checkpoint=open_checkpoint(gguf),
+                              quantization=SMOLLM2_BUILDS[request.param])
+    activations = json.loads((artifact / "manifest.json").read_text())["activations"]
+    assert activations == ("none" if request.param == "dense" else "q8_0"), activations
     session = open_session(artifact, open_checkpoint(gguf), max_model_len=512)
     hf32 = load_gguf_model(gguf)
     hf16 = load_gguf_model(gguf).to(torch.bfloat16)
     tokenizer = load_gguf_tokenizer(gguf)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in SMOLLM2_PROMPTS]
-    refs = [half_reference(hf32, hf16, ids) for ids in prompts]
-    return session, tokenizer, prompts, refs
+    with contextlib.ExitStack() as stack:
+        if activations == "q8_0":
+            stack.enter_context(q8_0_activations(hf32))
+            stack.enter_context(q8_0_activations(hf16))
+        refs = [half_reference(hf32, hf16, ids) for ids in prompts]
+    return f"smollm2 bf16 {request.param}", session, tokenizer, prompts, refs
 
 
 @pytest.mark.slow
 def test_smollm2_bfloat16_generator_matches_transformers(smollm2_bf16):
-    session, tokenizer, prompts, refs = smollm2_bf16
+    label, session, tokenizer, prompts, refs = smollm2_bf16
     for i, (ids, ref) in enumerate(zip(prompts, refs)):
-        check_half(f"smollm2 bf16 #{i}", session.generator, ids, ref, near_tie=SMOLLM2_NEAR_TIE,
-                   decode=tokenizer.decode)
+        check_half(f"{label} #{i}", session.generator, ids, ref, near_tie=SMOLLM2_NEAR_TIE, decode=tokenizer.decode)
 
 
 @pytest.mark.slow
@@ -89,10 +104,25 @@ def test_smollm2_bfloat16_engine_batch_matches_transformers(smollm2_bf16):
     sequence's greedy tokens against transformers bf16 for it alone, up to a near-tie."""
     from vtool.runtime.engine.engine import Engine, EngineConfig
 
-    session, tokenizer, prompts, refs = smollm2_bf16
+    label, session, tokenizer, prompts, refs = smollm2_bf16
     engine = Engine(session, EngineConfig(max_num_seqs=4, enable_prefix_caching=False))
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     done = run_engine(engine, prompts, lambda _i: params)
     for i, ref in enumerate(refs):
-        check_greedy(f"smollm2 bf16 engine #{i}", done[f"r{i}"], ref["tokens"], ref["logits"],
+        check_greedy(f"{label} engine #{i}", done[f"r{i}"], ref["tokens"], ref["logits"],
                      near_tie=SMOLLM2_NEAR_TIE, decode=tokenizer.decode)
+
+
+def test_a_bfloat16_build_over_blocks_takes_the_integer_dot_kernels(tmp_path):
+    """A bfloat16 library over GGUF blocks runs the Q8_0-activation kernels its manifest names
+    (they read float32 rows, so the build widens bfloat16 ones first): before, the matmuls took
+    the float path while the manifest said q8_0."""
+    from gguf import GGMLQuantizationType as Q
+    from quant_gguf import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny-q8_0.gguf", lambda _name: Q.Q8_0)
+    artifact = build_artifact(gguf, "host", "bfloat16", checkpoint=open_checkpoint(gguf))
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["activations"] == "q8_0" and manifest["quantized_weights"]["kept"]
+    library = (artifact / "model.so").read_bytes()
+    assert b"q8_0_int8_matmul" in library
