@@ -68,6 +68,7 @@ SMOLLM2_BUILDS = {"dense": "none", "blocks": "auto"}
 @pytest.fixture(scope="module", params=sorted(SMOLLM2_BUILDS))
 def smollm2_bf16(request):
     import contextlib
+    import copy
 
     from hf_oracle import load_gguf_model, load_gguf_tokenizer, q8_0_activations
     from vtool.runtime.session import open_session
@@ -79,8 +80,8 @@ def smollm2_bf16(request):
     activations = json.loads((artifact / "manifest.json").read_text())["activations"]
     assert activations == ("none" if request.param == "dense" else "q8_0"), activations
     session = open_session(artifact, open_checkpoint(gguf), max_model_len=512)
-    hf32 = load_gguf_model(gguf)
-    hf16 = load_gguf_model(gguf).to(torch.bfloat16)
+    hf32 = load_gguf_model(gguf)  # cached for the session and shared: never converted in place
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
     tokenizer = load_gguf_tokenizer(gguf)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in SMOLLM2_PROMPTS]
     with contextlib.ExitStack() as stack:

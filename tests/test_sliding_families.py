@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from eager_parity import compare_greedy, eager_model
+from eager_parity import compare_greedy, eager_model, reference_rounding
 from hf_oracle import greedy
 from vtool.models.config import ConfigError, parse_hf_config
 from vtool.runtime.artifact.library import CompiledModel
@@ -45,8 +45,9 @@ def test_windowed_layers_match_transformers(shape, family, layers, tiny_shape_di
     c = parse_hf_config(json.loads((folder / "config.json").read_text()))
     assert (c.family, c.sliding_window, c.sliding_layers, c.max_position_embeddings) == (family, 8, layers, 512)
     errors = compare(folder, PROMPT)
-    print(shape, "max |diff|", errors)
-    assert max(errors.values()) < TOL, errors
+    rounding = reference_rounding(folder, PROMPT, STEPS)  # AVX2's sum order: 1.04e-4 on Mistral's
+    print(shape, "max |diff|", errors, "transformers' float32 rounding", rounding)
+    assert max(errors.values()) < TOL + rounding, errors
     # the window is real: transformers without it gives other logits past the window
     with torch.no_grad():
         windowed = eager_model(folder)(torch.tensor([PROMPT])).logits[0].numpy()
