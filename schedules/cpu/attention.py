@@ -54,8 +54,7 @@ def widen(value: tirx.PrimExpr) -> tirx.PrimExpr:
         return value
     if base == "bfloat16":
         bits = T.Cast("uint32" + suffix, T.reinterpret("uint16" + suffix, value))
-        return T.reinterpret("float32" + suffix, T.shift_left(bits, tirx.const(16, "uint32" + suffix)
-                                                              if suffix else tirx.const(16, "uint32")))
+        return T.reinterpret("float32" + suffix, T.shift_left(bits, tirx.const(16, "uint32" + suffix)))
     return T.Cast("float32" + suffix, value)
 
 
