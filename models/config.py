@@ -114,6 +114,8 @@ class ModelConfig:
     # norms before AND after attention and the MLP (input, post_attention, pre_feedforward,
     # post_feedforward); the after-norms act on each block's output before the residual add
     sandwich_norms: bool = False
+    # RMSNorms scale by (1 + w), computed in float32 (models/decoder.py PlusOneRMSNorm)
+    norm_plus_one: bool = False
     mlp_act: str = "silu"  # the gate's activation: "silu" or "gelu_tanh"
     embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the embedding dtype
     attn_scale: float = 0.0  # the softmax scale; 0: head_dim ** -0.5
@@ -167,7 +169,7 @@ class ModelConfig:
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers")
 # the Gemma hooks -> their defaults, at which to_dict() leaves them out
 _GEMMA_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
-                 if f.name in ("sandwich_norms", "mlp_act", "embed_scale", "attn_scale", "final_logit_softcap",
+                 if f.name in ("sandwich_norms", "norm_plus_one", "mlp_act", "embed_scale", "attn_scale", "final_logit_softcap",
                                "attn_logit_softcap", "sliding_window", "sliding_layers", "model_rope",
                                "rope_local_theta", "rotary_dim")}
 

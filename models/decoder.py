@@ -93,6 +93,29 @@ def make_linear(path: str, in_features: int, out_features: int, bias: bool, dtyp
     return QuantizedLinear(in_features, out_features, bias, dtype, fmt)
 
 
+def rms_norm(c: ModelConfig, dim: int, dtype: str) -> nn.Module:
+    """The family's RMSNorm over `dim`: Llama's in the model's dtype, or Gemma's (1 + w) one."""
+    return PlusOneRMSNorm(dim, c.rms_norm_eps, dtype) if c.norm_plus_one else \
+        nn.RMSNorm(dim, -1, c.rms_norm_eps, bias=False, dtype=dtype)
+
+
+class PlusOneRMSNorm(nn.Module):
+    """Gemma's RMSNorm, x / rms(x) * (1 + w), computed in float32 as transformers' Gemma norms are,
+    the weight bound as 1 + w in float32 (the plus_one transform, models/gemma.py) and the result
+    cast to the model's dtype. Why float32: 1 + w rounded to bfloat16 drops w's low bits in every
+    norm, which moved a tiny Gemma-2's bfloat16 logits 2.1 from float32 at one position where
+    transformers' own bfloat16 run is 0.3 off (tests/test_cpu_half_parity.py)."""
+
+    def __init__(self, dim: int, eps: float, dtype: str):
+        self.weight = nn.Parameter((dim,), dtype="float32")
+        self.eps, self.dtype = eps, dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        wide = x if x.dtype == "float32" else op.astype(x, "float32")
+        out = op.rms_norm(wide, weight=self.weight, axes=-1, epsilon=self.eps)
+        return out if self.dtype == "float32" else op.astype(out, self.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig, dtype: str, formats: Formats, prefix: str, layer_id: int = 0):
         self.head_dim, self.hq, self.hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
@@ -121,8 +144,7 @@ class Attention(nn.Module):
             # per head (Qwen3), or over all heads at once (OLMo-2)
             q_dim, k_dim = (self.hq * self.head_dim, self.hkv * self.head_dim) if c.qk_norm_full \
                 else (self.head_dim, self.head_dim)
-            self.q_norm = nn.RMSNorm(q_dim, -1, c.rms_norm_eps, bias=False, dtype=dtype)
-            self.k_norm = nn.RMSNorm(k_dim, -1, c.rms_norm_eps, bias=False, dtype=dtype)
+            self.q_norm, self.k_norm = rms_norm(c, q_dim, dtype), rms_norm(c, k_dim, dtype)
 
     def forward(self, x: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
         b, s, _ = x.shape
@@ -171,12 +193,12 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(c, dtype, formats, prefix + "mlp.")
         self.post_norms, self.sandwich_norms = c.post_norms, c.sandwich_norms
         if not c.post_norms:
-            self.input_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
-        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
+            self.input_layernorm = rms_norm(c, c.hidden_size, dtype)
+        self.post_attention_layernorm = rms_norm(c, c.hidden_size, dtype)
         if c.sandwich_norms:
-            self.pre_feedforward_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
+            self.pre_feedforward_layernorm = rms_norm(c, c.hidden_size, dtype)
         if c.post_norms or c.sandwich_norms:
-            self.post_feedforward_layernorm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
+            self.post_feedforward_layernorm = rms_norm(c, c.hidden_size, dtype)
 
     def forward(self, h: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
         if self.sandwich_norms:  # Gemma: a norm before and after each block
@@ -196,7 +218,7 @@ class Backbone(nn.Module):
                              else QuantizedEmbedding(c.vocab_size, c.hidden_size, dtype, embed_fmt))
         self.layers = nn.ModuleList([DecoderLayer(c, dtype, formats, f"model.layers.{i}.", i)
                                      for i in range(c.num_hidden_layers)])
-        self.norm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
+        self.norm = rms_norm(c, c.hidden_size, dtype)
 
 
 class DecoderForCausalLM(nn.Module):

@@ -80,7 +80,7 @@ def _encoder_class() -> type:
     from tvm import te, tirx
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn import Tensor, op
-    from vtool.models.decoder import DecoderLayer
+    from vtool.models.decoder import DecoderLayer, rms_norm
 
     class DenseAttention:
         """What DecoderLayer's Attention asks of a KV cache, answered for whole padded sequences:
@@ -141,7 +141,7 @@ def _encoder_class() -> type:
             self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
             self.layers = nn.ModuleList([DecoderLayer(c, dtype, {}, f"layers.{i}.", i)
                                          for i in range(c.num_hidden_layers)])
-            self.norm = nn.RMSNorm(c.hidden_size, -1, c.rms_norm_eps, bias=False, dtype=dtype)
+            self.norm = rms_norm(c, c.hidden_size, dtype)
 
         def encode(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
             c = self.config

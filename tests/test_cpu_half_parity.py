@@ -4,7 +4,10 @@ and along the decode path, greedy tokens equal up to a near-tie of the reference
 
 (a) Tiny random shapes that reach different CPU kernels: GQA, q/k norms, a sliding window
     (the window-freeing cache's inline-rope attention), Gemma-3 (GELU-tanh, soft-capping, mixed
-    window and global layers), experts.
+    window and global layers), Gemma-2 without its attention cap at head_dim 256 (tiny_models.py's
+    GPU_DIAGNOSTIC_SHAPES: its sharp attention showed the (1 + w) norm weights rounded to
+    bfloat16, 2.07 from float32 at one position against transformers' own 0.56, until they
+    stayed float32: models/decoder.py PlusOneRMSNorm), experts.
 (b) The default model (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantized) in bfloat16 through the
     generator and through the batching engine.
 
@@ -31,7 +34,7 @@ PROMPT = [1, 5, 17, 42, 99, 7, 3, 250, 11, 300, 64]  # as test_parity_tiny
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 CASES = [("llama-gqa", "bfloat16"), ("llama-gqa", "float16"), ("qwen3-qknorm", "bfloat16"),
          ("mistral-window", "bfloat16"), ("mistral-window", "float16"), ("gemma3-window", "bfloat16"),
-         ("qwen3moe-experts", "bfloat16")]
+         ("gemma2-nocap", "bfloat16"), ("qwen3moe-experts", "bfloat16")]
 SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
                    "Once upon a time, in a small village by the sea,"]
 
