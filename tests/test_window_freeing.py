@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import window_oracle
 from hf_oracle import float32_rounding, greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -38,19 +39,7 @@ from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.session import Session
 from vtool.runtime.weights.checkpoint import open_checkpoint
 from vtool.toolchain.build import build_artifact
-
-PROMPT = [1] + np.random.default_rng(1).integers(3, 500, 39).tolist()  # 40 tokens: 5 windows of 8
-STEPS = 60  # 100 tokens in all: 7 blocks of 16 kept on the per-layer cache
-WINDOW, KEPT = 8, 7  # a sequence keeps window - 1 tokens; the query is the window's last
-BOUND = blocks_for_window(KEPT, 16)  # 2 blocks per sequence at most
-# Bounds on top of transformers' own float32 rounding on the run (hf_oracle.float32_rounding, as
-# test_parity_tiny): tiny Mistral's float32 decode is 6.2e-5 from its float64 run over these 60
-# steps. Past 24 steps the per-layer cache measured 1.01e-4 (Xeon, AVX-512) and 1.44e-4 (AMD EPYC
-# Zen 3, AVX2); the freeing cache 9.7e-5 and 1.04e-4 (Mistral), 7.5e-5 and 7.0e-5 (Phi-3), its
-# AVX2 figure reached by step 24.
-TOL = 1e-4
-TOL_LONG = 2e-4
-
+from window_oracle import BOUND, KEPT, PROMPT, STEPS, TOL, TOL_LONG, WINDOW
 
 def hf_model(folder: Path):
     from transformers import AutoModelForCausalLM
@@ -69,7 +58,7 @@ def windowed(request, tiny_shape_dir):
 
 
 def session_of(w) -> Session:
-    return Session(open_checkpoint(w.folder), w.model, None, [], 256, Generator(w.model, 256))  # ids in, ids out
+    return window_oracle.session_of(w.folder, w.model)  # ids in, ids out
 
 
 def test_the_build_has_the_freeing_cache(windowed):
@@ -107,28 +96,7 @@ def test_generation_past_the_window_matches_transformers(windowed):
 
 
 def run_engine(w, frees: bool = True, **config):
-    """Two requests through the engine, the mirror checked against TVM after every step: the
-    tokens, the most blocks any one sequence held, the most blocks held in all. frees=False:
-    the default per-layer cache, which keeps every page."""
-    engine = Engine(session_of(w), EngineConfig(max_num_batched_tokens=64, kv_window_freeing=frees, **config))
-    assert engine.kv.frees is frees and engine.scheduler.config.max_chunk == WINDOW
-    initial = engine.kv.tvm_free_blocks()
-    assert engine.kv.blocks.num_free_blocks == initial and engine.kv_usage() == 0
-    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
-    for rid, prompt in (("a", PROMPT), ("b", PROMPT[:13])):
-        engine.add_request(rid, prompt, params, with_text=False)
-    done: dict[str, list[int]] = {"a": [], "b": []}
-    per_seq = total = 0
-    while engine.has_unfinished():
-        for out in engine.step_core():
-            done[out.request_id].extend(out.new_token_ids)
-        assert engine.kv.in_sync(), "block mirror and TVM disagree"
-        used = initial - engine.kv.tvm_free_blocks()
-        assert used == engine.kv.blocks.num_blocks - engine.kv.blocks.num_free_blocks
-        total = max(total, used)
-        per_seq = max([per_seq] + [len(engine.kv.blocks.blocks_of(r.seq_id)) for r in engine.scheduler.running])
-    assert engine.kv_usage() == 0 and engine.kv.tvm_free_blocks() == initial  # idle again
-    return done, per_seq, total
+    return window_oracle.run_engine(session_of(w), frees, **config)
 
 
 def test_the_engine_frees_blocks_outside_the_window(windowed):

@@ -9,10 +9,16 @@ or before the cache).
 Prints one line per cache and the ratios; run it on a quiet machine. --tvm-kernels also times
 the freeing cache on TVM's own serial inline-rope kernels (a second build in a scratch cache
 with schedules/cpu/rope_attention.py's rule turned off): what the cache ran before that rule.
+
+On a GPU (a machine with only the TVM runtime): build here, run there.
+
+    python tests/bench/window_freeing.py --target sm_90a --dtype bfloat16 --build-to DIR
+    python tests/bench/window_freeing.py --from DIR          # on the GPU machine
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +34,7 @@ CONFIG = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_
 
 
 def make_model(folder: Path) -> Path:
+    """A random model of CONFIG (--config may change it) at float32."""
     import torch
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -48,18 +55,40 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tvm-kernels", action="store_true", help="also time TVM's serial inline-rope kernels")
+    parser.add_argument("--config", default="{}", help="JSON overrides of CONFIG (e.g. a real model's shape)")
+    parser.add_argument("--target", default="host")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--build-to", help="only make the model and its artifact into this folder")
+    parser.add_argument("--from", dest="source", help="run the model and artifact --build-to made")
     args = parser.parse_args()
+    CONFIG.update(json.loads(args.config))
 
     from vtool.runtime.artifact.library import CompiledModel
     from vtool.runtime.artifact.tvm_runtime import global_func
     from vtool.runtime.engine.generate import Generator
     from vtool.runtime.sampling.params import SamplingParams
     from vtool.runtime.weights.checkpoint import open_checkpoint
-    from vtool.toolchain.build import build_artifact
 
+    def build_artifact(*a, **k):  # the compiler only where one builds (the GPU machine has only the runtime)
+        from vtool.toolchain.build import build_artifact as build
+
+        return build(*a, **k)
+
+    if args.build_to:  # the artifact only: the library depends on the config, not on the weights
+        with tempfile.TemporaryDirectory() as tmp:
+            build_artifact(make_model(Path(tmp) / "mistral-w512"), args.target, args.dtype,
+                           output=Path(args.build_to) / "artifact")
+        (Path(args.build_to) / "bench_config.json").write_text(json.dumps(CONFIG))
+        return
+    if args.source:
+        CONFIG.update(json.loads((Path(args.source) / "bench_config.json").read_text()))
     with tempfile.TemporaryDirectory() as tmp:
-        folder = make_model(Path(tmp) / "mistral-w512")
-        model = CompiledModel(build_artifact(folder, "host", "float32"), open_checkpoint(folder))
+        if args.source:  # the weights made again here from the seed (torch there may draw others: no matter)
+            folder = make_model(Path(tmp) / "mistral-w512")
+            model = CompiledModel(Path(args.source) / "artifact", open_checkpoint(folder))
+        else:
+            folder = make_model(Path(tmp) / "mistral-w512")
+            model = CompiledModel(build_artifact(folder, args.target, args.dtype), open_checkpoint(folder))
         prompt = np.random.default_rng(0).integers(3, CONFIG["vocab_size"], args.prompt).tolist()
         runs = [("per-layer window", model, False, args.rounds), ("freeing, inline rope", model, True, args.rounds)]
         if args.tvm_kernels:
@@ -85,7 +114,8 @@ def main() -> None:
             same = sum(a == b for a, b in zip(t0, t1))
             print(f"{name} / per-layer: prefill {p1 / p0:.2f}x, decode {d1 / d0:.2f}x the time; "
                   f"greedy tokens equal {same}/{len(t0)}")
-        print(f"CPU: {cpu_summary()}")
+        print(f"{model.manifest['target']['name']} {model.dtype}, on the {'GPU' if model.on_gpu else 'CPU'}; "
+              f"CPU: {cpu_summary()}")
 
 
 def tvm_kernels_model(folder: Path, cache: Path):  # noqa: ANN201 - a CompiledModel
