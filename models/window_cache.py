@@ -36,8 +36,12 @@ cache does about it (measured on the tiny Mistral/Phi-3 shapes, tests/test_windo
   16 (the query rotated by its distance to each key); otherwise they stay TVM's, serial and
   rotating each key per query (at a window of 512, 132x the per-layer cache's prompt time and
   17x its decode step), with the fixes of schedules/cpu/sliding_attention.py and
-  rescale_fix.py. The manifest says which (`window_freeing_kernels`), and the runtime uses this
-  cache by default only on the parallel ones (runtime/engine/kv_cache.py frees_window_by_default).
+  rescale_fix.py. On CUDA this cache runs TVM's own GPU kernels (vtool's split-KV decode and
+  short-prefill rewrites, schedules/cuda/, match only the per-layer cache's symbols). The
+  manifest says which (`window_freeing_kernels`: parallel, serial or tvm-gpu), and the runtime
+  uses this cache by default only on the parallel ones (runtime/engine/kv_cache.py
+  frees_window_by_default): TVM's GPU kernels rotate every key per query, and on the H200 they
+  took 1.35x the per-layer cache's prompt time and 1.3-1.7x its decode step.
 * What breaks. `kv_state_popn` after a slide cannot bring back the tokens slid out for the
   popped ones (the window comes back short: logits off by 12 on the tiny Mistral) and its
   page count ignores the slid offset (PopN in paged_kv_cache.cc); `kv_state_fork_sequence` is refused past the attention sink (0 here). So the
@@ -76,10 +80,10 @@ _RAGGED, _SLIDING_PREFILL, _SLIDING_DECODE = 16, 19, 20
 def frees_window(c: ModelConfig, target: Any) -> bool:
     """Whether a build of `c` for `target` gets create_tir_sliding_kv_cache: every layer
     windowed (a window of at least 2), RoPE applied by the cache with no scaling, no attention
-    soft-cap, on the CPU (TVM's CUDA kernels for it have not been run)."""
+    soft-cap, on the CPU or CUDA."""
     return bool(c.sliding_window >= 2 and len(set(c.sliding_layers)) == c.num_hidden_layers
                 and not c.model_rope and not c.rope_scaling and not c.attn_logit_softcap
-                and getattr(getattr(target, "kind", None), "name", "") == "llvm")
+                and getattr(getattr(target, "kind", None), "name", "") in ("llvm", "cuda"))
 
 
 def sliding_kv_cache(c: ModelConfig, dtype: str, target: Any, max_batch_size: tirx.Var,

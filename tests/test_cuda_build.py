@@ -315,3 +315,21 @@ def test_a_splittable_head_gets_the_split_kv_decode_and_the_sampler(tmp_path_fac
                                             "apply_token_bitmask", "token_logprob", "sample_argmax_masked"]
     for name in manifest["build"]["sampler"]:
         assert name.encode() in data
+
+
+@needs_nvcc
+def test_an_all_window_model_gets_the_freeing_cache_on_cuda(tiny_shape_dir, tmp_path):
+    """A Mistral windowed on every layer builds for CUDA with the cache that frees what its
+    window passed (models/window_cache.py): the entry point, its kernels under their own names,
+    and a manifest that says they are TVM's GPU kernels, which the runtime uses only when asked
+    (slower than the per-layer cache's; the device run: tests/test_gpu_parity.py)."""
+    from vtool.models.window_cache import ENTRY, FREEING_SUFFIX
+
+    folder = build_artifact(tiny_shape_dir("mistral-window"), "sm_90a", "float32")
+    manifest = _check(folder, ["sm_90a"], lookup("sm_90a").ptx, tmp_path)
+    assert ENTRY in manifest["entry_points"] and "create_tir_paged_kv_cache" in manifest["entry_points"]
+    assert manifest["window_freeing_kernels"] == "tvm-gpu"
+    data = (folder / "model.so").read_bytes()
+    for kernel in ("batch_prefill_ragged_kv", "batch_prefill_paged_kv_sliding_window",
+                   "batch_decode_paged_kv_sliding_window"):
+        assert f"{kernel}{FREEING_SUFFIX}".encode() in data, kernel

@@ -333,21 +333,22 @@ def test_a_windowed_sequence_is_neither_popped_nor_forked():
 
 # -- which builds get the freeing cache ---------------------------------------------------------------
 
-def test_only_all_window_models_on_the_cpu_get_the_freeing_cache(tiny_shape_dir):
+def test_only_all_window_models_on_the_cpu_and_cuda_get_the_freeing_cache(tiny_shape_dir):
     """A model with a global layer keeps every page (its global layers need them all); so do
     models rotating q/k themselves (model_rope: the freeing cache's positions restart at the
-    window), and CUDA builds (TVM's CUDA kernels for it not yet run)."""
+    window), and targets other than the CPU and CUDA (TVM's kernels for it not run there)."""
     from vtool.models.window_cache import FREEING_SUFFIX, frees_window
     from vtool.schedules.cpu import FREEING_SUFFIX as SCHEDULES_SUFFIX
 
     assert FREEING_SUFFIX == SCHEDULES_SUFFIX
-    cpu, cuda = (types.SimpleNamespace(kind=types.SimpleNamespace(name=n)) for n in ("llvm", "cuda"))
+    cpu, cuda, vulkan = (types.SimpleNamespace(kind=types.SimpleNamespace(name=n)) for n in ("llvm", "cuda", "vulkan"))
 
     def config(shape: str):
         return parse_hf_config(json.loads((tiny_shape_dir(shape) / "config.json").read_text()))
 
     for shape in ("mistral-window", "phi3-window"):
-        assert frees_window(config(shape), cpu) and not frees_window(config(shape), cuda)
+        assert frees_window(config(shape), cpu) and frees_window(config(shape), cuda)
+        assert not frees_window(config(shape), vulkan)
     for shape in ("olmo3-window", "qwen2-window", "gemma3-window", "gemma2-softcap", "llama-gqa"):
         assert not frees_window(config(shape), cpu), shape
     mistral = config("mistral-window")

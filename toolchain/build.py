@@ -336,7 +336,7 @@ def _build_into(folder: Path, key: str, plan: BuildPlan, checkpoint: Checkpoint,
             build_info["tuning"] = compiled["tuning"]
 
         extra: dict[str, Any] = {"weights_file": weights_record} if weights_record else {}
-        extra |= _window_freeing_record(cfg, compiled["entry_points"])
+        extra |= _window_freeing_record(cfg, plan.family.device, compiled["entry_points"])
         write_manifest(staging, {**extra,
             "format_version": FORMAT_VERSION,
             "cache_key": key,
@@ -376,15 +376,19 @@ def _build_into(folder: Path, key: str, plan: BuildPlan, checkpoint: Checkpoint,
     return folder
 
 
-def _window_freeing_record(cfg: ModelConfig, entry_points: list[str]) -> dict[str, str]:
+def _window_freeing_record(cfg: ModelConfig, device: str, entry_points: list[str]) -> dict[str, str]:
     """The manifest's record of the window-freeing KV cache's attention kernels, when the library
-    has that cache: vtool's parallel ones, which the runtime uses by default, or TVM's serial
-    ones, used only when asked for (runtime/engine/kv_cache.py frees_window_by_default). Imported
-    here, not at the top: `vtool run` imports this module, and these pull in TVM's compiler."""
+    has that cache: on the CPU vtool's parallel ones, which the runtime uses by default, or TVM's
+    serial ones, used only when asked for (runtime/engine/kv_cache.py frees_window_by_default); on
+    CUDA TVM's own GPU kernels ("tvm-gpu"), also used only when asked for (slower than the
+    per-layer cache's). Imported here, not at the top: `vtool run` imports this module, and these
+    pull in TVM's compiler."""
     from vtool.models.window_cache import ENTRY
     from vtool.schedules.cpu.rope_attention import window_freeing_kernels
 
-    return {"window_freeing_kernels": window_freeing_kernels(cfg.head_dim)} if ENTRY in entry_points else {}
+    if ENTRY not in entry_points:
+        return {}
+    return {"window_freeing_kernels": window_freeing_kernels(cfg.head_dim) if device == "cpu" else "tvm-gpu"}
 
 
 def _is_complete(folder: Path, key: str) -> bool:

@@ -23,9 +23,9 @@ def sliding_window(model: CompiledModel) -> int:
     What is freed, and when. By default nothing before the sequence ends: the model's
     per-layer cache (create_tir_paged_kv_cache) holds every page of a sequence until it is
     removed. A model whose every layer is windowed (Mistral, Phi-3, Qwen2 with
-    max_window_layers 0) is also built with SLIDING_CACHE (CPU builds: models/window_cache.py),
+    max_window_layers 0) is also built with SLIDING_CACHE (CPU and CUDA builds: models/window_cache.py),
     which engines and generators use by default where its attention kernels are vtool's
-    parallel ones (frees_window_by_default; EngineConfig.kv_window_freeing and
+    parallel CPU ones (frees_window_by_default; EngineConfig.kv_window_freeing and
     Generator(free_window=...) say otherwise): after every step each sequence keeps its last
     window - 1 tokens (a query sees those and itself: the window) and every page wholly before
     them goes back, so a sequence holds at most ceil((window + 14) / 16) pages however long it
@@ -43,10 +43,12 @@ def frees_window(model: CompiledModel) -> bool:
 
 def frees_window_by_default(model: CompiledModel) -> bool:
     """Whether SLIDING_CACHE is used unless told otherwise: the library has it and its attention
-    runs on vtool's parallel inline-rope kernels (schedules/cpu/rope_attention.py; the manifest's
-    window_freeing_kernels). On TVM's serial ones (head dims not a multiple of 16, or a library
-    built before those kernels) a prompt of a 512-token window took over 100 times as long, so
-    there it is used only when asked for."""
+    runs on vtool's parallel inline-rope CPU kernels (the manifest's window_freeing_kernels
+    "parallel", schedules/cpu/rope_attention.py). Elsewhere it is used only when asked for: on
+    TVM's serial CPU ones (head dims not a multiple of 16, or a CPU library built before vtool's
+    kernels) a prompt of a 512-token window took over 100 times as long; on CUDA ("tvm-gpu":
+    TVM's GPU kernels, rotating every key per query) prompts took 1.35x and decode steps
+    1.3-1.7x the per-layer cache's time on the H200 (BENCHMARKS.md)."""
     return frees_window(model) and model.manifest.get("window_freeing_kernels") == "parallel"
 
 
