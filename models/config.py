@@ -169,8 +169,8 @@ class ModelConfig:
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers")
 # the Gemma hooks -> their defaults, at which to_dict() leaves them out
 _GEMMA_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
-                 if f.name in ("sandwich_norms", "norm_plus_one", "mlp_act", "embed_scale", "attn_scale", "final_logit_softcap",
-                               "attn_logit_softcap", "sliding_window", "sliding_layers", "model_rope",
+                 if f.name in ("sandwich_norms", "norm_plus_one", "mlp_act", "embed_scale", "attn_scale",
+                               "final_logit_softcap", "attn_logit_softcap", "sliding_window", "sliding_layers", "model_rope",
                                "rope_local_theta", "rotary_dim")}
 
 

@@ -100,7 +100,8 @@ def normalize(cfg: dict[str, Any], arch: str) -> ModelConfig:
     if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
         raise ConfigError(f"config field 'query_pre_attn_scalar' must be a positive number, got {scalar!r}")
     return dataclasses.replace(
-        c, sandwich_norms=True, norm_plus_one=True, mlp_act="gelu_tanh", embed_scale=True, attn_scale=float(scalar) ** -0.5,
+        c, sandwich_norms=True, norm_plus_one=True, mlp_act="gelu_tanh", embed_scale=True,
+        attn_scale=float(scalar) ** -0.5,
         final_logit_softcap=_softcap(cfg, "final_logit_softcapping"),
         attn_logit_softcap=_softcap(cfg, "attn_logit_softcapping"), sliding_window=window,
         sliding_layers=sliding_layers(cfg, arch, c.num_hidden_layers) if window else (),

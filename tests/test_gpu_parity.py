@@ -722,13 +722,12 @@ def test_window_freeing_on_the_gpu(artifacts, shape):
     and uses when asked (TVM's GPU kernels, inline rope, the window masked per query:
     models/window_cache.py): a 40-token prompt and 60 greedy tokens as transformers gives them
     on this GPU, its logits within the CPU test's bounds, at most 2 pages held; through the
-    engine (steps overlapped)
-    the block mirror equals TVM's free-page count after every step, each sequence holds at most
+    engine (steps overlapped) the block mirror equals TVM's free-page count after every step, each sequence holds at most
     2 blocks where the per-layer cache grows to 7, the tokens equal that cache's, and the KV
     gauge is back at 0."""
     from hf_oracle import float32_rounding
-    from vtool.runtime.artifact.tvm_runtime import global_func
-    from window_oracle import BOUND, KEPT, PROMPT, STEPS, TOL, TOL_LONG, run_engine, session_of
+    from window_oracle import (BOUND, KEPT, PROMPT, STEPS, TOL, TOL_LONG, generate_counting_pages, run_engine,
+                               session_of)
 
     folder, artifact = artifacts.tiny(shape, "float32")
     model = CompiledModel(artifact, open_checkpoint(folder))
@@ -740,17 +739,11 @@ def test_window_freeing_on_the_gpu(artifacts, shape):
     gen = Generator(model, 256, free_window=True)
     assert gen.kept == KEPT
     prompt_err = max_abs(gen.prompt_logits(PROMPT), ref_prompt)
-    available = global_func("vm.builtin.attention_kv_cache_get_num_available_pages")
-    gen._fresh_sequence(len(PROMPT) + STEPS)
-    total = int(available(gen._kv))
-    held: list[int] = []
-    seen: list[np.ndarray] = []
-    result = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append,
-                          on_token=lambda _t: held.append(total - int(available(gen._kv))))
+    tokens, seen, held = generate_counting_pages(gen)
     errs = [max_abs(a, b) for a, b in zip(seen, ref_logits)]
     print(f"[{shape} window freeing] prompt {prompt_err:.2e}, first 24 steps {max(errs[:24]):.2e}, all "
           f"{max(errs):.2e} (transformers' float32 rounding {rounding:.2e}); pages held {held}")
-    assert result.token_ids == ref_tokens, f"diverges at step {first_divergence(result.token_ids, ref_tokens)}"
+    assert tokens == ref_tokens, f"diverges at step {first_divergence(tokens, ref_tokens)}"
     assert prompt_err < TOL + rounding and max(errs[:24]) < TOL + rounding and max(errs) < TOL_LONG + rounding
     assert max(held) <= BOUND and held[-1] >= 1
 

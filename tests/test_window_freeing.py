@@ -79,14 +79,8 @@ def test_generation_past_the_window_matches_transformers(windowed):
     gen = Generator(windowed.model, 256)  # the freeing cache by default
     assert gen.kept == KEPT
     prompt = float(np.abs(gen.prompt_logits(PROMPT) - ref_prompt).max())
-    available = global_func("vm.builtin.attention_kv_cache_get_num_available_pages")
-    gen._fresh_sequence(len(PROMPT) + STEPS)
-    total = int(available(gen._kv))  # the sequence holds no page yet
-    held: list[int] = []
-    seen: list[np.ndarray] = []
-    result = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append,
-                          on_token=lambda _t: held.append(total - int(available(gen._kv))))
-    assert result.token_ids == ref_tokens
+    tokens, seen, held = window_oracle.generate_counting_pages(gen)
+    assert tokens == ref_tokens
     errors = [float(np.abs(a - b).max()) for a, b in zip(seen, ref_logits)]
     print(windowed.name, "prompt", prompt, "first 24 steps", max(errors[:24]), "all", max(errors), "held", held,
           "transformers' float32 rounding", windowed.rounding)

@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--config", default="{}", help="JSON overrides of CONFIG (e.g. a real model's shape)")
     parser.add_argument("--target", default="host")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--build-to", help="only make the model and its artifact into this folder")
+    parser.add_argument("--build-to", help="only build the artifact (and its bench_config.json) into this folder")
     parser.add_argument("--from", dest="source", help="run the model and artifact --build-to made")
     args = parser.parse_args()
     CONFIG.update(json.loads(args.config))
@@ -69,12 +69,9 @@ def main() -> None:
     from vtool.runtime.sampling.params import SamplingParams
     from vtool.runtime.weights.checkpoint import open_checkpoint
 
-    def build_artifact(*a, **k):  # the compiler only where one builds (the GPU machine has only the runtime)
-        from vtool.toolchain.build import build_artifact as build
-
-        return build(*a, **k)
-
     if args.build_to:  # the artifact only: the library depends on the config, not on the weights
+        from vtool.toolchain.build import build_artifact  # the compiler only where one builds
+
         with tempfile.TemporaryDirectory() as tmp:
             build_artifact(make_model(Path(tmp) / "mistral-w512"), args.target, args.dtype,
                            output=Path(args.build_to) / "artifact")
@@ -83,12 +80,15 @@ def main() -> None:
     if args.source:
         CONFIG.update(json.loads((Path(args.source) / "bench_config.json").read_text()))
     with tempfile.TemporaryDirectory() as tmp:
-        if args.source:  # the weights made again here from the seed (torch there may draw others: no matter)
-            folder = make_model(Path(tmp) / "mistral-w512")
-            model = CompiledModel(Path(args.source) / "artifact", open_checkpoint(folder))
+        # with --from the weights are made again here from the seed (torch there may draw others: no matter)
+        folder = make_model(Path(tmp) / "mistral-w512")
+        if args.source:
+            artifact = Path(args.source) / "artifact"
         else:
-            folder = make_model(Path(tmp) / "mistral-w512")
-            model = CompiledModel(build_artifact(folder, args.target, args.dtype), open_checkpoint(folder))
+            from vtool.toolchain.build import build_artifact
+
+            artifact = build_artifact(folder, args.target, args.dtype)
+        model = CompiledModel(artifact, open_checkpoint(folder))
         prompt = np.random.default_rng(0).integers(3, CONFIG["vocab_size"], args.prompt).tolist()
         runs = [("per-layer window", model, False, args.rounds), ("freeing, inline rope", model, True, args.rounds)]
         if args.tvm_kernels:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 from vtool.runtime.artifact.library import CompiledModel
+from vtool.runtime.artifact.tvm_runtime import global_func
 from vtool.runtime.engine.engine import Engine, EngineConfig
 from vtool.runtime.engine.generate import Generator
 from vtool.runtime.engine.kv_blocks import blocks_for_window
@@ -29,6 +30,19 @@ TOL_LONG = 2e-4
 def session_of(folder, model: CompiledModel) -> Session:
     """A session over token ids (no tokenizer) for the engine."""
     return Session(open_checkpoint(folder), model, None, [], 256, Generator(model, 256))
+
+
+def generate_counting_pages(gen: Generator) -> tuple[list[int], list[np.ndarray], list[int]]:
+    """PROMPT then STEPS greedy tokens through `gen`: (tokens, the logits each was chosen from,
+    the pages TVM's cache holds for the sequence after each token)."""
+    available = global_func("vm.builtin.attention_kv_cache_get_num_available_pages")
+    gen._fresh_sequence(len(PROMPT) + STEPS)
+    total = int(available(gen._kv))  # the sequence holds no page yet
+    held: list[int] = []
+    seen: list[np.ndarray] = []
+    result = gen.generate(PROMPT, SamplingParams(temperature=0, max_tokens=STEPS), on_logits=seen.append,
+                          on_token=lambda _t: held.append(total - int(available(gen._kv))))
+    return result.token_ids, seen, held
 
 
 def run_engine(session: Session, frees: bool = True, **config) -> tuple[dict[str, list[int]], int, int]:
