@@ -128,7 +128,9 @@ def quantization_option(fn: Callable) -> Callable:
              "linear weights with a float32 scale per row, quantized from a float checkpoint when it loads (on "
              "sm_89+ CUDA builds prompts and batches also quantize activations per token: W8A8 on the FP8 tensor "
              "cores); none: dequantize every weight to "
-             "--dtype at load; auto: gguf for a GGUF file on a CPU target, else none")(fn)
+             "--dtype at load; auto: gguf for a GGUF file (on CUDA only in bf16/f16 builds whose formats are all "
+             "Q4_0/Q4_1/Q4_K/Q6_K/Q8_0, which batched decode multiplies on the tensor cores; the build says "
+             "why otherwise), fp8 for an FP8 checkpoint, else none")(fn)
 
 
 def activations_option(fn: Callable) -> Callable:
@@ -406,6 +408,23 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
 @click.option("--fresh-prompts/--same-prompts", default=True, show_default=True,
               help="every concurrency level (and the warm-up) gets prompts of its own, so no prompt cache "
                    "helps one run from another; --same-prompts sends the same set at every level, as vLLM")
+@click.option("--request-rate", default="inf", show_default=True,
+              help="requests a second, arriving as a Poisson process (inf: all at once), as vLLM")
+@click.option("--burstiness", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="gamma shape of the arrival gaps (1: Poisson; lower: burstier), as vLLM")
+@click.option("--temperature", default=None, type=float,
+              help="sent with every request (default: 0.0, greedy, as vLLM's bench: the server's own default "
+                   "would otherwise decide what is measured)")
+@click.option("--top-p", default=None, type=float, help="sent with every request when given")
+@click.option("--top-k", default=None, type=int, help="sent with every request when given (-1: no limit)")
+@click.option("--min-p", default=None, type=float, help="sent with every request when given")
+@click.option("--extra-body", default=None,
+              help="a JSON object merged into every request body, over the sampling flags, e.g. '{\"top_k\": 20}'")
+@click.option("--metric-percentiles", default="50,90,99", show_default=True,
+              help="comma list of the TTFT/TPOT/ITL/E2EL percentiles to report")
+@click.option("--goodput", multiple=True,
+              help="KEY:MS service-level objectives (ttft, tpot, e2el) for the goodput figure, as vLLM; repeatable")
+@click.option("--save-detailed", is_flag=True, help="add per-request lists (latencies, texts) to --result-json")
 @click.option("--result-json", default=None, help="write the report here as JSON")
 @quantization_option
 @activations_option
@@ -416,7 +435,9 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
 def bench(model: str | None, revision: str | None, url: str | None, endpoint: str, dataset_path: str | None, num_prompts: int,
           input_len: int, output_len: int, concurrency: str, max_num_batched_tokens: int, num_blocks: int | None,
           max_num_seqs: int | None, target: str, dtype: str, ignore_eos: bool, api_key: str | None,
-          tokenizer_path: str | None, seed: int | None, fresh_prompts: bool,
+          tokenizer_path: str | None, seed: int | None, fresh_prompts: bool, request_rate: str, burstiness: float,
+          temperature: float | None, top_p: float | None, top_k: int | None, min_p: float | None,
+          extra_body: str | None, metric_percentiles: str, goodput: tuple[str, ...], save_detailed: bool,
           result_json: str | None, quantization: str, activations: str, artifact: str | None,
           hf_overrides: str | None, threads: int | None, speculative_config: str | None) -> None:
     """Measure serving throughput and latency (TTFT, TPOT, ITL, E2EL) as vLLM defines them.
@@ -429,14 +450,20 @@ def bench(model: str | None, revision: str | None, url: str | None, endpoint: st
         from vtool.runtime.artifact.tvm_runtime import apply_cpu_threads
 
         apply_cpu_threads(threads)  # the local server process inherits VTOOL_CPU_THREADS
-    from vtool.runtime.bench.command import BenchOptions, bench_main, parse_concurrency
+    from vtool.runtime.bench.command import (BenchOptions, bench_main, parse_concurrency, parse_extra_body,
+                                             parse_goodput, parse_percentiles, parse_request_rate)
     from vtool.runtime.bench.local_server import local_server
 
     levels = parse_concurrency(concurrency)
     opts = BenchOptions(model=model if url else None, url=url or "", endpoint=endpoint, dataset_path=dataset_path,
                         num_prompts=num_prompts, input_len=input_len, output_len=output_len, concurrency=levels,
+                        request_rate=parse_request_rate(request_rate), burstiness=burstiness,
                         ignore_eos=ignore_eos, api_key=api_key, seed=seed, result_json=result_json,
-                        tokenizer=tokenizer_path, fresh_prompts=fresh_prompts)
+                        tokenizer=tokenizer_path, fresh_prompts=fresh_prompts, temperature=temperature,
+                        top_p=top_p, top_k=top_k, min_p=min_p, extra_body=parse_extra_body(extra_body),
+                        percentiles=parse_percentiles(metric_percentiles), goodput=parse_goodput(goodput),
+                        save_detailed=save_detailed)
+    opts.request_body()  # bad sampling flags refused before any server starts
     if url:
         bench_main(opts, None, out)
         return

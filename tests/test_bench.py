@@ -779,6 +779,88 @@ def test_bench_main_chat_synthetic(server, tmp_path):
         assert e2el - ttft - sum(itl) == pytest.approx(GAP + USAGE_DELAY, abs=TOL)  # empty chunk + usage chunk
     assert json.loads((tmp_path / "chat.json").read_text())["runs"][0]["completed"] == 3
     assert "warning" not in out.getvalue()
+    # no sampling flag given: greedy, as vLLM's bench (not the server's default temperature)
+    assert all(b["temperature"] == 0.0 and "top_p" not in b for b in sent)
+    assert report["sampling_params"] == {"temperature": 0.0}
+
+
+def _invoke_bench(args: list[str]):
+    from click.testing import CliRunner
+    from vtool.runtime.cli import main
+
+    return CliRunner().invoke(main, ["bench", *args])
+
+
+def test_cli_sampling_and_arrival_flags_reach_every_request(server, tmp_path):
+    url, app = server
+    before = len(app.state.seen)
+    out = tmp_path / "r.json"
+    done = _invoke_bench(["--url", url, "--api-key", API_KEY, "--num-prompts", "3", "--input-len", "4",
+                          "--output-len", str(N_TOKENS), "--concurrency", "3", "--temperature", "0.7",
+                          "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05",
+                          "--extra-body", '{"top_k": 5, "seed": 3}', "--request-rate", "40", "--burstiness", "0.5",
+                          "--metric-percentiles", "25,75", "--goodput", "ttft:5000", "--save-detailed",
+                          "--result-json", str(out)])
+    assert done.exit_code == 0, done.output
+    bodies = [b for _, b in app.state.seen[before:]]
+    assert len(bodies) == 4                                  # the warm-up request, then 3
+    for b in bodies:   # --extra-body over the flags, as vLLM merges them
+        assert (b["temperature"], b["top_p"], b["top_k"], b["min_p"], b["seed"]) == (0.7, 0.9, 5, 0.05, 3)
+    report = json.loads(out.read_text())
+    run = report["runs"][0]
+    assert report["sampling_params"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "seed": 3}
+    assert (report["request_rate"], report["burstiness"], report["percentiles"]) == (40.0, 0.5, [25.0, 75.0])
+    assert "p25_ttft_ms" in run and "p75_itl_ms" in run and "p99_ttft_ms" not in run
+    assert run["request_goodput"] == pytest.approx(run["completed"] / run["duration"])
+    assert len(run["e2els"]) == 3
+    starts = sorted(run["start_times"])
+    assert starts[-1] - starts[0] > 0.01                     # a finite rate spreads the arrivals
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--extra-body", "{top_k: 5}"], "--extra-body is not valid JSON"),
+    (["--extra-body", "[1, 2]"], "--extra-body must be a JSON object"),
+    (["--top-p", "1.5"], "--top-p 1.5"),
+    (["--top-p", "0"], "--top-p 0 keeps no token"),
+    (["--min-p", "-0.1"], "--min-p -0.1"),
+    (["--temperature", "nan"], "--temperature nan"),
+    (["--top-k", "0"], "--top-k 0"),
+    (["--request-rate", "0"], "--request-rate '0'"),
+    (["--request-rate", "fast"], "--request-rate 'fast' is not a number"),
+    (["--metric-percentiles", "50,101"], "--metric-percentiles: 101 is outside 0-100"),
+    (["--goodput", "itl:5"], "--goodput"),
+])
+def test_cli_refuses_bad_bench_flags_before_connecting(args, words):
+    # port 9 (discard) is never served: a refusal must come before any request
+    done = _invoke_bench(["--url", "http://127.0.0.1:9", *args])
+    assert done.exit_code == 2, done.output
+    assert words in done.output
+
+
+finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+
+@given(temperature=st.none() | finite, top_p=st.none() | finite, top_k=st.none() | st.integers(-3, 100),
+       min_p=st.none() | finite,
+       extra=st.none() | st.dictionaries(st.sampled_from(["temperature", "top_k", "seed", "n"]), st.integers(0, 9)))
+def test_sampling_body_is_vllms(temperature, top_p, top_k, min_p, extra):
+    valid = ((temperature is None or temperature >= 0) and (top_p is None or 0 < top_p <= 1)
+             and (top_k is None or top_k == -1 or top_k > 0) and (min_p is None or 0 <= min_p <= 1))
+    if not valid:
+        with pytest.raises(VtoolError):
+            command.sampling_body(temperature, top_p, top_k, min_p, extra)
+        return
+    body = command.sampling_body(temperature, top_p, top_k, min_p, extra)
+    given_flags = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+    for key, value in given_flags.items():
+        if key in (extra or {}):
+            assert body[key] == extra[key]
+        elif value is not None:
+            assert body[key] == value
+        else:
+            assert key not in body or (key == "temperature" and body[key] == 0.0)
+    assert "temperature" in body
+    assert set(body) == {k for k, v in given_flags.items() if v is not None} | {"temperature"} | set(extra or {})
 
 
 def test_failed_test_run_is_refused(server):

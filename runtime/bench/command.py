@@ -87,13 +87,21 @@ class BenchOptions:
     seed: int | None = 0                        # --seed; None: a fresh one per invocation (reported)
     tokenizer: str | None = None                # --tokenizer: tokenizer.json, model folder or .gguf
     fresh_prompts: bool = True                  # each run (level) gets prompts of its own
-    extra_body: dict[str, Any] | None = None    # merged into every request body (e.g. {"temperature": 0})
+    extra_body: dict[str, Any] | None = None    # --extra-body: merged into every request body, over the below
+    temperature: float | None = None            # --temperature; None: 0.0 (greedy), as vLLM's bench
+    top_p: float | None = None                  # --top-p (sent only when given)
+    top_k: int | None = None                    # --top-k
+    min_p: float | None = None                  # --min-p
     result_json: str | None = None              # --result-json PATH
     save_result: bool = False                   # --save-result (default file name in the cwd)
     save_detailed: bool = False                 # --save-detailed (per-request lists in the JSON)
     percentiles: Sequence[float] = DEFAULT_PERCENTILES   # --metric-percentiles
     goodput: dict[str, float] | None = None     # --goodput ttft:ms tpot:ms e2el:ms (parse_goodput)
     warmup: bool = True                         # one untimed test request first, as vLLM
+
+    def request_body(self) -> dict[str, Any]:
+        """What every request carries besides the prompt and max_tokens (sampling_body)."""
+        return sampling_body(self.temperature, self.top_p, self.top_k, self.min_p, self.extra_body)
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("OPENAI_API_KEY") or None
@@ -156,6 +164,71 @@ def parse_goodput(items: Iterable[str] | None) -> dict[str, float] | None:
             if out[key] < 0:
                 raise VtoolError(f"--goodput: {part!r}: an SLO cannot be negative")
     return out or None
+
+
+def parse_request_rate(value: str | float) -> float:
+    """--request-rate: requests a second (> 0), or inf (every request at once), as vLLM."""
+    try:
+        rate = float(value)
+    except (TypeError, ValueError):
+        raise VtoolError(f"--request-rate {value!r} is not a number; give requests a second or inf") from None
+    if math.isnan(rate) or rate <= 0:
+        raise VtoolError(f"--request-rate {value!r}: give a positive number of requests a second, or inf")
+    return rate
+
+
+def parse_percentiles(value: str | Iterable[float | str] | None) -> tuple[float, ...]:
+    """'25,50,99' -> (25.0, 50.0, 99.0) (vLLM's --metric-percentiles); None: the default set."""
+    if value is None:
+        return DEFAULT_PERCENTILES
+    items = value.replace(" ", "").split(",") if isinstance(value, str) else list(value)
+    out: list[float] = []
+    for v in items:
+        if v == "":
+            continue
+        try:
+            p = float(v)
+        except (TypeError, ValueError):
+            raise VtoolError(f"--metric-percentiles: {v!r} is not a number; give e.g. 50,90,99") from None
+        if not 0.0 <= p <= 100.0:
+            raise VtoolError(f"--metric-percentiles: {p:g} is outside 0-100")
+        out.append(p)
+    if not out:
+        raise VtoolError("--metric-percentiles: no percentile given; give e.g. 50,90,99")
+    return tuple(out)
+
+
+def parse_extra_body(value: str | None) -> dict[str, Any] | None:
+    """--extra-body: a JSON object merged into every request body (vLLM's flag)."""
+    if value is None:
+        return None
+    try:
+        body = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise VtoolError(f"--extra-body is not valid JSON ({err.msg} at character {err.pos}); "
+                         "give an object, e.g. '{\"top_k\": 20}'") from None
+    if not isinstance(body, dict):
+        raise VtoolError(f"--extra-body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def sampling_body(temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                  min_p: float | None = None, extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The sampling fields every request carries, as `vllm bench serve` builds them: the flags
+    given, temperature 0.0 (greedy) when none is, then --extra-body over them. Greedy by
+    default is what makes two servers' figures comparable: a server's own default temperature
+    (1.0 in vLLM and vtool, 0.8 in llama-server) would otherwise decide what is measured."""
+    for name, value, high in (("temperature", temperature, math.inf), ("top-p", top_p, 1.0), ("min-p", min_p, 1.0)):
+        if value is not None and not (math.isfinite(value) and 0.0 <= value <= high):
+            raise VtoolError(f"--{name} {value!r}: give a number in [0, {high:g}]")
+    if top_p is not None and top_p == 0.0:
+        raise VtoolError("--top-p 0 keeps no token; give a number in (0, 1]")
+    if top_k is not None and (top_k == 0 or top_k < -1):
+        raise VtoolError(f"--top-k {top_k}: give -1 (no limit) or a positive number of tokens")
+    body: dict[str, Any] = {k: v for k, v in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
+                                               ("temperature", temperature)) if v is not None}
+    body.setdefault("temperature", 0.0)
+    return {**body, **(extra_body or {})}
 
 
 # --------------------------------------------------------------------------- tokenizer adapters
@@ -915,11 +988,12 @@ def bench_main(opts: BenchOptions, tokenizer: Any = None, console: Console | Non
     plan = plan_prompts(opts, model, levels, seed, tokenizer, console)
     output_len = opts.output_len if opts.output_len is not None else DEFAULT_OUTPUT_LEN
     dataset = opts.dataset_path or f"random(input_len={opts.input_len})"
-    extra = {"tokenizer": tokenizer_source, "prompt_lengths": plan.prompt_source, "extra_body": opts.extra_body}
+    body = opts.request_body()
+    extra = {"tokenizer": tokenizer_source, "prompt_lengths": plan.prompt_source, "sampling_params": body}
     return run_bench(opts.url, model, plan.runs, output_len, levels, opts.endpoint,
                      api_key, console, opts.json_path(model), request_rate=opts.request_rate,
                      burstiness=opts.burstiness, ignore_eos=opts.ignore_eos, seed=seed,
                      percentiles=opts.percentiles, goodput=opts.goodput, warmup=opts.warmup,
                      save_detailed=opts.save_detailed, count_tokens=plan.count_tokens,
                      count_method=plan.count_method, warmup_prompt=plan.warmup, dataset=dataset,
-                     extra_body=opts.extra_body, report_extra=extra)
+                     extra_body=body, report_extra=extra)
