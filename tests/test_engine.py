@@ -84,6 +84,38 @@ def test_prefix_caching_saves_counted_prefill_work(session):
     full_blocks = (len(shared) // 16) * 16
     assert computed_b == len(b) - full_blocks, (computed_b, len(b), full_blocks)
     assert warm.prefix_cache.hits >= full_blocks
+    # vLLM's prompt tokens by source: b's shared blocks came from the cache
+    c = warm.counters
+    assert (c.prompt_tokens_computed, c.prompt_tokens_cached, c.prompt_tokens_recomputed) == (
+        len(a) + len(b) - full_blocks, full_blocks, 0)
+    assert c.prompt_tokens_cache_hit == full_blocks
+
+
+def test_prompt_tokens_by_source_as_vllm_counts_them(session):
+    """A prompt met again whole: the cache hands out all but its last token, which vLLM counts
+    as a cache hit recomputed; the invariant computed + hits - recomputed = prompt tokens holds,
+    and each finished request's prefill_kv_computed is its prompt less its cached tokens."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vtool.runtime.serving.metrics import ServerMetrics
+
+    ids = session.tokenizer.encode(PROMPTS[2] * 3)[:48]  # three whole blocks
+    engine = Engine(session, EngineConfig(enable_prefix_caching=True))
+    engine.observer = ServerMetrics("m", max_model_len=256)
+    run_all(engine, [("first", ids, greedy(4))])
+    run_all(engine, [("again", ids, greedy(4))])
+    c = engine.counters
+    assert (c.prompt_tokens_computed, c.prompt_tokens_cached, c.prompt_tokens_recomputed) == (48 + 1, 47, 1)
+    assert c.prompt_tokens_cache_hit == 48
+    assert c.prompt_tokens_computed + c.prompt_tokens_cache_hit - c.prompt_tokens_recomputed == c.prompt_tokens
+    engine.observer.update_from_engine(engine.stats())
+    families = {f.name: f for f in text_string_to_metric_families(engine.observer.render().decode())}
+    by_source = {s.labels["source"]: s.value for s in families["vllm:prompt_tokens_by_source"].samples
+                 if s.name.endswith("_total")}
+    assert by_source == {"local_compute": 49, "local_cache_hit": 48, "external_kv_transfer": 0}
+    kv = {s.name: s.value for s in families["vllm:request_prefill_kv_computed_tokens"].samples}
+    assert (kv["vllm:request_prefill_kv_computed_tokens_count"],
+            kv["vllm:request_prefill_kv_computed_tokens_sum"]) == (2, 48 + 1)
 
 
 def test_abort_frees_blocks_at_once(session):

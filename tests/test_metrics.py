@@ -28,6 +28,11 @@ VLLM_METRICS = {
     "vllm:prompt_tokens": ("counter", "Number of prefill tokens processed."),
     "vllm:generation_tokens": ("counter", "Number of generation tokens processed."),
     "vllm:request_success": ("counter", "Count of successfully processed requests."),
+    "vllm:prompt_tokens_by_source": ("counter", "Number of prompt tokens by source."),
+    "vllm:prompt_tokens_cached": ("counter", "Number of cached prompt tokens (local + external)."),
+    "vllm:prompt_tokens_recomputed": ("counter", "Number of cached tokens recomputed for forward pass."),
+    "vllm:request_prefill_kv_computed_tokens": (
+        "histogram", "Histogram of new KV tokens computed during prefill (excluding cached tokens)."),
     "vllm:request_prompt_tokens": ("histogram", "Number of prefill tokens processed."),
     "vllm:request_generation_tokens": ("histogram", "Number of generation tokens processed."),
     "vllm:iteration_tokens_total": ("histogram", "Histogram of number of tokens per engine_step."),
@@ -98,6 +103,9 @@ def test_every_vllm_metric_is_there_from_the_start():
             if s.name == "vllm:request_success_total"} == {"stop": 0, "length": 0, "abort": 0}
     assert {s.labels["reason"]: s.value for s in families["vllm:num_requests_waiting_by_reason"].samples} == {
         "capacity": 0, "deferred": 0}
+    assert {s.labels["source"]: s.value for s in families["vllm:prompt_tokens_by_source"].samples
+            if s.name == "vllm:prompt_tokens_by_source_total"} == {
+        "local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
 
 
 def test_bucket_boundaries_are_vllms():
@@ -107,7 +115,8 @@ def test_bucket_boundaries_are_vllms():
         return sorted(histogram(families, name)[0])
 
     for name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens",
-                 "vllm:request_max_num_generation_tokens", "vllm:request_params_max_tokens"):
+                 "vllm:request_max_num_generation_tokens", "vllm:request_params_max_tokens",
+                 "vllm:request_prefill_kv_computed_tokens"):
         assert bounds(name) == [1, 2, 5, 10, 20, 50, 100, math.inf]
     assert bounds("vllm:iteration_tokens_total") == [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
                                                      16384, math.inf]
@@ -155,8 +164,9 @@ def finished_request(draw) -> FinishedRequestStats:
     return FinishedRequestStats(
         finish_reason=draw(st.sampled_from(["stop", "length", "abort"])), arrival_time=arrival,
         first_scheduled_time=scheduled, first_token_time=first, finished_time=finished,
-        num_prompt_tokens=draw(st.integers(0, 5000)), num_generation_tokens=generated,
-        max_tokens=draw(st.integers(0, 5000)), n=draw(st.integers(1, 30)), num_preemptions=draw(st.integers(0, 3)))
+        num_prompt_tokens=(prompt := draw(st.integers(0, 5000))), num_generation_tokens=generated,
+        max_tokens=draw(st.integers(0, 5000)), n=draw(st.integers(1, 30)), num_preemptions=draw(st.integers(0, 3)),
+        num_cached_tokens=draw(st.integers(0, max(0, prompt - 1))))
 
 
 @SETTINGS
@@ -182,6 +192,8 @@ def test_finished_requests_fill_vllms_request_histograms(records):
                      [(r.finished_time - r.first_token_time) / (r.num_generation_tokens - 1)
                       if r.num_generation_tokens > 1 else 0.0 for r in kept if r.first_token_time is not None])
     assert_histogram(families, "vllm:request_prompt_tokens", [r.num_prompt_tokens for r in kept])
+    assert_histogram(families, "vllm:request_prefill_kv_computed_tokens",
+                     [r.num_prompt_tokens - r.num_cached_tokens for r in kept])
     assert_histogram(families, "vllm:request_generation_tokens", [r.num_generation_tokens for r in kept])
     assert_histogram(families, "vllm:request_max_num_generation_tokens", [r.num_generation_tokens for r in kept])
     assert_histogram(families, "vllm:request_params_n", [r.n for r in kept])
@@ -288,6 +300,20 @@ def test_update_from_engine():
     assert value(families, "vllm:num_preemptions", "vllm:num_preemptions_total") == 1
     assert value(families, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 40
     assert value(families, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 16
+    # prompt tokens by source: counters advance by what changed
+    metrics.update_from_engine(engine_stats(prompt_tokens_computed=30, prompt_tokens_cache_hit=17,
+                                            prompt_tokens_cached=16, prompt_tokens_recomputed=1))
+    metrics.update_from_engine(engine_stats(prompt_tokens_computed=45, prompt_tokens_cache_hit=17,
+                                            prompt_tokens_cached=16, prompt_tokens_recomputed=1))
+    families = scrape(metrics)
+    assert value(families, "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_by_source_total",
+                 source="local_compute") == 45
+    assert value(families, "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_by_source_total",
+                 source="local_cache_hit") == 17
+    assert value(families, "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_by_source_total",
+                 source="external_kv_transfer") == 0
+    assert value(families, "vllm:prompt_tokens_cached", "vllm:prompt_tokens_cached_total") == 16
+    assert value(families, "vllm:prompt_tokens_recomputed", "vllm:prompt_tokens_recomputed_total") == 1
     metrics.update_from_engine(engine_stats(num_waiting=5, num_waiting_deferred=2))
     families = scrape(metrics)
     assert value(families, "vllm:num_requests_waiting_by_reason", reason="capacity") == 3

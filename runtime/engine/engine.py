@@ -129,6 +129,12 @@ class EngineCounters:
     prompt_tokens: int = 0  # every prompt token admitted, cache hits included (vllm:prompt_tokens_total)
     generation_tokens: int = 0
     computed_prefill_tokens: int = 0  # prompt tokens actually run through the model
+    # Each request's prompt by where its KV came from, counted once when its prefill ends (its
+    # first token), as vLLM's PromptTokenStats: computed + cache hits - recomputed = prompt.
+    prompt_tokens_computed: int = 0    # vllm:prompt_tokens_by_source{source="local_compute"}
+    prompt_tokens_cache_hit: int = 0   # {source="local_cache_hit"}
+    prompt_tokens_cached: int = 0      # vllm:prompt_tokens_cached (no external KV here: the same)
+    prompt_tokens_recomputed: int = 0  # vllm:prompt_tokens_recomputed
     steps: int = 0
     finished: dict[str, int] = dataclasses.field(default_factory=dict)
     # Host seconds per part of a step (the runner adds "forward" and "sample"): where the
@@ -456,6 +462,8 @@ class Engine:
                 self._account(request, sequence, result.logits)
             if result.sampled is not None:
                 last = request.last_token_time
+                if request.first_token_time is None:
+                    self._count_prompt_sources(request)
                 sampled = [result.sampled]
                 finish, stop_reason = self.output_processor.update(request, result.sampled, now)
                 for more in result.more:  # tokens a speculative step kept
@@ -545,9 +553,22 @@ class Engine:
                 finish_reason=reason, arrival_time=request.arrival_time,
                 first_scheduled_time=request.first_scheduled_time, first_token_time=request.first_token_time,
                 finished_time=time.monotonic(), num_prompt_tokens=len(request.prompt_ids),
+                num_cached_tokens=request.cached_prompt_tokens,
                 num_generation_tokens=len(request.output_ids), max_tokens=request.max_tokens,
                 n=request.parent[1] if request.parent else request.params.n, num_preemptions=request.num_preemptions,
                 parent_id=request.parent[0] if request.parent else None))
+
+    def _count_prompt_sources(self, request: Request) -> None:
+        """A request's prefill ended: its prompt tokens by source, as vLLM's PromptTokenStats.
+        A fully cached prompt still computes its last token (the cache never hands out all of
+        it): vLLM counts that token as a cache hit recomputed, by the rule cached + 1 == prompt."""
+        prompt, cached = len(request.prompt_ids), request.cached_prompt_tokens
+        recomputed = 1 if cached > 0 and cached + 1 == prompt else 0
+        c = self.counters
+        c.prompt_tokens_computed += prompt - cached
+        c.prompt_tokens_cache_hit += cached + recomputed
+        c.prompt_tokens_cached += cached
+        c.prompt_tokens_recomputed += recomputed
 
     def _finish_counts(self, reason: str) -> None:
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1

@@ -100,6 +100,7 @@ class FinishedRequestStats:
     n: int  # the request's SamplingParams.n (a child of parallel sampling: its parent's n)
     num_preemptions: int = 0
     parent_id: str | None = None  # a child of parallel sampling: its parent's id (Request.parent)
+    num_cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
 
 
 @dataclasses.dataclass

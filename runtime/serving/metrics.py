@@ -47,6 +47,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 # max_num_seqs, the token budget); "deferred" (LoRA budget, KV transfer) stays 0 unless the
 # engine reports num_waiting_deferred.
 WAITING_REASONS = ("capacity", "deferred")
+# vLLM's prompt token sources; external_kv_transfer (a KV connector) stays 0 here
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 DEFAULT_MAX_MODEL_LEN = 4096  # for the token-count buckets when the caller does not say
 
@@ -102,6 +104,13 @@ class ServerMetrics:
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        # each prompt by where its KV came from, counted when its prefill ends (vLLM's PromptTokenStats)
+        self.prompt_tokens_by_source = counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                               ("source",))
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
+                                            "Number of cached prompt tokens (local + external).")
+        self.prompt_tokens_recomputed = counter("vllm:prompt_tokens_recomputed",
+                                                "Number of cached tokens recomputed for forward pass.")
         self.success = counter("vllm:request_success", "Count of successfully processed requests.",
                                ("finished_reason",))
         # vtool's own: where the engine core's host time goes, per part of a step (rates between
@@ -135,6 +144,9 @@ class ServerMetrics:
             "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
             token_buckets)
         self.request_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
+        self.prefill_kv_computed = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", token_buckets)
         self.request_max_tokens = histogram("vllm:request_params_max_tokens",
                                             "Histogram of the max_tokens request parameter.", token_buckets)
         # histograms of time
@@ -161,13 +173,16 @@ class ServerMetrics:
         # sees zeros, not missing names)
         m, e = self.model_name, self.engine
         for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
-                       self.preemptions, self.prompt_tokens, self.generation_tokens, self.request_prompt_tokens,
+                       self.preemptions, self.prompt_tokens, self.generation_tokens, self.prompt_tokens_cached,
+                       self.prompt_tokens_recomputed, self.prefill_kv_computed, self.request_prompt_tokens,
                        self.request_generation_tokens, self.iteration_tokens, self.request_max_generation_tokens,
                        self.request_n, self.request_max_tokens, self.ttft, self.itl, self.tpot, self.e2e,
                        self.queue_time, self.inference_time, self.prefill_time, self.decode_time):
             metric.labels(m, e)
         for reason in FINISH_REASONS:
             self.success.labels(m, e, reason)
+        for source in PROMPT_TOKEN_SOURCES:
+            self.prompt_tokens_by_source.labels(m, e, source)
         # made once: observe_step runs on every engine step
         self._step_series = {kind: self.step_seconds.labels(m, e, kind) for kind in STEP_KINDS}
         for reason in WAITING_REASONS:
@@ -238,6 +253,7 @@ class ServerMetrics:
             generated_after_first = stats.num_generation_tokens - 1
             self._of(self.tpot).observe(decode / generated_after_first if generated_after_first > 0 else 0.0)
         self._of(self.request_prompt_tokens).observe(stats.num_prompt_tokens)
+        self._of(self.prefill_kv_computed).observe(max(0, stats.num_prompt_tokens - stats.num_cached_tokens))
         self._of(self.request_generation_tokens).observe(stats.num_generation_tokens)
         if stats.max_tokens:  # vLLM observes a set max_tokens only
             self._of(self.request_max_tokens).observe(stats.max_tokens)
@@ -287,6 +303,16 @@ class ServerMetrics:
             delta = stats[key] - self._last_engine.get(key, 0)
             if delta > 0:
                 counter.labels(m, e).inc(delta)
+            self._last_engine[key] = stats[key]
+        for key, counter, labels in (("prompt_tokens_computed", self.prompt_tokens_by_source, ("local_compute",)),
+                                     ("prompt_tokens_cache_hit", self.prompt_tokens_by_source, ("local_cache_hit",)),
+                                     ("prompt_tokens_cached", self.prompt_tokens_cached, ()),
+                                     ("prompt_tokens_recomputed", self.prompt_tokens_recomputed, ())):
+            if key not in stats:
+                continue
+            delta = stats[key] - self._last_engine.get(key, 0)
+            if delta > 0:
+                counter.labels(m, e, *labels).inc(delta)
             self._last_engine[key] = stats[key]
         for pos, count in enumerate(stats.get("spec_accepted_per_pos", ())):
             key = f"spec_accepted_pos_{pos}"
