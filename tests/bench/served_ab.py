@@ -4,7 +4,7 @@ artifacts alternating over rounds (machines of one kind differ by ~8%, runs on o
 ~5%: compare within a call).
 
     python tests/bench/served_ab.py --model CKPT ART_A [ART_B ...] [--labels a,b] [--rounds 2]
-        [--runs 64x64,64x512,1x8] [--input-len 128] [--output-len 128] [--max-num-seqs 64]
+        [--runs 64x64,64x512,1x8] [--temperatures 0,1] [--input-len 128] [--output-len 128] [--max-num-seqs 64]
         [--max-num-batched-tokens 8192] [--max-model-len 1024] [--out results.json]
 
 Each server is started (runtime/bench/local_server.py: the runtime's own `vtool serve --artifact`
@@ -43,25 +43,53 @@ def parse_runs(text: str) -> list[tuple[int, int]]:
     return runs
 
 
-def bench(url: str, a: argparse.Namespace, concurrency: int, prompts: int, seed: int) -> dict[str, Any]:
+def bench(url: str, a: argparse.Namespace, concurrency: int, prompts: int, seed: int,
+          temperature: float = 0.0) -> dict[str, Any]:
     from vtool.runtime.bench.command import BenchOptions, bench_main
 
     opts = BenchOptions(model=None, url=url, endpoint="completions", num_prompts=prompts, input_len=a.input_len,
                         output_len=a.output_len, concurrency=[concurrency], ignore_eos=True, seed=seed,
-                        tokenizer=str(a.tokenizer or a.model), fresh_prompts=True)
+                        tokenizer=str(a.tokenizer or a.model), fresh_prompts=True, temperature=temperature)
     return bench_main(opts, console=Console(file=io.StringIO(), width=160))["runs"][0]
+
+
+def phase_totals(url: str) -> dict[str, float]:
+    """The engine core's host seconds per step phase and its step count, from /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "vtool:engine_step_phase_seconds_total":
+                totals[sample.labels["phase"]] = sample.value
+            elif sample.name == "vtool:engine_steps_total":
+                totals["steps"] = sample.value
+    return totals
+
+
+def phases_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Milliseconds per engine step of each phase over a run (schedule, forward, sample, output, io)."""
+    steps = after.get("steps", 0) - before.get("steps", 0)
+    return {k: round(1e3 * (after[k] - before.get(k, 0)) / steps, 3) for k in after
+            if k != "steps" and steps > 0}
 
 
 def measure(label: str, url: str, a: argparse.Namespace, runs: list[tuple[int, int]], round_index: int) -> list[dict]:
     bench(url, a, *runs[0], seed=1_000_000 + round_index)  # warm-up: its own prompts
     results = []
-    for i, (concurrency, prompts) in enumerate(runs):
-        run = bench(url, a, concurrency, prompts, seed=round_index * 100 + i)
-        result = {"label": label, "round": round_index, "concurrency": concurrency, "prompts": prompts,
-                  **{k: (round(run[k], 2) if isinstance(run.get(k), float) else run.get(k)) for k in KEYS},
-                  "server_steps": run["server_steps"]}  # the bench's scrape of vtool:engine_step_seconds
-        print(json.dumps(result), flush=True)
-        results.append(result)
+    for t_index, temperature in enumerate(a.temperatures):
+        for i, (concurrency, prompts) in enumerate(runs):
+            before = phase_totals(url)
+            run = bench(url, a, concurrency, prompts, seed=round_index * 100 + t_index * 10_000 + i,
+                        temperature=temperature)
+            result = {"label": label, "round": round_index, "temperature": temperature, "concurrency": concurrency,
+                      "prompts": prompts,
+                      **{k: (round(run[k], 2) if isinstance(run.get(k), float) else run.get(k)) for k in KEYS},
+                      "server_steps": run["server_steps"],  # the bench's scrape of vtool:engine_step_seconds
+                      "phase_ms_per_step": phases_between(before, phase_totals(url))}
+            print(json.dumps(result), flush=True)
+            results.append(result)
     return results
 
 
@@ -78,8 +106,11 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--temperatures", default="0",
+                    help="comma list: every run at each (0: greedy, the bench's default, as vLLM's)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    a.temperatures = [float(t) for t in a.temperatures.split(",")]
     runs = parse_runs(a.runs)
     labels = a.labels.split(",") if a.labels else [p.name for p in a.artifacts]
     if len(labels) != len(a.artifacts):
