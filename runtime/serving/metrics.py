@@ -304,16 +304,6 @@ class ServerMetrics:
             if delta > 0:
                 counter.labels(m, e).inc(delta)
             self._last_engine[key] = stats[key]
-        for key, counter, labels in (("prompt_tokens_computed", self.prompt_tokens_by_source, ("local_compute",)),
-                                     ("prompt_tokens_cache_hit", self.prompt_tokens_by_source, ("local_cache_hit",)),
-                                     ("prompt_tokens_cached", self.prompt_tokens_cached, ()),
-                                     ("prompt_tokens_recomputed", self.prompt_tokens_recomputed, ())):
-            if key not in stats:
-                continue
-            delta = stats[key] - self._last_engine.get(key, 0)
-            if delta > 0:
-                counter.labels(m, e, *labels).inc(delta)
-            self._last_engine[key] = stats[key]
         for pos, count in enumerate(stats.get("spec_accepted_per_pos", ())):
             key = f"spec_accepted_pos_{pos}"
             delta = count - self._last_engine.get(key, 0)
@@ -323,6 +313,10 @@ class ServerMetrics:
         for key, counter, labels in (("steps", self.engine_steps, ()), ("spec_num_drafts", self.spec_drafts, ()),
                                      ("spec_num_draft_tokens", self.spec_draft_tokens, ()),
                                      ("spec_num_accepted_tokens", self.spec_accepted_tokens, ()),
+                                     ("prompt_tokens_computed", self.prompt_tokens_by_source, ("local_compute",)),
+                                     ("prompt_tokens_cache_hit", self.prompt_tokens_by_source, ("local_cache_hit",)),
+                                     ("prompt_tokens_cached", self.prompt_tokens_cached, ()),
+                                     ("prompt_tokens_recomputed", self.prompt_tokens_recomputed, ()),
                                      *((f"{p}_seconds", self.engine_phase_seconds, (p,))
                                        for p in ("schedule", "forward", "sample", "output", "io"))):
             if key not in stats:
