@@ -185,6 +185,10 @@ class ServerMetrics:
             self.prompt_tokens_by_source.labels(m, e, source)
         # made once: observe_step runs on every engine step
         self._step_series = {kind: self.step_seconds.labels(m, e, kind) for kind in STEP_KINDS}
+        # the per-token series, looked up once: labels() takes a lock and a dict lookup per call,
+        # and these are observed for every token of every running request
+        self._ttft, self._itl, self._iteration = (self.ttft.labels(m, e), self.itl.labels(m, e),
+                                                  self.iteration_tokens.labels(m, e))
         for reason in WAITING_REASONS:
             self.waiting_by_reason.labels(m, e, reason)
         self._last_engine: dict[str, int] = {}
@@ -194,10 +198,10 @@ class ServerMetrics:
 
     # -- latencies seen as outputs arrive ----------------------------------------------------
     def observe_first_token(self, seconds: float) -> None:
-        self._of(self.ttft).observe(seconds)
+        self._ttft.observe(seconds)
 
     def observe_inter_token(self, seconds: float) -> None:
-        self._of(self.itl).observe(seconds)
+        self._itl.observe(seconds)
 
     def observe_finished(self, reason: str, e2e_seconds: float) -> None:
         """The HTTP side's record of a finish (success and e2e only). A request recorded by
@@ -209,7 +213,7 @@ class ServerMetrics:
     def observe_iteration(self, num_tokens: int) -> None:
         """One engine step. vLLM counts, per step, the tokens generated plus the whole prompt of
         each request whose first token came in that step."""
-        self._of(self.iteration_tokens).observe(num_tokens)
+        self._iteration.observe(num_tokens)
 
     def observe_step(self, kind: str, seconds: float) -> None:
         """One engine step's duration by kind (SchedulerOutput.kind)."""
