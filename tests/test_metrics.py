@@ -8,6 +8,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vtool.runtime.engine.request import FinishedRequestStats
@@ -323,8 +324,8 @@ def test_update_from_engine():
 def test_frontend_latencies_and_the_http_finish_record():
     metrics = ServerMetrics("m")
     metrics.observe_first_token(0.02)
-    metrics.observe_inter_token(0.03)
-    metrics.observe_inter_token(0.2)
+    metrics.observe_inter_tokens([0.03, 0.2])
+    metrics.observe_inter_tokens([])
     metrics.observe_finished("stop", 1.2)
     families = scrape(metrics)
     assert_histogram(families, "vllm:time_to_first_token_seconds", [0.02])
@@ -370,3 +371,37 @@ def test_parallel_samples_count_once_with_their_longest_child(parents, alone, rn
     assert_histogram(families, "vllm:request_generation_tokens",
                      [r.num_generation_tokens for r in records if r.finish_reason != "abort"])
     assert not metrics._parents  # every parent settled
+
+
+# ============================================================================ one pass over many values
+
+values_st = st.lists(st.one_of(st.floats(-1.0, 200.0, allow_nan=False),
+                               st.sampled_from([0.0, 0.01, 0.025, 80.0, math.inf, -math.inf, math.nan])), max_size=80)
+
+
+@SETTINGS
+@given(values_st)
+def test_observe_many_counts_as_observe_does(values):
+    """histogram_batch.observe_many against prometheus-client's own observe, value by value:
+    the same bucket counts (a value on a bound counts in that bucket; NaN in none) and sum."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from vtool.runtime.serving.histogram_batch import batchable, observe_many
+
+    registry = CollectorRegistry()
+    one = Histogram("one", "h", ["m"], buckets=(0.01, 0.025, 0.05, 1.0, 80.0), registry=registry).labels("x")
+    many = Histogram("many", "h", ["m"], buckets=(0.01, 0.025, 0.05, 1.0, 80.0), registry=registry).labels("x")
+    assert batchable(many)  # else this would only test the fallback
+    for v in values:
+        one.observe(v)
+    observe_many(many, values)
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+
+    def series(name):
+        buckets = {s.labels["le"]: s.value for s in families[name].samples if s.name.endswith("_bucket")}
+        total = next(s.value for s in families[name].samples if s.name.endswith("_sum"))
+        return buckets, total
+
+    (b1, s1), (b2, s2) = series("one"), series("many")
+    assert b1 == b2
+    assert (math.isnan(s1) and math.isnan(s2)) or s1 == pytest.approx(s2, rel=1e-12, abs=1e-12)

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -167,7 +168,7 @@ class EngineObserver(Protocol):
     def observe_iteration(self, num_tokens: int) -> None: ...
     def observe_step(self, kind: str, seconds: float) -> None: ...
     def observe_first_token(self, seconds: float) -> None: ...
-    def observe_inter_token(self, seconds: float) -> None: ...
+    def observe_inter_tokens(self, seconds: Sequence[float]) -> None: ...
     def observe_finished_request(self, stats: FinishedRequestStats) -> None: ...
 
 
@@ -489,15 +490,17 @@ class Engine:
         """The outputs of collected tokens, and what the observer records of them."""
         observer = self.observer
         outputs = []
+        gaps = []
         for request, sampled, finish, stop_reason, last, forced in taken:
             out = self.output_processor.record(request, sampled, finish, stop_reason, forced)
             if observer is not None:
                 if last is None:
                     observer.observe_first_token(now - request.arrival_time)
                 else:
-                    observer.observe_inter_token(now - last)
+                    gaps.append(now - last)
             outputs.append(out)
         if observer is not None and taken:
+            observer.observe_inter_tokens(gaps)
             # vLLM's iteration tokens: tokens generated, plus each prompt that got its first token.
             observer.observe_iteration(sum(len(o.new_token_ids) for o in outputs)
                                        + sum(o.num_prompt_tokens for o in outputs

@@ -12,7 +12,8 @@ Where each kind comes from:
 - per finished request: observe_finished_request(FinishedRequestStats), from the engine core:
   request_success, e2e latency and vLLM's request-level histograms (queue, prefill, decode,
   inference time; prompt and generation tokens; n, max_tokens).
-- latencies seen as outputs arrive: observe_first_token / observe_inter_token.
+- latencies seen as outputs arrive: observe_first_token / observe_inter_tokens (a step's
+  inter-token latencies at once: histogram_batch.observe_many).
 - set_cache_config(...): vllm:cache_config_info, the cache configuration as labels.
 
 The object lives where the engine core runs, so that one scrape sees every request whichever
@@ -20,11 +21,13 @@ API server took it.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from vtool.runtime.engine.request import FinishedRequestStats
+from vtool.runtime.serving.histogram_batch import observe_many
 
 # vLLM's bucket boundaries (seconds)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -200,8 +203,9 @@ class ServerMetrics:
     def observe_first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
 
-    def observe_inter_token(self, seconds: float) -> None:
-        self._itl.observe(seconds)
+    def observe_inter_tokens(self, seconds: Sequence[float]) -> None:
+        """One step's inter-token latencies, one per sequence that took a token."""
+        observe_many(self._itl, seconds)
 
     def observe_finished(self, reason: str, e2e_seconds: float) -> None:
         """The HTTP side's record of a finish (success and e2e only). A request recorded by
