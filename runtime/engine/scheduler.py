@@ -98,10 +98,11 @@ class Scheduler:
         self._reserved = 0
         self._order(self.running)
 
+        blocks = self.kv.blocks
         for request in list(self.running):
             if budget == 0:
                 break
-            if request not in self.running:  # preempted below as someone's victim
+            if preempted and request not in self.running:  # preempted below as someone's victim
                 continue
             n = self._chunk(request, budget)
             if n == 1 and request.draft_ids:
@@ -110,14 +111,14 @@ class Scheduler:
                 n = 1 + min(len(request.draft_ids), budget - 1, (self.config.max_chunk or budget) - 1)
                 if n > 1 and not self._ensure_free(self.kv.blocks.blocks_needed(request.seq_id, n)):
                     n = 1
-            need = self.kv.blocks.blocks_needed(request.seq_id, n)  # preempting others leaves it as it is
-            while not self._ensure_free(need):
+            need = blocks.blocks_needed(request.seq_id, n)  # preempting others leaves it as it is
+            while blocks.num_free_blocks - self._reserved < need and not self._ensure_free(need):
                 victim = self._lowest_priority_unscheduled(scheduled)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
-            if request in self.running:
+            if not preempted or request in self.running:
                 items.append((request, n))
                 scheduled.add(id(request))
                 self._reserved += need
