@@ -112,7 +112,7 @@ class Scheduler:
                 if n > 1 and not self._ensure_free(self.kv.blocks.blocks_needed(request.seq_id, n)):
                     n = 1
             need = blocks.blocks_needed(request.seq_id, n)  # preempting others leaves it as it is
-            while blocks.num_free_blocks - self._reserved < need and not self._ensure_free(need):
+            while not self._ensure_free(need):
                 victim = self._lowest_priority_unscheduled(scheduled)
                 self._preempt(victim)
                 preempted.append(victim)
