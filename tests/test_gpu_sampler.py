@@ -237,6 +237,43 @@ def test_argmax_equals_numpy(samplers):
             np.testing.assert_allclose(logprobs, x[np.arange(9), tokens] - lse, atol=2e-5)
 
 
+@pytest.mark.slow
+def test_chunked_rows_at_the_chunk_edges(samplers):
+    """Vocabularies of CHUNKED_VOCAB or more reduce each row chunk by chunk (GPU_V does; the
+    smaller ones do not): ties across chunks go to the lowest index, a maximum in the partial
+    last chunk or on a chunk boundary is found, and the two-level draw picks the host's token
+    where the weight sits in one chunk, in the partial last chunk, or where the uniform is 0
+    or near 1."""
+    from vtool.schedules.cuda.sampler import CHUNK, CHUNKED_VOCAB
+
+    v = GPU_V
+    assert v >= CHUNKED_VOCAB and v % CHUNK, "GPU_V should exercise a partial last chunk"
+    rng = np.random.default_rng(5)
+    rows = make_logits(rng, 8, v, "normal")
+    top = float(rows.max()) + 1.0
+    rows[0, [3 * CHUNK + 7, 7, 10 * CHUNK]] = top  # a tie across chunks
+    rows[1, v - 1] = top  # in the partial last chunk
+    rows[2, [CHUNK, CHUNK - 1]] = top  # either side of a boundary
+    rows[3, :10 * CHUNK] = -np.inf  # ten chunks without a finite entry
+    rows[4, :] = -np.inf
+    rows[4, 20 * CHUNK + 3] = 0.5  # one finite entry
+    rows[5, :-(v % CHUNK)] = -np.inf  # weight only in the partial last chunk
+    rows[6, :] = rows[6, 0]  # one value everywhere: token 0
+    tokens, logprobs = samplers[v].sample(rows, [SamplingParams(temperature=0.0)] * 8, [None] * 8)
+    np.testing.assert_array_equal(tokens, np.argmax(rows, axis=1))
+    assert list(tokens[:3]) == [7, v - 1, CHUNK - 1]
+    np.testing.assert_allclose(logprobs, [raw_logprob(r, t) for r, t in zip(rows, tokens)], atol=2e-5)
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=1),
+                   SamplingParams(temperature=1.3, top_p=0.5), SamplingParams(temperature=1.0, min_p=0.2)):
+        for u in (0.0, 0.37, 0.999, 1.0 - 1e-12):  # (at 1 - 2**-53 a 1e-16 weight is a float tie)
+            got, _ = samplers[v].sample(rows, [params] * 8, [FixedUniform(u) for _ in range(8)])
+            for i, row in enumerate(rows):
+                want = host_token(row, params, u)
+                if got[i] != want:
+                    assert got[i] in near_tie_tokens(row, params, u), (params, u, i, got[i], want)
+                assert np.isfinite(row[got[i]]), (params, u, i)
+
+
 EXAMPLES = {SMALL_V: 150, LARGE_V: 60, GPU_V: 30}
 
 

@@ -30,6 +30,15 @@ near-tie of ~1e-12 relative.
 TVM pieces: relax.op.sort (DispatchSortScan: topi.gpu.sort on CUDA, tvm.contrib.sort on
 the CPU) and relax.op.cumsum (the GPU 2-D scan kernel); everything else is elementwise or a
 row reduction, which LegalizeOps/FuseOps turn into kernels vtool's schedules handle.
+
+Vocabularies of CHUNKED_VOCAB (65,536) tokens or more reduce a row in chunks of CHUNK tokens
+(one thread block per row and chunk, then a reduction over the chunks' partials): the
+argmax and its max from one pass (TIR's argmax-with-tie-break reducer, so the lowest index
+wins across chunks as within one), the log-sum-exp's float64 sum, the temperature row max,
+and the draw in two levels (chunk sums and their cumulative sum pick a chunk, one scan over
+that chunk picks the token) instead of a float64 scan over the whole row. Smaller
+vocabularies keep one block per row: there the extra launches of the combine steps cost
+more than the chunks save (measured on an H100, docs/BENCHMARKS.md).
 relax.op.multinomial_from_uniform is not used: its CUDA kernel compares float32 cumulative
 sums with u - 1e-6, which is not the host's draw.
 
@@ -74,6 +83,34 @@ ARGMAX_MASKED = "sample_argmax_masked"
 
 BATCH_VAR = "sample_batch"
 _F32_MAX = 3.4028234663852886e38
+_I32_MAX = 2**31 - 1
+# Vocabularies of CHUNKED_VOCAB tokens or more reduce their rows in chunks of CHUNK tokens,
+# one thread block per (row, chunk), then combine the [b, chunks] partials: with one block
+# per row, a batch of 1 keeps one SM busy and a 128K row takes ~25 us a pass, and the
+# temperature draw scanned whole float64 rows. Measured on an H100 (tests/bench/
+# sampler_kernels.py, docs/BENCHMARKS.md): at 128,256 tokens the chunks pay at every batch
+# size; at 49,152 the extra launches of the combine steps cost more than they save at
+# batches 1 and 8, so smaller vocabularies keep one block per row.
+CHUNK = 4096
+CHUNKED_VOCAB = 65536
+
+
+def _first_argmax_combine(a, b):  # noqa: ANN001, ANN202 - (index, value) pairs
+    bigger = tirx.GT(a[1], b[1])
+    take_a = tirx.Or(bigger, tirx.And(tirx.EQ(a[1], b[1]), tirx.LT(a[0], b[0])))
+    return tirx.Select(take_a, a[0], b[0]), tirx.Select(bigger, a[1], b[1])
+
+
+# (int64 index, value) -> the first index of the largest value. Written out as TIR's registered
+# argmax-with-index-tie-break reducer, combiner and identities alike, because the GPU
+# schedule's cross-thread reduction accepts no other form: a reduction with no entry above
+# the dtype's lowest value gives (-1, lowest).
+_FIRST_ARGMAX = te.comm_reducer(_first_argmax_combine,
+                                lambda _ti, tv: (tirx.const(-1, "int64"), tirx.min_value(tv)), name="first_argmax")
+
+
+def _i64(n: int) -> tirx.PrimExpr:
+    return tirx.IntImm("int64", n)
 
 
 def _row(t: relax.Expr) -> relax.Expr:
@@ -86,12 +123,125 @@ class _Graph:
 
     def __init__(self, bb: relax.BlockBuilder, vocab: int):
         self.bb, self.vocab = bb, vocab
+        self.chunked = vocab >= CHUNKED_VOCAB
+        self.chunk = min(CHUNK, vocab)
+        self.chunks = -(-vocab // self.chunk)
 
     def emit(self, expr: relax.Expr) -> relax.Var:
         return self.bb.emit(expr)
 
     def te(self, fn, *args, name: str) -> relax.Var:  # noqa: ANN001 - a TE compute
         return self.bb.emit_te(fn, *args, primfunc_name_hint=name)
+
+    # -- chunked row reductions: [b, V] -> [b, chunks] partials -> [b, 1] ------------------
+    def _chunk_index(self, s: tirx.PrimExpr, c: tirx.PrimExpr) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+        """(token index of entry c of chunk s, clamped into the row; whether it is in the row)."""
+        j = self._token_of(s, c)
+        return tirx.min(j, _i64(self.vocab - 1)), j < _i64(self.vocab)
+
+    def _token_of(self, s: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+        """The token index of entry c of chunk s, int64 without a Cast: the chunked kernels'
+        axes are int64 (_i64), because passes rewrite casts in some copies of an expression
+        and not in others, and a reduction's combiner (which holds the index twice) then no
+        longer matches TIR's registered reducer."""
+        return s * _i64(self.chunk) + c
+
+    def row_max(self, x: relax.Var) -> relax.Var:
+        """Per row, the max of float32 x [b, V]: [b, 1] (fmax semantics, as relax.op.max)."""
+        if not self.chunked:
+            return self.emit(relax.op.max(x, axis=1, keepdims=True))
+
+        def compute(v: te.Tensor) -> te.Tensor:
+            c = te.reduce_axis((_i64(0), _i64(self.chunk)), name="c")
+
+            def body(i, s):  # noqa: ANN001, ANN202 - TE index variables
+                j, inside = self._chunk_index(s, c)
+                return te.max(tirx.Select(inside, v[i, j], tirx.const(float("-inf"), "float32")), axis=c)
+
+            return te.compute((v.shape[0], _i64(self.chunks)), body, name="chunk_max")
+
+        part = self.te(compute, x, name="sampler_chunk_max")
+        return self.emit(relax.op.max(part, axis=1, keepdims=True))
+
+    def argmax_max(self, x: relax.Var) -> tuple[relax.Var, relax.Var]:
+        """Per row of float32 x [b, V], (the first index of its max int32 [b], the max float32
+        [b, 1]): each chunk's first argmax and max in one pass, then the same reduction over
+        the chunks' (index, max) pairs, whose indices grow with the chunk: the lowest index
+        of the row's max (numpy's argmax for rows without NaN)."""
+
+        def chunks(v: te.Tensor) -> list[te.Tensor]:
+            c = te.reduce_axis((_i64(0), _i64(self.chunk)), name="c")
+
+            def body(i, s):  # noqa: ANN001, ANN202 - TE index variables
+                # Past the row's end the clamped read repeats its last entry at a higher index,
+                # which never wins a tie: no Select, so the combiner stays the registered one.
+                j, _ = self._chunk_index(s, c)
+                return _FIRST_ARGMAX((self._token_of(s, c), v[i, j]), axis=c)
+
+            return te.compute((v.shape[0], _i64(self.chunks)), body, name="chunk_argmax")
+
+        def rows(index: te.Tensor, value: te.Tensor) -> list[te.Tensor]:
+            s = te.reduce_axis((_i64(0), _i64(self.chunks)), name="s")
+            return te.compute((index.shape[0], _i64(1)), lambda i, _: _FIRST_ARGMAX((index[i, s], value[i, s]), axis=s),
+                              name="row_argmax")
+
+        part = self.te(chunks, x, name="sampler_chunk_argmax")
+        row = self.te(rows, self.emit(relax.TupleGetItem(part, 0)), self.emit(relax.TupleGetItem(part, 1)),
+                      name="sampler_row_argmax")
+        index = self.emit(relax.op.squeeze(relax.TupleGetItem(row, 0), [1]))
+        return self.emit(relax.op.astype(index, "int32")), self.emit(relax.TupleGetItem(row, 1))
+
+    def exp_sum(self, x: relax.Var, top: relax.Var) -> relax.Var:
+        """Per row, sum of exp(x - top) over float32 x [b, V], each term in float32 and the sum
+        in float64 (the host's log-sum-exp): float64 [b, 1]."""
+
+        def compute(v: te.Tensor, t: te.Tensor) -> te.Tensor:
+            c = te.reduce_axis((_i64(0), _i64(self.chunk)), name="c")
+
+            def body(i, s):  # noqa: ANN001, ANN202 - TE index variables
+                j, inside = self._chunk_index(s, c)
+                term = tirx.Cast("float64", te.exp(v[i, j] - t[i, 0]))
+                return te.sum(tirx.Select(inside, term, tirx.const(0.0, "float64")), axis=c)
+
+            return te.compute((v.shape[0], _i64(self.chunks)), body, name="chunk_exp_sum")
+
+        part = self.te(compute, x, top, name="sampler_chunk_exp_sum")
+        return self.emit(relax.op.sum(part, axis=1, keepdims=True))
+
+    def chunk_sums(self, w: relax.Var) -> relax.Var:
+        """Per chunk of float64 weights w [b, V], their sum: float64 [b, chunks]."""
+
+        def compute(v: te.Tensor) -> te.Tensor:
+            c = te.reduce_axis((_i64(0), _i64(self.chunk)), name="c")
+
+            def body(i, s):  # noqa: ANN001, ANN202 - TE index variables
+                j, inside = self._chunk_index(s, c)
+                return te.sum(tirx.Select(inside, v[i, j], tirx.const(0.0, "float64")), axis=c)
+
+            return te.compute((v.shape[0], _i64(self.chunks)), body, name="chunk_weight")
+
+        return self.te(compute, w, name="sampler_chunk_weight")
+
+    def chunk_of(self, w: relax.Var, k: relax.Var) -> relax.Var:
+        """Row i's chunk k[i] of float64 w [b, V] (k int32 [b, 1] in [0, chunks)), zeros past
+        the vocabulary: [b, chunk]."""
+
+        def compute(v: te.Tensor, kk: te.Tensor) -> te.Tensor:
+            def body(i, c):  # noqa: ANN001, ANN202 - TE index variables
+                j, inside = self._chunk_index(tirx.Cast("int64", kk[i, 0]), c)
+                return tirx.Select(inside, v[i, j], tirx.const(0.0, "float64"))
+
+            return te.compute((v.shape[0], _i64(self.chunk)), body, name="chunk_of")
+
+        return self.te(compute, w, k, name="sampler_chunk_of")
+
+    def pick(self, data: relax.Var, k: relax.Var) -> relax.Var:
+        """data[i, k[i]] for data [b, n] and k int32 [b, 1] in [0, n): [b, 1]."""
+
+        def compute(d: te.Tensor, kk: te.Tensor) -> te.Tensor:
+            return te.compute((d.shape[0], 1), lambda i, _: d[i, kk[i, 0]], name="pick")
+
+        return self.te(compute, data, k, name="sampler_pick")
 
     def count(self, cond: relax.Expr) -> relax.Var:
         """Per row, how many entries are true: int32[b, 1]."""
@@ -111,12 +261,12 @@ class _Graph:
         return self.te(compute, values, n, name=name)
 
     def last_positive(self, w: relax.Var) -> relax.Var:
-        """Per row, the largest index with w > 0 (-1 if none): int32 [b, 1]. (Reduced in
-        int64, the index type call_te gives j: a cast around the max would hide the
-        reducer from the GPU's cross-thread reduction.)"""
+        """Per row of w [b, n], the largest index with w > 0 (-1 if none): int32 [b, 1].
+        (Reduced in int64, the index type call_te gives j: a cast around the max would hide
+        the reducer from the GPU's cross-thread reduction.)"""
 
         def compute(v: te.Tensor) -> te.Tensor:
-            j = te.reduce_axis((0, self.vocab), name="j")
+            j = te.reduce_axis((0, v.shape[1]), name="j")
             return te.compute(
                 (v.shape[0], 1),
                 lambda i, _: te.max(tirx.Select(v[i, j] > tirx.const(0, v.dtype), tirx.Cast("int64", j),
@@ -146,20 +296,34 @@ class _Graph:
         return self.te(compute, data, index, name="sampler_gather_row")
 
 
+def _lse(g: _Graph, logits: relax.Var, top: relax.Var) -> relax.Var:
+    """The log-sum-exp float64 [b, 1] of the raw logits given their row max top [b, 1], the
+    host's way: exp(raw - max) in float32, summed in float64 (chunk by chunk, then the
+    chunks, for a chunked vocabulary)."""
+    if g.chunked:
+        total = g.exp_sum(logits, top)
+    else:
+        e = g.emit(relax.op.exp(relax.op.subtract(logits, top)))
+        total = g.emit(relax.op.sum(relax.op.astype(e, "float64"), axis=1, keepdims=True))
+    return g.emit(relax.op.add(relax.op.astype(top, "float64"), relax.op.log(total)))
+
+
 def _raw_lse(g: _Graph, logits: relax.Var) -> relax.Var:
-    """The log-sum-exp float64 [b, 1] of the raw logits, the host's way: exp(raw - max) in
-    float32, summed in float64."""
-    raw_max = g.emit(relax.op.max(logits, axis=1, keepdims=True))
-    e = g.emit(relax.op.exp(relax.op.subtract(logits, raw_max)))
-    total = g.emit(relax.op.sum(relax.op.astype(e, "float64"), axis=1, keepdims=True))
-    return g.emit(relax.op.add(relax.op.astype(raw_max, "float64"), relax.op.log(total)))
+    return _lse(g, logits, g.row_max(logits))
+
+
+def _argmax_max(g: _Graph, x: relax.Var) -> tuple[relax.Var, relax.Var]:
+    """(first argmax int32 [b], max float32 [b, 1]) of each row of x."""
+    if g.chunked:
+        return g.argmax_max(x)
+    return (g.emit(relax.op.astype(relax.op.argmax(x, axis=1), "int32")),
+            g.emit(relax.op.max(x, axis=1, keepdims=True)))
 
 
 def _raw_stats(g: _Graph, logits: relax.Var) -> tuple[relax.Var, relax.Var]:
     """(argmax int32 [b], log-sum-exp float64 [b, 1]) of the raw logits."""
-    lse = _raw_lse(g, logits)
-    argmax = g.emit(relax.op.astype(relax.op.argmax(logits, axis=1), "int32"))
-    return argmax, lse
+    argmax, top = _argmax_max(g, logits)
+    return argmax, _lse(g, logits, top)
 
 
 def _token_bitmask(logits: te.Tensor, bitmask: te.Tensor) -> te.Tensor:
@@ -190,11 +354,38 @@ def _draw(g: _Graph, w: relax.Var, uniform: relax.Var) -> relax.Var:
     """Inverse CDF in token-id order over float64 weights w [b, V]: the first token whose
     cumulative weight exceeds uniform * total, kept off zero-weight tokens past the end.
     int32 [b]."""
+    if g.chunked:
+        return _draw_chunked(g, w, uniform)
     cdf = g.emit(relax.op.cumsum(w, axis=1, dtype="float64"))
     total = g.emit(relax.op.sum(w, axis=1, keepdims=True))
     target = g.emit(relax.op.multiply(_row(uniform), total))
     first_over = g.count(relax.op.less_equal(cdf, target))
     token = g.emit(relax.op.minimum(first_over, g.last_positive(w)))
+    return g.emit(relax.op.squeeze(token, [1]))
+
+
+def _draw_chunked(g: _Graph, w: relax.Var, uniform: relax.Var) -> relax.Var:
+    """_draw in two levels, so no scan runs over a whole row: the chunks' weight sums and
+    their cumulative sum pick the chunk where the cumulative weight first exceeds the target
+    (the last chunk holding weight if none does), and a scan over that one chunk, from the
+    weight before it, picks the token, kept at or below the chunk's last positive weight.
+    The float64 sums are added in another order than one scan over the row adds them; where
+    that moves the pick it is a near-tie of ~1e-16 relative."""
+    i32 = lambda n: relax.const(n, "int32")  # noqa: E731
+    wsum = g.chunk_sums(w)
+    ccum = g.emit(relax.op.cumsum(wsum, axis=1, dtype="float64"))
+    total = g.emit(relax.op.take(ccum, relax.const([g.chunks - 1], "int32"), axis=1))
+    target = g.emit(relax.op.multiply(_row(uniform), total))
+    k = g.count(relax.op.less_equal(ccum, target))  # the first chunk past the target; chunks if none
+    last_chunk = g.emit(relax.op.maximum(g.last_positive(wsum), i32(0)))
+    kc = g.emit(relax.op.where(relax.op.less(k, i32(g.chunks)), k, last_chunk))
+    previous = g.pick(ccum, g.emit(relax.op.maximum(relax.op.subtract(kc, i32(1)), i32(0))))
+    before = g.emit(relax.op.where(relax.op.greater(kc, i32(0)), previous, relax.const(0.0, "float64")))
+    window = g.chunk_of(w, kc)
+    local = g.emit(relax.op.cumsum(window, axis=1, dtype="float64"))
+    j = g.count(relax.op.less_equal(relax.op.add(before, local), target))
+    offset = relax.op.minimum(j, g.last_positive(window))
+    token = g.emit(relax.op.add(relax.op.multiply(kc, i32(g.chunk)), offset))
     return g.emit(relax.op.squeeze(token, [1]))
 
 
@@ -205,7 +396,7 @@ def _random_sample(g: _Graph, logits: relax.Var, temperature: relax.Var, min_p: 
     greedy = g.emit(relax.op.equal(temperature, zero))
     safe_t = g.emit(relax.op.where(greedy, relax.const(1.0, "float32"), temperature))
     x = g.emit(relax.op.divide(logits, _row(safe_t)))
-    m = g.emit(relax.op.max(x, axis=1, keepdims=True))
+    m = g.row_max(x)
     if top_p is None:
         w32 = g.emit(relax.op.exp(relax.op.subtract(x, m)))
         keep = relax.op.greater_equal(w32, _row(min_p))
@@ -322,8 +513,8 @@ def sampler_module(vocab_size: int) -> tvm.IRModule:
     with bb.function(ARGMAX_MASKED, [logits, bitmask]):
         with bb.dataflow():
             masked = g.te(_token_bitmask, logits, bitmask, name="sampler_apply_token_bitmask")
-            argmax = g.emit(relax.op.astype(relax.op.argmax(masked, axis=1), "int32"))
-            allowed_max = g.emit(relax.op.max(masked, axis=1))
+            argmax, allowed_max = _argmax_max(g, masked)
+            allowed_max = g.emit(relax.op.squeeze(allowed_max, [1]))
             lse = _raw_lse(g, logits)
             # -1 where the row is bad or its mask allows no token with a finite logit
             ok = g.emit(relax.op.logical_and(relax.op.squeeze(relax.op.isfinite(lse), [1]),

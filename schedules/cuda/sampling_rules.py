@@ -84,14 +84,16 @@ class RowReduction(GPUScheduleRule):
                    and not (isinstance(iv.dom.extent, tirx.IntImm) and iv.dom.extent.value == 1)}
         # Every read must stay in the output element's row: indexed by every non-unit
         # spatial iterator (a matmul's weight is not, and stays GEMV's/Matmul's), or by
-        # no iterator at all (a scalar).
+        # no reduction iterator (a scalar per output element, such as a row's maximum
+        # read by each of the row's chunks).
         iters = {iv.var for iv in block.iter_vars}
+        reduced = {iv.var for iv, kind in zip(block.iter_vars, kinds) if kind == "R"}
         for region in block.reads:
             used = set()
             for rng in region.region:
                 used |= _vars_in(rng.min)
             used &= iters
-            if used and not spatial <= used:
+            if used and not spatial <= used and used & reduced:
                 return None
         loops = sch.get_loops(info.block_rv)
         bx = sch.fuse(*loops[:n_s])

@@ -1,0 +1,111 @@
+"""Time the device sampler's functions alone (schedules/cuda/sampler.py), one or more libraries
+side by side, and check they agree.
+
+    python tests/bench/sampler_kernels.py --vocab 128256 --lib old=OLD.so --lib new=NEW.so \
+        [--batches 1,8,64] [--calls 200]
+
+Each library is a standalone sampler library (tests/test_gpu_sampler.py's build_cuda_library
+makes one for a vocabulary). For every batch size: the same float32 logits [b, V] (standard
+normal, so no ties) on the device, each function queued `calls` times back to back with the
+host synchronised once (ms per call: the device time when the launches keep ahead of it, the
+host's when they do not), in turn per library, three rounds, the best kept. Then the libraries'
+outputs for one call: tokens must match the first library's (a temperature draw with the
+same uniforms may differ only at a float near-tie, counted), logprobs within 2e-5.
+
+Prints one JSON line per (library, function, batch) and one per comparison.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from vtool.runtime.artifact.tvm_runtime import cuda_runtime, ffi, global_func
+
+_DL_CPU, _DL_CUDA, _POOLED = 1, 2, 2
+
+
+class SamplerLibrary:
+    def __init__(self, label: str, path: Path):
+        cuda_runtime()  # registers TVM's CUDA module loader
+        self.label, self.ffi = label, ffi()
+        self.device = self.ffi.device("cuda", 0)
+        self.vm = self.ffi.load_module(str(path))["vm_load_executable"]()
+        self.vm["vm_initialization"](_DL_CUDA, 0, _POOLED, _DL_CPU, 0, _POOLED)
+
+    def upload(self, array: np.ndarray):  # noqa: ANN201 - a device tensor
+        array = np.ascontiguousarray(array)
+        tensor = global_func("runtime.TVMTensorAllocWithScope")(
+            self.ffi.Shape(array.shape), str(array.dtype), self.device, None)
+        global_func("runtime.TVMTensorCopyFromBytes")(tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes)
+        return tensor
+
+    def to_numpy(self, tensor) -> np.ndarray:  # noqa: ANN001
+        out = np.empty(tuple(int(d) for d in tensor.shape), dtype=str(tensor.dtype))
+        global_func("runtime.TVMTensorCopyToBytes")(tensor, ctypes.c_void_p(out.ctypes.data), out.nbytes)
+        return out
+
+
+def inputs(lib: SamplerLibrary, b: int, vocab: int, rng: np.random.Generator) -> dict[str, list]:
+    logits = lib.upload(rng.standard_normal((b, vocab)).astype(np.float32) * 3)
+    t = lib.upload(np.full(b, 1.0, np.float32))
+    min_p = lib.upload(np.zeros(b, np.float32))
+    u = lib.upload(rng.random(b))
+    top_p = lib.upload(np.full(b, 0.9, np.float64))
+    top_k = lib.upload(np.full(b, 50, np.int32))
+    return {"sample_argmax": [logits], "sample_temperature": [logits, t, min_p, u],
+            "sample_top_p_top_k": [logits, t, top_p, top_k, min_p, u]}
+
+
+def timed(lib: SamplerLibrary, fn, args: list, calls: int) -> float:  # noqa: ANN001
+    sync = global_func("runtime.Device_StreamSync")
+    for _ in range(3):
+        fn(*args)
+    sync(lib.device, 0)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    sync(lib.device, 0)
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vocab", type=int, required=True)
+    ap.add_argument("--lib", action="append", required=True, help="label=path of a sampler library")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--functions", default="sample_argmax,sample_temperature,sample_top_p_top_k")
+    args = ap.parse_args()
+    libs = [SamplerLibrary(*item.split("=", 1)) for item in args.lib]
+    functions = args.functions.split(",")
+    for b in (int(x) for x in args.batches.split(",")):
+        data = {lib.label: inputs(lib, b, args.vocab, np.random.default_rng(b)) for lib in libs}
+        best: dict[tuple[str, str], float] = {}
+        for _ in range(3):
+            for name in functions:
+                for lib in libs:
+                    calls = args.calls if name != "sample_top_p_top_k" else max(args.calls // 10, 5)
+                    ms = timed(lib, lib.vm[name], data[lib.label][name], calls)
+                    key = (lib.label, name)
+                    best[key] = min(best.get(key, ms), ms)
+        for (label, name), ms in best.items():
+            print(json.dumps({"lib": label, "function": name, "batch": b, "vocab": args.vocab, "ms": round(ms, 4)}))
+        first = libs[0]
+        for name in functions:
+            ref = first.vm[name](*data[first.label][name])
+            ref_tok, ref_lp = first.to_numpy(ref[0]), first.to_numpy(ref[1])
+            for lib in libs[1:]:
+                out = lib.vm[name](*data[lib.label][name])
+                tok, lp = lib.to_numpy(out[0]), lib.to_numpy(out[1])
+                print(json.dumps({"compare": f"{lib.label} vs {first.label}", "function": name, "batch": b,
+                                  "tokens_differ": int((tok != ref_tok).sum()),
+                                  "max_logprob_diff": float(np.nanmax(np.abs(lp - ref_lp))) if b else 0.0}))
+
+
+if __name__ == "__main__":
+    main()
