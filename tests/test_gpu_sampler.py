@@ -237,15 +237,20 @@ def test_argmax_equals_numpy(samplers):
             np.testing.assert_allclose(logprobs, x[np.arange(9), tokens] - lse, atol=2e-5)
 
 
+@pytest.mark.parametrize("few_rows", [False, True], ids=["chunked-nucleus", "few-rows-nucleus"])
 @pytest.mark.slow
-def test_chunked_rows_at_the_chunk_edges(samplers):
+def test_chunked_rows_at_the_chunk_edges(samplers, monkeypatch, few_rows):
     """Vocabularies of CHUNKED_VOCAB or more reduce each row chunk by chunk (GPU_V does; the
     smaller ones do not): ties across chunks go to the lowest index, a maximum in the partial
     last chunk or on a chunk boundary is found, and the two-level draw picks the host's token
     where the weight sits in one chunk, in the partial last chunk, or where the uniform is 0
     or near 1."""
+    from vtool.runtime.sampling import device
     from vtool.schedules.cuda.sampler import CHUNK, CHUNKED_VOCAB
 
+    # Top-p / top-k draws of fewer than FEW_ROWS rows take the few-rows function: both in turn.
+    assert device.TOP_P_TOP_K_FEW_ROWS in samplers[GPU_V]._fns
+    monkeypatch.setattr(device, "FEW_ROWS", 100 if few_rows else 0)
     v = GPU_V
     assert v >= CHUNKED_VOCAB and v % CHUNK, "GPU_V should exercise a partial last chunk"
     rng = np.random.default_rng(5)
@@ -272,6 +277,21 @@ def test_chunked_rows_at_the_chunk_edges(samplers):
                 if got[i] != want:
                     assert got[i] in near_tie_tokens(row, params, u), (params, u, i, got[i], want)
                 assert np.isfinite(row[got[i]]), (params, u, i)
+
+
+def test_large_vocabularies_sort_with_the_linked_row_sort():
+    """CUDA builds of 64K+ vocabularies call toolchain/row_sort.py's CUB sort for top-p /
+    top-k (and link it); smaller ones keep relax.op.sort."""
+    pytest.importorskip("tvm")
+    from vtool.schedules.cuda.sampler import CHUNKED_VOCAB, sampler_module
+    from vtool.toolchain.row_sort import SORT_SYMBOL, uses_row_sort
+
+    assert uses_row_sort(CHUNKED_VOCAB) and uses_row_sort(GPU_V) and not uses_row_sort(CHUNKED_VOCAB - 1)
+    text = sampler_module(GPU_V, sort_symbol=SORT_SYMBOL).script()
+    assert SORT_SYMBOL in text and "R.sort(" not in text
+    assert "sample_top_p_top_k_few_rows" in text
+    small = sampler_module(LARGE_V).script()
+    assert SORT_SYMBOL not in small and "R.sort(" in small and "few_rows" not in small
 
 
 EXAMPLES = {SMALL_V: 150, LARGE_V: 60, GPU_V: 30}
@@ -738,11 +758,16 @@ _CUDA_BUILD = textwrap.dedent("""
     spec = buildable(target_name)
     target = tvm.target.Target(spec.tvm)
     record = {}
+    from vtool.toolchain import row_sort
+    sort = row_sort.uses_row_sort(vocab)
     with cuda.fatbin_callback(spec.archs, spec.ptx, record), target, \\
             tvm.transform.PassContext(opt_level=3, config=pass_config("cuda")):
-        ex = tvm.compile(sampler_module(vocab), target=target, relax_pipeline=build_pipeline(target, "cuda"))
-    ex.export_library(out)
-    print("library", cuda.check_library(out, spec.archs, spec.ptx))
+        ex = tvm.compile(sampler_module(vocab, sort_symbol=row_sort.SORT_SYMBOL if sort else None), target=target,
+                         relax_pipeline=build_pipeline(target, "cuda"))
+    # As a model's CUDA build links it (toolchain/build.py): a large vocabulary's row sort and libcudart.
+    linked = [str(row_sort.compile_object(spec.archs, spec.ptx))] if sort else []
+    ex.export_library(out, addons=[*linked, str(cuda.cuda_toolkit_library("cudart"))] if sort else [])
+    print("library", cuda.check_library(out, spec.archs, spec.ptx, linked))
 """)
 
 
@@ -770,7 +795,10 @@ def test_cuda_build(tmp_path):
     out = tmp_path / "sampler-cuda.so"
     log = build_cuda_library(GPU_V, "sm_90a", out)
     print("\n" + log)
-    assert "'sass': ['sm_90a']" in log and "'cuda_source': False" in log
+    # check_library refused anything but sm_90a SASS + compute_90 PTX of the sampler's own; the
+    # second fatbin is the linked row sort's (CUB), whose export the library carries.
+    assert "'sass': ['sm_90a', 'sm_90a']" in log and "'cuda_source': False" in log
+    assert b"__tvm_ffi_vtool_sort_rows_desc" in out.read_bytes()
 
 
 def test_cuda_rules_wired():

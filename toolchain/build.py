@@ -215,11 +215,18 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
         from vtool.toolchain.gemm_offload import compile_shim
 
         shims.append(str(compile_shim()))
-    linked: list[str] = []  # objects with kernels of their own: their fatbins sit beside TVM's
+    from vtool.toolchain import row_sort
+
+    # Objects with kernels of their own (their fatbins sit beside TVM's): the sampler's row sort
+    # for a large vocabulary, the block matmuls where weights stay in blocks.
+    linked: list[str] = []
+    if row_sort.uses_row_sort(cfg.vocab_size):
+        linked.append(str(row_sort.compile_object(target_spec.archs, target_spec.ptx)))
     if block_mma_formats(formats, dtype):
         from vtool.toolchain import block_mma
 
         linked.append(str(block_mma.compile_object(target_spec.archs, target_spec.ptx)))
+    if linked:
         shims += [*linked, str(cuda.cuda_toolkit_library("cudart"))]
     # export_library appends its own objects to the list it is given: hand it a copy.
     executable.export_library(str(library_path), addons=list(shims) + (fi.addons() if fi else []))
@@ -235,10 +242,13 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
         "seconds": {"export_tvm": round(t_export, 2), "tvm.compile (incl. nvcc)": round(t_compile, 2),
                     "nvcc": record.pop("nvcc_seconds", 0.0), "export_library": round(t_link, 2)},
     })
-    from vtool.runtime.sampling.device import ARGMAX_MASKED, FUNCTIONS as SAMPLER_FUNCTIONS, MASK_FUNCTIONS
+    from vtool.runtime.sampling.device import ARGMAX_MASKED, FUNCTIONS as SAMPLER_FUNCTIONS, MASK_FUNCTIONS, TOP_P_TOP_K_FEW_ROWS
+    from vtool.schedules.cuda.sampler import CHUNKED_VOCAB
+
+    few_rows = [TOP_P_TOP_K_FEW_ROWS] if cfg.vocab_size >= CHUNKED_VOCAB else []
 
     return {"params": params, "entry_points": entry_points, "pipeline": describe(target_spec.family, gemm, graph_sizes),
-            "cuda": record, "sampler": [*SAMPLER_FUNCTIONS, *MASK_FUNCTIONS, ARGMAX_MASKED], "tuning": tuning.summary()}
+            "cuda": record, "sampler": [*SAMPLER_FUNCTIONS, *MASK_FUNCTIONS, ARGMAX_MASKED, *few_rows], "tuning": tuning.summary()}
 
 
 def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str = "float32",

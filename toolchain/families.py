@@ -173,9 +173,11 @@ def _cuda_check_model(cfg: ModelConfig, dtype: str) -> None:
 
 def _cuda_extra_modules(cfg: ModelConfig) -> list[Any]:
     # Sampling on the GPU (schedules/cuda/sampler.py): the engine samples there, so logits stay put.
+    # A large vocabulary's top-p / top-k sort is CUB's (toolchain/row_sort.py), which the build links.
     from vtool.schedules.cuda.sampler import sampler_module
+    from vtool.toolchain.row_sort import SORT_SYMBOL, uses_row_sort
 
-    return [sampler_module(cfg.vocab_size)]
+    return [sampler_module(cfg.vocab_size, sort_symbol=SORT_SYMBOL if uses_row_sort(cfg.vocab_size) else None)]
 
 
 def _short_prefill_attention() -> Any:

@@ -45,6 +45,10 @@ APPLY_TOKEN_BITMASK = "apply_token_bitmask"
 TOKEN_LOGPROB = "token_logprob"
 MASK_FUNCTIONS = (APPLY_TOKEN_BITMASK, TOKEN_LOGPROB)
 ARGMAX_MASKED = "sample_argmax_masked"  # optional too: greedy grammar rows in one pass
+# Optional (libraries of 64K+ vocabularies since it exists): TOP_P_TOP_K with fewer kernel
+# launches, for draws of fewer than FEW_ROWS rows, which the host's launches bound.
+TOP_P_TOP_K_FEW_ROWS = "sample_top_p_top_k_few_rows"
+FEW_ROWS = 16
 
 
 def can_sample_on_device(params: SamplingParams, num_generated: int | None = None) -> bool:
@@ -132,7 +136,7 @@ class DeviceSampler:
         if missing:
             raise VtoolError(f"the library has no device sampling functions ({', '.join(missing)}); "
                              "rebuild it with a vtool that compiles them")
-        for name in (*MASK_FUNCTIONS, ARGMAX_MASKED):
+        for name in (*MASK_FUNCTIONS, ARGMAX_MASKED, TOP_P_TOP_K_FEW_ROWS):
             try:
                 self._fns[name] = model.vm[name]
             except Exception:  # noqa: BLE001 - an older library: grammar rows sample on the host
@@ -188,7 +192,8 @@ class DeviceSampler:
         args_u = m.upload(uniform, "float64", slot="sampler.uniform")
         filtered = (top_p < 1.0) | ((top_k > 0) & (top_k < V))
         if filtered[~greedy].any():
-            return PreparedDraw(b, TOP_P_TOP_K, (args_t, m.upload(top_p, "float64", slot="sampler.top_p"),
+            function = TOP_P_TOP_K_FEW_ROWS if b < FEW_ROWS and TOP_P_TOP_K_FEW_ROWS in self._fns else TOP_P_TOP_K
+            return PreparedDraw(b, function, (args_t, m.upload(top_p, "float64", slot="sampler.top_p"),
                                                  m.upload(top_k, "int32", slot="sampler.top_k"), args_m, args_u))
         return PreparedDraw(b, TEMPERATURE, (args_t, args_m, args_u))  # no sort needed
 

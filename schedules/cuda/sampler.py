@@ -36,9 +36,13 @@ Vocabularies of CHUNKED_VOCAB (65,536) tokens or more reduce a row in chunks of 
 argmax and its max from one pass (TIR's argmax-with-tie-break reducer, so the lowest index
 wins across chunks as within one), the log-sum-exp's float64 sum, the temperature row max,
 and the draw in two levels (chunk sums and their cumulative sum pick a chunk, one scan over
-that chunk picks the token) instead of a float64 scan over the whole row. Smaller
+that chunk picks the token) instead of a float64 scan over the whole row; top-p's nucleus
+and the ties kept at its cut are counts found the same way (_nucleus_chunked). Smaller
 vocabularies keep one block per row: there the extra launches of the combine steps cost
-more than the chunks save (measured on an H100, docs/BENCHMARKS.md).
+more than the chunks save (measured on an H100, docs/BENCHMARKS.md). For the same reason a
+chunked vocabulary also gets sample_top_p_top_k_few_rows, the row-wise nucleus, which the
+runtime calls for a few rows (their draw is bound by the host's launches). Its CUDA build
+sorts with CUB (toolchain/row_sort.py, `sort_symbol`): TVM's sort was most of a top-p draw.
 relax.op.multinomial_from_uniform is not used: its CUDA kernel compares float32 cumulative
 sums with u - 1e-6, which is not the host's draw.
 
@@ -80,9 +84,12 @@ MASK_FUNCTIONS = (APPLY_TOKEN_BITMASK, TOKEN_LOGPROB)
 # Greedy grammar rows in one call: the argmax of the masked logits and the raw logprob of the
 # token, from one pass over the row (mask + argmax + token_logprob read it three times).
 ARGMAX_MASKED = "sample_argmax_masked"
+# Chunked vocabularies only: sample_top_p_top_k with the row-wise nucleus (one block a row, a
+# scan over the sorted row). Fewer launches, so faster where a step's draw is bound by the
+# host's launches rather than the device (a few rows: runtime/sampling/device.py picks it).
+TOP_P_TOP_K_FEW_ROWS = "sample_top_p_top_k_few_rows"
 
 BATCH_VAR = "sample_batch"
-_F32_MAX = 3.4028234663852886e38
 _I32_MAX = 2**31 - 1
 # Vocabularies of CHUNKED_VOCAB tokens or more reduce their rows in chunks of CHUNK tokens,
 # one thread block per (row, chunk), then combine the [b, chunks] partials: with one block
@@ -121,8 +128,8 @@ class _Graph:
     """Helpers over one BlockBuilder dataflow block: relax ops, and TE for the pieces that
     need the token position."""
 
-    def __init__(self, bb: relax.BlockBuilder, vocab: int):
-        self.bb, self.vocab = bb, vocab
+    def __init__(self, bb: relax.BlockBuilder, vocab: int, sort_symbol: str | None = None):
+        self.bb, self.vocab, self.sort_symbol = bb, vocab, sort_symbol
         self.chunked = vocab >= CHUNKED_VOCAB
         self.chunk = min(CHUNK, vocab)
         self.chunks = -(-vocab // self.chunk)
@@ -209,31 +216,69 @@ class _Graph:
         return self.emit(relax.op.sum(part, axis=1, keepdims=True))
 
     def chunk_sums(self, w: relax.Var) -> relax.Var:
-        """Per chunk of float64 weights w [b, V], their sum: float64 [b, chunks]."""
+        """Per chunk of w [b, V] (float64 weights or int32 counts), the sum: [b, chunks] of w's
+        dtype."""
 
         def compute(v: te.Tensor) -> te.Tensor:
             c = te.reduce_axis((_i64(0), _i64(self.chunk)), name="c")
 
             def body(i, s):  # noqa: ANN001, ANN202 - TE index variables
                 j, inside = self._chunk_index(s, c)
-                return te.sum(tirx.Select(inside, v[i, j], tirx.const(0.0, "float64")), axis=c)
+                return te.sum(tirx.Select(inside, v[i, j], tirx.const(0, v.dtype)), axis=c)
 
-            return te.compute((v.shape[0], _i64(self.chunks)), body, name="chunk_weight")
+            return te.compute((v.shape[0], _i64(self.chunks)), body, name="chunk_sum")
 
-        return self.te(compute, w, name="sampler_chunk_weight")
+        return self.te(compute, w, name="sampler_chunk_sum")
 
     def chunk_of(self, w: relax.Var, k: relax.Var) -> relax.Var:
-        """Row i's chunk k[i] of float64 w [b, V] (k int32 [b, 1] in [0, chunks)), zeros past
-        the vocabulary: [b, chunk]."""
+        """Row i's chunk k[i] of w [b, V] (k int32 [b, 1] in [0, chunks)), zeros past the
+        vocabulary: [b, chunk]."""
 
         def compute(v: te.Tensor, kk: te.Tensor) -> te.Tensor:
             def body(i, c):  # noqa: ANN001, ANN202 - TE index variables
                 j, inside = self._chunk_index(tirx.Cast("int64", kk[i, 0]), c)
-                return tirx.Select(inside, v[i, j], tirx.const(0.0, "float64"))
+                return tirx.Select(inside, v[i, j], tirx.const(0, v.dtype))
 
             return te.compute((v.shape[0], _i64(self.chunk)), body, name="chunk_of")
 
         return self.te(compute, w, k, name="sampler_chunk_of")
+
+    def count_rows(self, cond: relax.Expr) -> relax.Var:
+        """Per row of a [b, V] condition, how many entries are true: int32 [b, 1] (chunk by
+        chunk for a chunked vocabulary)."""
+        if not self.chunked:
+            return self.count(cond)
+        part = self.chunk_sums(self.emit(relax.op.astype(cond, "int32")))
+        return self.emit(relax.op.sum(part, axis=1, keepdims=True))
+
+    def lead_count(self, w: relax.Var, target: relax.Var, strict: bool) -> relax.Var:
+        """Per row of non-negative w [b, V] (float64 or int32), how many leading entries keep
+        their running sum (the entry included) below target [b, 1] (strict) or at most target:
+        int32 [b, 1]. In two levels: the chunks whose running sum at their end passes, then a
+        scan over the next chunk only."""
+        i32 = lambda n: relax.const(n, "int32")  # noqa: E731
+        cmp = relax.op.less if strict else relax.op.less_equal
+        ccum = self.emit(relax.op.cumsum(self.chunk_sums(w), axis=1))
+        full = self.count(cmp(ccum, target))  # whole chunks that pass: a prefix
+        kc = self.emit(relax.op.minimum(full, i32(self.chunks - 1)))
+        previous = self.pick(ccum, self.emit(relax.op.maximum(relax.op.subtract(kc, i32(1)), i32(0))))
+        before = self.emit(relax.op.where(relax.op.greater(kc, i32(0)), previous, relax.const(0, str(w.ty.dtype))))
+        local = self.emit(relax.op.cumsum(self.chunk_of(w, kc), axis=1))
+        j = self.count(cmp(relax.op.add(before, local), target))
+        n = relax.op.where(relax.op.less(full, i32(self.chunks)),
+                           relax.op.add(relax.op.multiply(kc, i32(self.chunk)), j), i32(self.vocab))
+        return self.emit(relax.op.minimum(n, i32(self.vocab)))
+
+    def ties_through(self, x: relax.Var, t: relax.Var, cut: relax.Var) -> relax.Var:
+        """keep [b, V]: x > t, or x == t at an index <= cut [b, 1] (the ties kept in token
+        order)."""
+
+        def compute(v: te.Tensor, tt: te.Tensor, cc: te.Tensor) -> te.Tensor:
+            return te.compute(v.shape, lambda i, j: tirx.Or(
+                tirx.GT(v[i, j], tt[i, 0]),
+                tirx.And(tirx.EQ(v[i, j], tt[i, 0]), tirx.LE(j, tirx.Cast(str(j.ty), cc[i, 0])))), name="ties_through")
+
+        return self.te(compute, x, t, cut, name="sampler_ties_through")
 
     def pick(self, data: relax.Var, k: relax.Var) -> relax.Var:
         """data[i, k[i]] for data [b, n] and k int32 [b, 1] in [0, n): [b, 1]."""
@@ -247,18 +292,19 @@ class _Graph:
         """Per row, how many entries are true: int32[b, 1]."""
         return self.emit(relax.op.sum(relax.op.astype(cond, "int32"), axis=1, keepdims=True))
 
-    def prefix_min(self, values: relax.Var, n: relax.Var, name: str) -> relax.Var:
-        """Per row, min of values[i, :n[i]] (values float32 [b, V], n int32 [b, 1]) as [b, 1]."""
+    def sort_desc(self, x: relax.Var) -> relax.Var:
+        """Each row of float32 x [b, V] sorted in descending order: relax.op.sort, or the
+        library's own row sort (sort_symbol: toolchain/row_sort.py's CUB sort on CUDA)."""
+        if self.sort_symbol is None:
+            return self.emit(relax.op.sort(x, axis=1, descending=True))
+        return self.emit(relax.call_dps_packed(self.sort_symbol, [x], out_ty=relax.TensorType(x.ty.shape, "float32")))
 
-        def compute(v: te.Tensor, k: te.Tensor) -> te.Tensor:
-            j = te.reduce_axis((0, self.vocab), name="j")
-            big = tirx.const(_F32_MAX, "float32")
-            return te.compute(
-                (v.shape[0], 1),
-                lambda i, _: te.min(tirx.Select(tirx.Cast("int32", j) < k[i, 0], v[i, j], big), axis=j),
-                name=name)
-
-        return self.te(compute, values, n, name=name)
+    def sorted_at(self, sx: relax.Var, n: relax.Var) -> relax.Var:
+        """Per row of a descending-sorted sx [b, V], the smallest of its first n[i] entries
+        (n int32 [b, 1], 1..V): entry n - 1, a gather instead of a reduction over the row."""
+        one = relax.const(1, "int32")
+        last = self.emit(relax.op.clip(relax.op.subtract(n, one), 0, self.vocab - 1))
+        return self.pick(sx, last)
 
     def last_positive(self, w: relax.Var) -> relax.Var:
         """Per row of w [b, n], the largest index with w > 0 (-1 if none): int32 [b, 1].
@@ -391,7 +437,7 @@ def _draw_chunked(g: _Graph, w: relax.Var, uniform: relax.Var) -> relax.Var:
 
 def _random_sample(g: _Graph, logits: relax.Var, temperature: relax.Var, min_p: relax.Var,
                    uniform: relax.Var, top_p: relax.Var | None, top_k: relax.Var | None,
-                   greedy_token: relax.Var, lse: relax.Var) -> relax.Expr:
+                   greedy_token: relax.Var, lse: relax.Var, rowwise_nucleus: bool = False) -> relax.Expr:
     zero = relax.const(0.0, "float32")
     greedy = g.emit(relax.op.equal(temperature, zero))
     safe_t = g.emit(relax.op.where(greedy, relax.const(1.0, "float32"), temperature))
@@ -402,15 +448,19 @@ def _random_sample(g: _Graph, logits: relax.Var, temperature: relax.Var, min_p: 
         keep = relax.op.greater_equal(w32, _row(min_p))
     else:
         v = g.vocab
-        sx = g.emit(relax.op.sort(x, axis=1, descending=True))
+        sx = g.sort_desc(x)
         k_on = relax.op.logical_and(relax.op.greater(top_k, relax.const(0, "int32")),
                                     relax.op.less(top_k, relax.const(v, "int32")))
         k_eff = g.emit(_row(relax.op.where(k_on, top_k, relax.const(v, "int32"))))
-        kth = g.prefix_min(sx, k_eff, name="sampler_kth")
+        kth = g.sorted_at(sx, k_eff)
         ws = g.emit(relax.op.exp(relax.op.subtract(sx, m)))
         keep_s = g.emit(relax.op.logical_and(relax.op.greater_equal(sx, kth),
                                              relax.op.greater_equal(ws, _row(min_p))))
         wk = g.emit(relax.op.where(keep_s, relax.op.astype(ws, "float64"), relax.const(0.0, "float64")))
+        if g.chunked and not rowwise_nucleus:
+            keep = _nucleus_chunked(g, x, sx, keep_s, wk, top_p)
+            w32 = g.emit(relax.op.exp(relax.op.subtract(x, m)))
+            return _draw_and_finish(g, logits, keep, w32, uniform, greedy, greedy_token, m, lse)
         cs = g.emit(relax.op.cumsum(wk, axis=1, dtype="float64"))
         total = g.emit(relax.op.sum(wk, axis=1, keepdims=True))
         before = relax.op.subtract(cs, wk)
@@ -418,13 +468,45 @@ def _random_sample(g: _Graph, logits: relax.Var, temperature: relax.Var, min_p: 
         nucleus = relax.op.logical_or(relax.op.greater_equal(p_row, relax.const(1.0, "float64")),
                                       relax.op.less(before, relax.op.multiply(p_row, total)))
         kept = g.count(relax.op.logical_and(keep_s, nucleus))  # a prefix of the sorted row, >= 1
-        t = g.prefix_min(sx, kept, name="sampler_cutoff")  # the smallest kept logit
+        t = g.sorted_at(sx, kept)  # the smallest kept logit
         above = g.count(relax.op.greater(sx, t))
         rank = g.tie_rank(x, t)
         keep = relax.op.logical_or(
             relax.op.greater(x, t),
             relax.op.logical_and(relax.op.equal(x, t), relax.op.less(rank, relax.op.subtract(kept, above))))
         w32 = g.emit(relax.op.exp(relax.op.subtract(x, m)))
+    return _draw_and_finish(g, logits, keep, w32, uniform, greedy, greedy_token, m, lse)
+
+
+def _nucleus_chunked(g: _Graph, x: relax.Var, sx: relax.Var, keep_s: relax.Var, wk: relax.Var,
+                     top_p: relax.Var) -> relax.Var:
+    """The top-k / min-p / top-p keep mask [b, V] of a chunked vocabulary, as the row-wise
+    path computes it (kept = the sorted prefix that passes all three; its smallest logit t;
+    the ties at t kept in token order) without a scan over whole rows: keep_s is a prefix of
+    the sorted row (both of its tests are monotone in the logit), the nucleus another (its
+    running weight before an entry, compared with top_p * total), so each is a count, the
+    nucleus's in two levels (lead_count); the last kept tie is found the same way over the
+    row's ties in token order."""
+    i32 = lambda n: relax.const(n, "int32")  # noqa: E731
+    n_keep_s = g.count_rows(keep_s)
+    total = g.emit(relax.op.sum(g.chunk_sums(wk), axis=1, keepdims=True))
+    p_row = _row(top_p)
+    # The entries whose running weight before them is < p * total: one more than those whose
+    # running weight through them is (the first entry's "before" is 0).
+    under = g.lead_count(wk, g.emit(relax.op.multiply(p_row, total)), strict=True)
+    nucleus = g.emit(relax.op.where(relax.op.greater_equal(p_row, relax.const(1.0, "float64")), i32(g.vocab),
+                                    relax.op.minimum(relax.op.add(under, i32(1)), i32(g.vocab))))
+    kept = g.emit(relax.op.minimum(n_keep_s, nucleus))  # >= 1: the row's maximum passes all three
+    t = g.sorted_at(sx, kept)  # the smallest kept logit
+    above = g.count_rows(relax.op.greater(sx, t))
+    ties = g.emit(relax.op.astype(relax.op.equal(x, t), "int32"))
+    # The (kept - above)-th tie in token order sits after this many leading entries.
+    cut = g.lead_count(ties, g.emit(relax.op.subtract(kept, above)), strict=True)
+    return g.ties_through(x, t, cut)
+
+
+def _draw_and_finish(g: _Graph, logits: relax.Var, keep: relax.Expr, w32: relax.Var, uniform: relax.Var,
+                     greedy: relax.Var, greedy_token: relax.Var, m: relax.Var, lse: relax.Var) -> relax.Expr:
     w = g.emit(relax.op.where(keep, relax.op.astype(w32, "float64"), relax.const(0.0, "float64")))
     drawn = _draw(g, w, uniform)
     token = g.emit(relax.op.where(greedy, greedy_token, drawn))
@@ -434,7 +516,7 @@ def _random_sample(g: _Graph, logits: relax.Var, temperature: relax.Var, min_p: 
     return _finish(g, logits, token, lse, ok)
 
 
-def sampler_module(vocab_size: int) -> tvm.IRModule:
+def sampler_module(vocab_size: int, sort_symbol: str | None = None) -> tvm.IRModule:
     """The sampling functions for a vocabulary of vocab_size tokens, over a symbolic batch:
 
         sample_argmax(logits f32[b, V]) -> (i32[b], f64[b])
@@ -442,6 +524,8 @@ def sampler_module(vocab_size: int) -> tvm.IRModule:
                            uniform f64[b]) -> (i32[b], f64[b])
         sample_top_p_top_k(logits f32[b, V], temperature f32[b], top_p f64[b], top_k i32[b],
                            min_p f32[b], uniform f64[b]) -> (i32[b], f64[b])
+        sample_top_p_top_k_few_rows(the same): vocabularies of CHUNKED_VOCAB or more only, the
+                           same draw with fewer launches (for a few rows)
 
         apply_token_bitmask(logits f32[b, V], bitmask i32[b, W]) -> f32[b, V]
         token_logprob(logits f32[b, V], token i32[b]) -> f64[b]
@@ -456,16 +540,20 @@ def sampler_module(vocab_size: int) -> tvm.IRModule:
     masked logits, and token_logprob gives the drawn token's raw log-softmax from the unmasked
     ones (the sampling function's own logprob is the masked row's); a token id outside the row
     is clamped into it (the caller has refused a -1 token already).
+
+    sort_symbol: an external function sorting rows of float32 in descending order into a
+    destination (toolchain/row_sort.py's, linked into CUDA libraries), used for top-p / top-k
+    instead of relax.op.sort; None keeps relax.op.sort (the CPU's, and tests).
     """
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
     bb = relax.BlockBuilder()
-    g = _Graph(bb, vocab_size)
+    g = _Graph(bb, vocab_size, sort_symbol)
 
     def tensor(name: str, shape: list, dtype: str) -> relax.Var:
         return relax.Var(name, relax.TensorType(shape, dtype))
 
-    for name in FUNCTIONS:
+    for name in FUNCTIONS + ((TOP_P_TOP_K_FEW_ROWS,) if g.chunked else ()):
         b = tirx.Var(BATCH_VAR, "int64")
         logits = tensor("logits", [b, vocab_size], "float32")
         temperature = tensor("temperature", [b], "float32")
@@ -475,7 +563,8 @@ def sampler_module(vocab_size: int) -> tvm.IRModule:
         uniform = tensor("uniform", [b], "float64")
         params = {ARGMAX: [logits],
                   TEMPERATURE: [logits, temperature, min_p, uniform],
-                  TOP_P_TOP_K: [logits, temperature, top_p, top_k, min_p, uniform]}[name]
+                  TOP_P_TOP_K: [logits, temperature, top_p, top_k, min_p, uniform],
+                  TOP_P_TOP_K_FEW_ROWS: [logits, temperature, top_p, top_k, min_p, uniform]}[name]
         with bb.function(name, params):
             with bb.dataflow():
                 argmax, lse = _raw_stats(g, logits)
@@ -483,9 +572,9 @@ def sampler_module(vocab_size: int) -> tvm.IRModule:
                     ok = g.emit(relax.op.squeeze(relax.op.isfinite(lse), [1]))
                     out = _finish(g, logits, argmax, lse, ok)
                 else:
-                    sort_args = (top_p, top_k) if name == TOP_P_TOP_K else (None, None)
+                    sort_args = (top_p, top_k) if name in (TOP_P_TOP_K, TOP_P_TOP_K_FEW_ROWS) else (None, None)
                     out = _random_sample(g, logits, temperature, min_p, uniform, *sort_args,
-                                         greedy_token=argmax, lse=lse)
+                                         greedy_token=argmax, lse=lse, rowwise_nucleus=name == TOP_P_TOP_K_FEW_ROWS)
                 gv = bb.emit_output(out)
             bb.emit_func_output(gv)
 

@@ -44,6 +44,13 @@ class SamplerLibrary:
         global_func("runtime.TVMTensorCopyFromBytes")(tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes)
         return tensor
 
+    def has(self, name: str) -> bool:
+        try:
+            self.vm[name]
+        except Exception:  # noqa: BLE001 - the VM answers a missing name with an FFI error
+            return False
+        return True
+
     def to_numpy(self, tensor) -> np.ndarray:  # noqa: ANN001
         out = np.empty(tuple(int(d) for d in tensor.shape), dtype=str(tensor.dtype))
         global_func("runtime.TVMTensorCopyToBytes")(tensor, ctypes.c_void_p(out.ctypes.data), out.nbytes)
@@ -57,8 +64,9 @@ def inputs(lib: SamplerLibrary, b: int, vocab: int, rng: np.random.Generator) ->
     u = lib.upload(rng.random(b))
     top_p = lib.upload(np.full(b, 0.9, np.float64))
     top_k = lib.upload(np.full(b, 50, np.int32))
+    filtered = [logits, t, top_p, top_k, min_p, u]
     return {"sample_argmax": [logits], "sample_temperature": [logits, t, min_p, u],
-            "sample_top_p_top_k": [logits, t, top_p, top_k, min_p, u]}
+            "sample_top_p_top_k": filtered, "sample_top_p_top_k_few_rows": filtered}
 
 
 def timed(lib: SamplerLibrary, fn, args: list, calls: int) -> float:  # noqa: ANN001
@@ -73,6 +81,27 @@ def timed(lib: SamplerLibrary, fn, args: list, calls: int) -> float:  # noqa: AN
     return (time.perf_counter() - t0) / calls * 1e3
 
 
+def kernel_times(lib: SamplerLibrary, fn, args: list, calls: int = 10) -> list:  # noqa: ANN001
+    """[(kernel name, GPU microseconds per call, launches per call)] of `calls` calls, slowest
+    first, from torch.profiler (its CUPTI trace sees TVM's and the linked objects' kernels)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = global_func("runtime.Device_StreamSync")
+    fn(*args)
+    sync(lib.device, 0)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(*args)
+        sync(lib.device, 0)
+    groups: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            groups.setdefault(event.name[:60], []).append(getattr(event, "device_time_total", 0.0))
+    rows = [(name, round(sum(v) / calls, 1), len(v) // calls) for name, v in groups.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, required=True)
@@ -80,6 +109,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--functions", default="sample_argmax,sample_temperature,sample_top_p_top_k")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print each function's kernels and their GPU time per call (torch.profiler: needs torch)")
     args = ap.parse_args()
     libs = [SamplerLibrary(*item.split("=", 1)) for item in args.lib]
     functions = args.functions.split(",")
@@ -89,17 +120,24 @@ def main() -> None:
         for _ in range(3):
             for name in functions:
                 for lib in libs:
-                    calls = args.calls if name != "sample_top_p_top_k" else max(args.calls // 10, 5)
+                    if not lib.has(name):
+                        continue
+                    calls = args.calls if not name.startswith("sample_top_p_top_k") else max(args.calls // 10, 5)
                     ms = timed(lib, lib.vm[name], data[lib.label][name], calls)
                     key = (lib.label, name)
                     best[key] = min(best.get(key, ms), ms)
         for (label, name), ms in best.items():
             print(json.dumps({"lib": label, "function": name, "batch": b, "vocab": args.vocab, "ms": round(ms, 4)}))
+        if args.profile:
+            for name in functions:
+                for lib in (lib for lib in libs if lib.has(name)):
+                    print(json.dumps({"profile": lib.label, "function": name, "batch": b,
+                                      "kernels_us": kernel_times(lib, lib.vm[name], data[lib.label][name])}))
         first = libs[0]
-        for name in functions:
+        for name in (name for name in functions if first.has(name)):
             ref = first.vm[name](*data[first.label][name])
             ref_tok, ref_lp = first.to_numpy(ref[0]), first.to_numpy(ref[1])
-            for lib in libs[1:]:
+            for lib in (lib for lib in libs[1:] if lib.has(name)):
                 out = lib.vm[name](*data[lib.label][name])
                 tok, lp = lib.to_numpy(out[0]), lib.to_numpy(out[1])
                 print(json.dumps({"compare": f"{lib.label} vs {first.label}", "function": name, "batch": b,

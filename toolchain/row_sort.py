@@ -1,0 +1,34 @@
+"""The GPU sampler's row sort (native/row_sort.cu): CUB's radix sorts behind top-p / top-k.
+
+schedules/cuda/sampler.py sorts each row of scaled logits in descending order for top-p and
+top-k; on CUDA it calls `vtool_sort_rows_desc` (SORT_SYMBOL) instead of relax.op.sort, whose
+CUDA lowering (topi.gpu.sort) took about 2 ms for 64 rows of 128,256 tokens on an H100. This
+module compiles the source with nvcc for the build's arch list, once per source, arch list and
+nvcc version, into the user cache. CUDA builds of vocabularies of 64K tokens or more (the
+sampler's chunked ones, where the sort costs most) link the object and libcudart; smaller
+vocabularies keep relax.op.sort and a library without objects of its own.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from vtool.toolchain.cuda import CudaBuildError, find_nvcc, gencode_flags, nvcc_version
+from vtool.toolchain.native_objects import cached_object, tvm_ffi_includes
+
+SOURCE = Path(__file__).with_name("native") / "row_sort.cu"
+SORT_SYMBOL = "vtool_sort_rows_desc"
+
+
+def uses_row_sort(vocab_size: int) -> bool:
+    """Whether a CUDA build of this vocabulary sorts with the linked CUB sort."""
+    from vtool.schedules.cuda.sampler import CHUNKED_VOCAB
+
+    return vocab_size >= CHUNKED_VOCAB
+
+
+def compile_object(archs, ptx: str) -> Path:  # noqa: ANN001 - a sequence of arch names
+    """native/row_sort.cu -> an object with SASS for `archs` and PTX `ptx`, cached."""
+    nvcc = find_nvcc()
+    return cached_object(SOURCE, "row-sort", repr((sorted(archs), ptx, nvcc_version(nvcc))),
+                         lambda out: [nvcc, "-c", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", *gencode_flags(archs, ptx),
+                                      *tvm_ffi_includes(), str(SOURCE), "-o", out], CudaBuildError)
