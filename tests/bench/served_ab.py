@@ -4,7 +4,7 @@ artifacts alternating over rounds (machines of one kind differ by ~8%, runs on o
 ~5%: compare within a call).
 
     python tests/bench/served_ab.py --model CKPT ART_A [ART_B ...] [--labels a,b] [--rounds 2]
-        [--runs 64x64,64x512,1x8] [--temperatures 0,1] [--input-len 128] [--output-len 128] [--max-num-seqs 64]
+        [--runs 64x64,64x512,1x8] [--temperatures 0,1] [--top-p 0.9] [--input-len 128] [--output-len 128] [--max-num-seqs 64]
         [--max-num-batched-tokens 8192] [--max-model-len 1024] [--out results.json]
 
 Each server is started (runtime/bench/local_server.py: the runtime's own `vtool serve --artifact`
@@ -49,7 +49,8 @@ def bench(url: str, a: argparse.Namespace, concurrency: int, prompts: int, seed:
 
     opts = BenchOptions(model=None, url=url, endpoint="completions", num_prompts=prompts, input_len=a.input_len,
                         output_len=a.output_len, concurrency=[concurrency], ignore_eos=True, seed=seed,
-                        tokenizer=str(a.tokenizer or a.model), fresh_prompts=True, temperature=temperature)
+                        tokenizer=str(a.tokenizer or a.model), fresh_prompts=True, temperature=temperature,
+                        top_p=a.top_p)
     return bench_main(opts, console=Console(file=io.StringIO(), width=160))["runs"][0]
 
 
@@ -83,7 +84,8 @@ def measure(label: str, url: str, a: argparse.Namespace, runs: list[tuple[int, i
             before = phase_totals(url)
             run = bench(url, a, concurrency, prompts, seed=round_index * 100 + t_index * 10_000 + i,
                         temperature=temperature)
-            result = {"label": label, "round": round_index, "temperature": temperature, "concurrency": concurrency,
+            result = {"label": label, "round": round_index, "temperature": temperature, "top_p": a.top_p,
+                      "concurrency": concurrency,
                       "prompts": prompts,
                       **{k: (round(run[k], 2) if isinstance(run.get(k), float) else run.get(k)) for k in KEYS},
                       "server_steps": run["server_steps"],  # the bench's scrape of vtool:engine_step_seconds
@@ -108,6 +110,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--temperatures", default="0",
                     help="comma list: every run at each (0: greedy, the bench's default, as vLLM's)")
+    ap.add_argument("--top-p", type=float, help="sent with every request (default: none, the server's)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     a.temperatures = [float(t) for t in a.temperatures.split(",")]
