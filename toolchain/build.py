@@ -243,9 +243,8 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
                     "nvcc": record.pop("nvcc_seconds", 0.0), "export_library": round(t_link, 2)},
     })
     from vtool.runtime.sampling.device import ARGMAX_MASKED, FUNCTIONS as SAMPLER_FUNCTIONS, MASK_FUNCTIONS, TOP_P_TOP_K_FEW_ROWS
-    from vtool.schedules.cuda.sampler import CHUNKED_VOCAB
 
-    few_rows = [TOP_P_TOP_K_FEW_ROWS] if cfg.vocab_size >= CHUNKED_VOCAB else []
+    few_rows = [TOP_P_TOP_K_FEW_ROWS] if row_sort.uses_row_sort(cfg.vocab_size) else []
 
     return {"params": params, "entry_points": entry_points, "pipeline": describe(target_spec.family, gemm, graph_sizes),
             "cuda": record, "sampler": [*SAMPLER_FUNCTIONS, *MASK_FUNCTIONS, ARGMAX_MASKED, *few_rows], "tuning": tuning.summary()}

@@ -30,6 +30,8 @@ near-tie of ~1e-12 relative.
 TVM pieces: relax.op.sort (DispatchSortScan: topi.gpu.sort on CUDA, tvm.contrib.sort on
 the CPU) and relax.op.cumsum (the GPU 2-D scan kernel); everything else is elementwise or a
 row reduction, which LegalizeOps/FuseOps turn into kernels vtool's schedules handle.
+relax.op.multinomial_from_uniform is not used: its CUDA kernel compares float32 cumulative
+sums with u - 1e-6, which is not the host's draw.
 
 Vocabularies of CHUNKED_VOCAB (65,536) tokens or more reduce a row in chunks of CHUNK tokens
 (one thread block per row and chunk, then a reduction over the chunks' partials): the
@@ -41,10 +43,9 @@ and the ties kept at its cut are counts found the same way (_nucleus_chunked). S
 vocabularies keep one block per row: there the extra launches of the combine steps cost
 more than the chunks save (measured on an H100, docs/BENCHMARKS.md). For the same reason a
 chunked vocabulary also gets sample_top_p_top_k_few_rows, the row-wise nucleus, which the
-runtime calls for a few rows (their draw is bound by the host's launches). Its CUDA build
-sorts with CUB (toolchain/row_sort.py, `sort_symbol`): TVM's sort was most of a top-p draw.
-relax.op.multinomial_from_uniform is not used: its CUDA kernel compares float32 cumulative
-sums with u - 1e-6, which is not the host's draw.
+runtime calls for a few rows (their draw is bound by the host's launches). CUDA builds of
+32K+ vocabularies sort with CUB (toolchain/row_sort.py, `sort_symbol`): TVM's sort was most
+of a top-p draw.
 
 Grammar-constrained rows (structured output) draw on the device too, with two more functions
 (MASK_FUNCTIONS): apply_token_bitmask(logits, bitmask) sets the tokens a packed int32 bitmask
@@ -84,9 +85,11 @@ MASK_FUNCTIONS = (APPLY_TOKEN_BITMASK, TOKEN_LOGPROB)
 # Greedy grammar rows in one call: the argmax of the masked logits and the raw logprob of the
 # token, from one pass over the row (mask + argmax + token_logprob read it three times).
 ARGMAX_MASKED = "sample_argmax_masked"
-# Chunked vocabularies only: sample_top_p_top_k with the row-wise nucleus (one block a row, a
-# scan over the sorted row). Fewer launches, so faster where a step's draw is bound by the
-# host's launches rather than the device (a few rows: runtime/sampling/device.py picks it).
+# sample_top_p_top_k as it is fastest for a few rows (runtime/sampling/device.py picks it under
+# FEW_ROWS), where a step's draw is bound by the host's launches rather than the device: the
+# row-wise nucleus (one block a row, a scan over the sorted row) for a chunked vocabulary, TVM's
+# sort for one with a library sort under CHUNKED_VOCAB. Built where it differs from
+# sample_top_p_top_k.
 TOP_P_TOP_K_FEW_ROWS = "sample_top_p_top_k_few_rows"
 
 BATCH_VAR = "sample_batch"
@@ -292,10 +295,11 @@ class _Graph:
         """Per row, how many entries are true: int32[b, 1]."""
         return self.emit(relax.op.sum(relax.op.astype(cond, "int32"), axis=1, keepdims=True))
 
-    def sort_desc(self, x: relax.Var) -> relax.Var:
+    def sort_desc(self, x: relax.Var, library_sort: bool = True) -> relax.Var:
         """Each row of float32 x [b, V] sorted in descending order: relax.op.sort, or the
-        library's own row sort (sort_symbol: toolchain/row_sort.py's CUB sort on CUDA)."""
-        if self.sort_symbol is None:
+        library's own row sort (sort_symbol: toolchain/row_sort.py's CUB sort on CUDA) unless
+        library_sort is False."""
+        if self.sort_symbol is None or not library_sort:
             return self.emit(relax.op.sort(x, axis=1, descending=True))
         return self.emit(relax.call_dps_packed(self.sort_symbol, [x], out_ty=relax.TensorType(x.ty.shape, "float32")))
 
@@ -448,7 +452,9 @@ def _random_sample(g: _Graph, logits: relax.Var, temperature: relax.Var, min_p: 
         keep = relax.op.greater_equal(w32, _row(min_p))
     else:
         v = g.vocab
-        sx = g.sort_desc(x)
+        # A few rows of a vocabulary under CHUNKED_VOCAB sort faster with TVM's sort: CUB's
+        # launches cost more than its sort saves there (BENCHMARKS.md).
+        sx = g.sort_desc(x, library_sort=g.chunked or not rowwise_nucleus)
         k_on = relax.op.logical_and(relax.op.greater(top_k, relax.const(0, "int32")),
                                     relax.op.less(top_k, relax.const(v, "int32")))
         k_eff = g.emit(_row(relax.op.where(k_on, top_k, relax.const(v, "int32"))))
@@ -524,8 +530,8 @@ def sampler_module(vocab_size: int, sort_symbol: str | None = None) -> tvm.IRMod
                            uniform f64[b]) -> (i32[b], f64[b])
         sample_top_p_top_k(logits f32[b, V], temperature f32[b], top_p f64[b], top_k i32[b],
                            min_p f32[b], uniform f64[b]) -> (i32[b], f64[b])
-        sample_top_p_top_k_few_rows(the same): vocabularies of CHUNKED_VOCAB or more only, the
-                           same draw with fewer launches (for a few rows)
+        sample_top_p_top_k_few_rows(the same): where sort_symbol is given or the vocabulary is
+                           chunked, the same draw with fewer launches (for a few rows)
 
         apply_token_bitmask(logits f32[b, V], bitmask i32[b, W]) -> f32[b, V]
         token_logprob(logits f32[b, V], token i32[b]) -> f64[b]
@@ -553,7 +559,8 @@ def sampler_module(vocab_size: int, sort_symbol: str | None = None) -> tvm.IRMod
     def tensor(name: str, shape: list, dtype: str) -> relax.Var:
         return relax.Var(name, relax.TensorType(shape, dtype))
 
-    for name in FUNCTIONS + ((TOP_P_TOP_K_FEW_ROWS,) if g.chunked else ()):
+    few_rows = g.chunked or sort_symbol is not None  # a variant faster for a few rows exists
+    for name in FUNCTIONS + ((TOP_P_TOP_K_FEW_ROWS,) if few_rows else ()):
         b = tirx.Var(BATCH_VAR, "int64")
         logits = tensor("logits", [b, vocab_size], "float32")
         temperature = tensor("temperature", [b], "float32")
