@@ -280,14 +280,14 @@ def test_chunked_rows_at_the_chunk_edges(samplers, monkeypatch, few_rows):
 
 
 def test_large_vocabularies_sort_with_the_linked_row_sort():
-    """CUDA builds of 32K+ vocabularies call toolchain/row_sort.py's CUB sort for top-p /
-    top-k (and link it); smaller ones keep relax.op.sort. With the library sort there is a
-    few-rows function; under 64K tokens it keeps TVM's sort (faster for a few rows there)."""
+    """CUDA builds of 64K+ vocabularies call toolchain/row_sort.py's CUB sort for top-p /
+    top-k (and link it); smaller ones keep relax.op.sort. Given a library sort, a module
+    also has a few-rows function; under 64K tokens that one keeps TVM's sort."""
     pytest.importorskip("tvm")
-    from vtool.schedules.cuda.sampler import sampler_module
-    from vtool.toolchain.row_sort import SORT_SYMBOL, SORTED_VOCAB, uses_row_sort
+    from vtool.schedules.cuda.sampler import CHUNKED_VOCAB, sampler_module
+    from vtool.toolchain.row_sort import SORT_SYMBOL, uses_row_sort
 
-    assert uses_row_sort(SORTED_VOCAB) and uses_row_sort(GPU_V) and not uses_row_sort(SORTED_VOCAB - 1)
+    assert uses_row_sort(CHUNKED_VOCAB) and uses_row_sort(GPU_V) and not uses_row_sort(CHUNKED_VOCAB - 1)
     mid = sampler_module(49152, sort_symbol=SORT_SYMBOL)
     few = mid["sample_top_p_top_k_few_rows"].script()
     assert "R.sort(" in few and SORT_SYMBOL not in few

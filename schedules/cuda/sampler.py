@@ -44,8 +44,8 @@ vocabularies keep one block per row: there the extra launches of the combine ste
 more than the chunks save (measured on an H100, docs/BENCHMARKS.md). For the same reason a
 chunked vocabulary also gets sample_top_p_top_k_few_rows, the row-wise nucleus, which the
 runtime calls for a few rows (their draw is bound by the host's launches). CUDA builds of
-32K+ vocabularies sort with CUB (toolchain/row_sort.py, `sort_symbol`): TVM's sort was most
-of a top-p draw.
+chunked vocabularies sort with CUB (toolchain/row_sort.py, `sort_symbol`): TVM's sort was
+most of a top-p draw.
 
 Grammar-constrained rows (structured output) draw on the device too, with two more functions
 (MASK_FUNCTIONS): apply_token_bitmask(logits, bitmask) sets the tokens a packed int32 bitmask

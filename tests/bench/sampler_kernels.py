@@ -69,7 +69,9 @@ def inputs(lib: SamplerLibrary, b: int, vocab: int, rng: np.random.Generator) ->
             "sample_top_p_top_k": filtered, "sample_top_p_top_k_few_rows": filtered}
 
 
-def timed(lib: SamplerLibrary, fn, args: list, calls: int) -> float:  # noqa: ANN001
+def timed(lib: SamplerLibrary, fn, args: list, calls: int, sync_each: bool = False) -> float:  # noqa: ANN001
+    """ms a call: `calls` calls queued back to back and one wait, or (sync_each) a wait after
+    every call, as the engine waits for each step's tokens."""
     sync = global_func("runtime.Device_StreamSync")
     for _ in range(3):
         fn(*args)
@@ -77,6 +79,8 @@ def timed(lib: SamplerLibrary, fn, args: list, calls: int) -> float:  # noqa: AN
     t0 = time.perf_counter()
     for _ in range(calls):
         fn(*args)
+        if sync_each:
+            sync(lib.device, 0)
     sync(lib.device, 0)
     return (time.perf_counter() - t0) / calls * 1e3
 
@@ -109,6 +113,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--functions", default="sample_argmax,sample_temperature,sample_top_p_top_k")
+    ap.add_argument("--sync-each", action="store_true", help="wait for the device after every call")
     ap.add_argument("--profile", action="store_true",
                     help="also print each function's kernels and their GPU time per call (torch.profiler: needs torch)")
     args = ap.parse_args()
@@ -123,7 +128,7 @@ def main() -> None:
                     if not lib.has(name):
                         continue
                     calls = args.calls if not name.startswith("sample_top_p_top_k") else max(args.calls // 10, 5)
-                    ms = timed(lib, lib.vm[name], data[lib.label][name], calls)
+                    ms = timed(lib, lib.vm[name], data[lib.label][name], calls, args.sync_each)
                     key = (lib.label, name)
                     best[key] = min(best.get(key, ms), ms)
         for (label, name), ms in best.items():
