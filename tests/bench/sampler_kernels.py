@@ -17,32 +17,36 @@ Prints one JSON line per (library, function, batch) and one per comparison.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import time
 from pathlib import Path
 
 import numpy as np
 
+from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.artifact.tvm_runtime import cuda_runtime, ffi, global_func
 
 _DL_CPU, _DL_CUDA, _POOLED = 1, 2, 2
 
 
 class SamplerLibrary:
-    def __init__(self, label: str, path: Path):
-        cuda_runtime()  # registers TVM's CUDA module loader
-        self.label, self.ffi = label, ffi()
-        self.device = self.ffi.device("cuda", 0)
-        self.vm = self.ffi.load_module(str(path))["vm_load_executable"]()
-        self.vm["vm_initialization"](_DL_CUDA, 0, _POOLED, _DL_CPU, 0, _POOLED)
+    """A standalone sampler library on the GPU, with the runtime's own upload and copy back
+    (CompiledModel's, as tests/test_gpu_sampler.py's Library borrows them)."""
 
-    def upload(self, array: np.ndarray):  # noqa: ANN201 - a device tensor
-        array = np.ascontiguousarray(array)
-        tensor = global_func("runtime.TVMTensorAllocWithScope")(
-            self.ffi.Shape(array.shape), str(array.dtype), self.device, None)
-        global_func("runtime.TVMTensorCopyFromBytes")(tensor, ctypes.c_void_p(array.ctypes.data), array.nbytes)
-        return tensor
+    upload = CompiledModel.upload
+    to_numpy = CompiledModel.to_numpy
+    on_gpu = CompiledModel.on_gpu
+
+    def __init__(self, label: str, path: Path, device_type: str = "cuda"):
+        if device_type == "cuda":
+            cuda_runtime()  # registers TVM's CUDA module loader
+        self.label, self.ffi = label, ffi()
+        self.device_type, self.device = device_type, self.ffi.device(device_type, 0)
+        self.vm = self.ffi.load_module(str(path))["vm_load_executable"]()
+        if device_type == "cuda":
+            self.vm["vm_initialization"](_DL_CUDA, 0, _POOLED, _DL_CPU, 0, _POOLED)
+        else:
+            self.vm["vm_initialization"](_DL_CPU, 0, _POOLED)
 
     def has(self, name: str) -> bool:
         try:
@@ -50,11 +54,6 @@ class SamplerLibrary:
         except Exception:  # noqa: BLE001 - the VM answers a missing name with an FFI error
             return False
         return True
-
-    def to_numpy(self, tensor) -> np.ndarray:  # noqa: ANN001
-        out = np.empty(tuple(int(d) for d in tensor.shape), dtype=str(tensor.dtype))
-        global_func("runtime.TVMTensorCopyToBytes")(tensor, ctypes.c_void_p(out.ctypes.data), out.nbytes)
-        return out
 
 
 def inputs(lib: SamplerLibrary, b: int, vocab: int, rng: np.random.Generator) -> dict[str, list]:
