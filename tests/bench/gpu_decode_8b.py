@@ -69,6 +69,22 @@ def make_checkpoint(folder: Path) -> None:
         record(step="checkpoint_saved", seconds=round(seconds, 1))
 
 
+def dirty_kib() -> int:
+    """Dirty + Writeback page-cache kB (/proc/meminfo): file data not yet on disk."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+    return sum(int(fields.get(name, "0 kB").split()[0]) for name in ("Dirty", "Writeback"))
+
+
+def settle_page_cache() -> None:
+    """Write back a just-saved checkpoint's pages before anything is timed, so no timing shares
+    the machine with that write-back (12.6 GB of a 16 GB checkpoint were still dirty after the
+    save on the GPU machine; writing them took 5 s)."""
+    dirty = dirty_kib()
+    t0 = time.perf_counter()
+    os.sync()
+    record(step="page_cache_written_back", dirty_mib=round(dirty / 1024, 1), seconds=round(time.perf_counter() - t0, 1))
+
+
 def copy_bandwidth() -> float:
     import torch
 
@@ -185,12 +201,44 @@ def batch_decode_timer(model, batch: int, tokens: int = 384, entry: str = "batch
             one()
         sync(model.device, 0)
         t0 = time.perf_counter()
+        marks = []
         for _ in range(n):
             one()
+            marks.append(time.perf_counter())
         sync(model.device, 0)
-        return (time.perf_counter() - t0) / n
+        end = time.perf_counter()
+        # where a slow timing's time went (explain_slow_step): the host's time to queue each
+        # step (steps run ahead of the device until something blocks), then the final wait
+        LAST_TIMING.update(queue_ms=[round((b - a) * 1e3, 1) for a, b in zip([t0, *marks], marks)],
+                           final_wait_ms=round((end - marks[-1]) * 1e3, 1))
+        return (end - t0) / n
 
     return timed
+
+
+LAST_TIMING: dict = {}  # batch_decode_timer's last timing, step by step
+SLOW_STEP_MS = 100.0  # a batch step this slow is the rare stall this bench has met at 64 sequences
+
+
+def explain_slow_step(step: str, timed) -> None:  # noqa: ANN001 - timed: batch_decode_timer's closure
+    """A step that took over SLOW_STEP_MS: is the same cache still slow, and is the time in the
+    kernels (GPU time a step) or between them (the GPU idle)? Recorded beside the step."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    queue = LAST_TIMING.get("queue_ms", [])
+    slowest = sorted(range(len(queue)), key=lambda i: -queue[i])[:5]
+    record(step=f"{step}_slow_timing", slowest_queue_ms=[(i, queue[i]) for i in slowest],
+           median_queue_ms=sorted(queue)[len(queue) // 2] if queue else None,
+           final_wait_ms=LAST_TIMING.get("final_wait_ms"))
+    t0 = time.perf_counter()
+    again = timed(2) * 1e3
+    per_step, launches = kernel_times(lambda: timed(2), 6)  # timed(2): 4 warm-up + 2 timed steps
+    top = sorted(per_step.items(), key=lambda kv: -kv[1])[:8]
+    record(step=f"{step}_slow", again_ms_per_step=round(again, 3), kernel_us_per_step=round(sum(per_step.values()), 1),
+           top=[(k[:80], round(v, 1), launches[k]) for k, v in top], gpu_free_gib=round(free / 2**30, 1),
+           gpu_total_gib=round(total / 2**30, 1), dirty_mib=round(dirty_kib() / 1024, 1),
+           seconds=round(time.perf_counter() - t0, 1))
 
 
 def serving_split(model, batch: int = 64, steps: int = 32, tokens: int = 384) -> None:  # noqa: ANN001
@@ -284,16 +332,22 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
         record(step=f"vtool_prefill_{n_prompt}", ms=round((time.perf_counter() - t0) * 1e3, 2))
 
     for batch in (1, 8, 32, 64):
-        ms = batch_decode_timer(model, batch)(32) * 1e3
+        timed = batch_decode_timer(model, batch)
+        ms = timed(32) * 1e3
         record(step=f"vtool_batch_decode_b{batch}", ms_per_step=round(ms, 3), tok_s=round(batch * 1e3 / ms, 1))
+        if ms > SLOW_STEP_MS:
+            explain_slow_step(f"vtool_batch_decode_b{batch}", timed)
     if split:
         for batch in (1, 64):
             serving_split(model, batch)
     if "batch_decode_captured" in model.manifest.get("entry_points", []):
         for batch in (8, 32, 64):
-            ms = batch_decode_timer(model, batch, entry="batch_decode_captured")(32) * 1e3
+            timed = batch_decode_timer(model, batch, entry="batch_decode_captured")
+            ms = timed(32) * 1e3
             record(step=f"vtool_batch_decode_captured_b{batch}", ms_per_step=round(ms, 3),
                    tok_s=round(batch * 1e3 / ms, 1))
+            if ms > SLOW_STEP_MS:
+                explain_slow_step(f"vtool_batch_decode_captured_b{batch}", timed)
     del model
 
 
@@ -388,6 +442,7 @@ def main() -> None:
     gguf_file = args.checkpoint if args.checkpoint.suffix == ".gguf" else None  # tests/bench/shape_gguf.py's
     if gguf_file is None:
         make_checkpoint(args.checkpoint)
+    settle_page_cache()
     if args.logits_check:
         logits_check(args.artifact[0], args.checkpoint)
         return
