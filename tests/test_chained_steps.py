@@ -115,10 +115,15 @@ def test_a_finished_request_leaves_the_chained_step():
 
 
 @pytest.mark.parametrize("why", ["host draw", "admission", "mid prompt", "no room", "other running",
-                                 "grammar", "drafts", "prompt logits", "budget"])
+                                 "grammar", "drafts", "prompt logits", "budget", "repetition penalty",
+                                 "frequency penalty", "min_tokens"])
 def test_a_step_the_scheduler_must_decide_does_not_chain(why):
     requests = [_request(i) for i in range(3)]
     kw: dict = {}
+    edits = {"repetition penalty": dict(repetition_penalty=1.2), "frequency penalty": dict(frequency_penalty=0.5),
+             "min_tokens": dict(min_tokens=2)}
+    if why in edits:  # the device applies these edits, but they depend on the token being drawn
+        requests[1] = _request(1, **edits[why])
     if why == "host draw":
         kw["on_device"] = False
     elif why == "admission":
@@ -145,6 +150,12 @@ def test_a_step_the_scheduler_must_decide_does_not_chain(why):
     elif why == "budget":
         kw["budget"] = 2
     assert _rows(requests, **kw) is None
+
+
+def test_a_logit_bias_alone_chains():
+    """logit_bias edits the same tokens every step: the chained step may be prepared early."""
+    requests = [_request(0, logit_bias={5: 3.0}), _request(1)]
+    assert _rows(requests) == [0, 1]
 
 
 def test_room_for_exactly_two_more_tokens_chains():

@@ -312,7 +312,8 @@ def test_a_splittable_head_gets_the_split_kv_decode_and_the_sampler(tmp_path_fac
     data = (folder / "model.so").read_bytes()
     assert b"batch_decode_paged_kv_kernel_1" in data
     assert manifest["build"]["sampler"] == ["sample_argmax", "sample_temperature", "sample_top_p_top_k",
-                                            "apply_token_bitmask", "token_logprob", "sample_argmax_masked"]
+                                            "apply_token_bitmask", "token_logprob", "sample_argmax_masked",
+                                            "apply_logit_edits"]
     for name in manifest["build"]["sampler"]:
         assert name.encode() in data
 

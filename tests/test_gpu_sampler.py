@@ -14,6 +14,10 @@ vtool runtime (tvm_ffi + libtvm_runtime, CompiledModel's own upload/to_numpy):
   another temperature (it can fail);
 - parameters outside SamplingParams' ranges are refused with its SamplingParamsError;
   top_k past the vocabulary is off, as on the host; NaN / all -inf rows raise as on the host.
+Logit edits (CPU): apply_logit_edits equals SequenceSampler.process_logits bit for bit, and rows
+with logit_bias, min_tokens and the penalties (some with grammar masks) draw the host's tokens and
+report its raw logprobs over several steps (hypothesis over the parameters); a library without
+the function keeps such rows on the host.
 Grammar masks (CPU):
 - apply_token_bitmask equals numpy's (logits_processors.apply_token_bitmask and llguidance's)
   over random masks (hypothesis; vocabularies that are not multiples of 32, junk bits past the
@@ -47,8 +51,8 @@ from hypothesis import strategies as st
 
 from vtool import VtoolError
 from vtool.runtime.artifact.library import CompiledModel
-from vtool.runtime.sampling.device import (APPLY_TOKEN_BITMASK, ARGMAX_MASKED, MASK_FUNCTIONS, DeviceSampler, can_sample_on_device,
-                                           sequence_on_device)
+from vtool.runtime.sampling.device import (APPLY_LOGIT_EDITS, APPLY_TOKEN_BITMASK, ARGMAX_MASKED, EDITS_MIN_ROWS, MASK_FUNCTIONS,
+                                           DeviceSampler, can_sample_on_device, edits_pay, sequence_on_device)
 from vtool.runtime.sampling.host import SequenceSampler, make_generator, sample_batch
 from vtool.runtime.sampling.logits_processors import apply_token_bitmask, pack_allowed
 from vtool.runtime.sampling.params import SamplingParams, SamplingParamsError
@@ -506,6 +510,10 @@ def test_can_sample_on_device():
     for host in (dict(logprobs=0), dict(logprobs=5), dict(logit_bias={3: 1.0}), dict(repetition_penalty=1.1),
                  dict(frequency_penalty=0.5), dict(presence_penalty=-0.5)):
         assert not can_sample_on_device(SamplingParams(**host)), host
+    for edits in (dict(logit_bias={3: 1.0}), dict(repetition_penalty=1.1), dict(frequency_penalty=0.5),
+                  dict(presence_penalty=-0.5), dict(min_tokens=3)):
+        assert can_sample_on_device(SamplingParams(**edits), edits=True), edits
+    assert not can_sample_on_device(SamplingParams(logprobs=0, repetition_penalty=1.1), edits=True)
     p = SamplingParams(min_tokens=3)
     assert not can_sample_on_device(p) and not can_sample_on_device(p, 2) and can_sample_on_device(p, 3)
     seq = SequenceSampler(p, eos_token_ids=[2], vocab_size=10)
@@ -702,6 +710,136 @@ def test_masked_rows_over_steps_and_bad_rows(samplers):
         samplers[v].sample_batch(logits, masked_sequences(params[:2], [a, a], [1, 2], v))
 
 
+# -- logit edits on the device: logit_bias, min_tokens, penalties ---------------------------------
+
+EOS = 2
+
+
+def edits_strategy(v: int) -> st.SearchStrategy[SamplingParams]:
+    """Sampling parameters with per-request logit edits (and sometimes none), greedy or random."""
+    ids = st.integers(0, v - 1)
+    return st.builds(
+        SamplingParams,
+        temperature=st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.3]),
+        top_p=st.sampled_from([1.0, 1.0, 0.9, 0.5]),
+        top_k=st.sampled_from([0, 0, 5, 40]),
+        repetition_penalty=st.sampled_from([1.0, 1.0, 0.7, 1.3, 2.0]),
+        frequency_penalty=st.sampled_from([0.0, 0.0, 0.4, -0.7, 2.0]),
+        presence_penalty=st.sampled_from([0.0, 0.0, 0.6, -1.0]),
+        logit_bias=st.one_of(st.none(), st.dictionaries(ids, st.floats(-100, 100, width=32), max_size=6)),
+        min_tokens=st.sampled_from([0, 0, 2, 5]),
+        stop_token_ids=st.one_of(st.none(), st.lists(ids, max_size=3)),
+        max_tokens=st.just(64),
+    )
+
+
+def edited_sequences(params: list[SamplingParams], prompts: list[np.ndarray], seeds: list[int], v: int,
+                     allowed: list[np.ndarray | None]) -> list[SequenceSampler]:
+    seqs = []
+    for p, prompt, seed, a in zip(params, prompts, seeds, allowed):
+        seq = SequenceSampler(copy.copy(p), prompt_token_ids=prompt, eos_token_ids=[EOS], vocab_size=v,
+                              logits_processors=[FixedAllowed(a)] if a is not None else [])
+        seq.rng = make_generator(seed)
+        seqs.append(seq)
+    return seqs
+
+
+def compare_edited_over_steps(sampler: DeviceSampler, rng: np.random.Generator, params: list[SamplingParams],
+                              steps: int, masks: bool = False) -> None:
+    """`steps` draws of a batch whose rows have logit edits (some with grammar masks too) on the
+    device and on the host from the same states: the same token in every row at every step, and
+    the device's raw logprob of it (the host's raw log-softmax). The penalties' history grows
+    with each drawn token, min_tokens runs out, eos is likely (a logit boosted)."""
+    v, b = sampler.vocab_size, len(params)
+    prompts = [rng.integers(0, v, int(rng.integers(0, 30))) for _ in range(b)]
+    seeds = [int(x) for x in rng.integers(0, 2**63, b)]
+    allowed: list[np.ndarray | None] = [None] * b
+    if masks:
+        allowed = [None if rng.random() < 0.5 else rng.random(v) < 0.3 for _ in range(b)]
+        for a in allowed:
+            if a is not None:
+                a[EOS] = True  # some finite logit stays allowed whatever min_tokens masks
+                a[rng.integers(0, v, 3)] = True
+    device = edited_sequences(params, prompts, seeds, v, allowed)
+    host = edited_sequences(params, prompts, seeds, v, allowed)
+    # what prepare_batch takes (the engine's can_sample also asks whether the edits pay: edits_pay)
+    assert all(sequence_on_device(seq, sampler.masks_supported, sampler.edits_supported) for seq in device)
+    for step in range(steps):
+        logits = make_logits(rng, b, v, "normal")
+        logits[:, EOS] += 3.0  # min_tokens masks it first
+        logits[:, 7] = np.abs(logits[:, 7]) + 1  # a positive logit, under the repetition penalty when seen
+        got = sampler.sample_batch(logits, device)
+        want = sample_batch(logits, host)
+        assert [g.token_id for g in got] == [w.token_id for w in want], f"step {step}"
+        assert [g.logprob for g in got] == pytest.approx([raw_logprob(r, g.token_id) for r, g in zip(logits, got)],
+                                                         abs=2e-5)
+    for i, (d, h) in enumerate(zip(device, host)):
+        assert d.output_token_ids == h.output_token_ids, f"row {i}"
+        if params[i].min_tokens:
+            first = d.output_token_ids[:params[i].min_tokens]
+            assert EOS not in first and not set(first) & set(params[i].stop_token_ids or ()), f"row {i}: {first}"
+
+
+@pytest.mark.parametrize("v", [SMALL_V, LARGE_V])
+@pytest.mark.slow
+def test_edited_rows_same_tokens_as_host(samplers, v):
+    """logit_bias, min_tokens and the repetition / frequency / presence penalties applied on the
+    device (apply_logit_edits) draw the host's tokens over several steps, beside rows without
+    edits and, some, with grammar masks (hypothesis over the parameters)."""
+
+    @settings(max_examples=25 if v == SMALL_V else 8, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(st.lists(edits_strategy(v), min_size=1, max_size=10), st.integers(0, 2**32 - 1), st.booleans())
+    def check(params, seed, masks):
+        compare_edited_over_steps(samplers[v], np.random.default_rng(seed), params, steps=6, masks=masks)
+
+    check()
+
+
+def test_edits_go_to_the_device_from_a_few_rows():
+    """A batch with edited rows samples on the device from EDITS_MIN_ROWS rows, or from two when one
+    samples at random; one row, or a few greedy ones, on the host (measured cheaper there)."""
+    greedy = SamplingParams(temperature=0.0, frequency_penalty=0.5)
+    random = SamplingParams(temperature=0.9, frequency_penalty=0.5)
+    plain = SamplingParams(temperature=0.0)
+
+    def seqs(*params):  # noqa: ANN002, ANN202
+        return [SequenceSampler(p, vocab_size=SMALL_V) for p in params]
+
+    assert not edits_pay(seqs(greedy)) and not edits_pay(seqs(random))
+    assert not edits_pay(seqs(*[greedy] * (EDITS_MIN_ROWS - 1)))
+    assert edits_pay(seqs(*[greedy] * EDITS_MIN_ROWS)) and edits_pay(seqs(greedy, random))
+    assert edits_pay(seqs(greedy, *[plain] * (EDITS_MIN_ROWS - 1)))
+
+
+def test_logit_edits_equal_process_logits(samplers):
+    """apply_logit_edits alone against SequenceSampler.process_logits, bit for bit, for rows
+    with every kind of edit at once, a row with none, and -inf and negative logits under the
+    repetition penalty."""
+    from vtool.runtime.sampling.device import APPLY_LOGIT_EDITS, batch_edit_lists
+
+    sampler, v = samplers[SMALL_V], SMALL_V
+    rng = np.random.default_rng(3)
+    params = [SamplingParams(repetition_penalty=1.7, frequency_penalty=0.3, presence_penalty=-0.4,
+                             logit_bias={1: 5.5, 9: -2.25, 999: 0.125}, min_tokens=4, stop_token_ids=[3]),
+              SamplingParams(),
+              SamplingParams(repetition_penalty=0.6, logit_bias={0: -100.0})]
+    seqs = [SequenceSampler(p, prompt_token_ids=rng.integers(0, 50, 40), eos_token_ids=[EOS], vocab_size=v)
+            for p in params]
+    for seq, n in zip(seqs, (3, 12, 12)):  # row 0: min_tokens (4) not yet reached
+        for t in rng.integers(0, 50, n):
+            seq.append_token(int(t))
+    logits = make_logits(rng, len(seqs), v, "normal")
+    logits[0, 5] = -np.inf
+    want = np.stack([seq.process_logits(row) for seq, row in zip(seqs, logits)])
+    edits = batch_edit_lists(seqs, v)
+    m = sampler.model
+    out = sampler._fns[APPLY_LOGIT_EDITS](m.upload(logits, "float32"), *(m.upload(a, str(a.dtype)) for a in edits))
+    np.testing.assert_array_equal(m.to_numpy(out), want)
+    assert np.isneginf(want[0, [EOS, 3]]).all() and (want[1] == logits[1]).all()
+    assert batch_edit_lists([seqs[1]], v) is None  # nothing to edit: no call
+
+
 class _OldVM:
     """A library's VM as one built before the mask functions existed."""
 
@@ -709,17 +847,21 @@ class _OldVM:
         self.vm = vm
 
     def __getitem__(self, name: str):
-        if name in (*MASK_FUNCTIONS, ARGMAX_MASKED):
+        if name in (*MASK_FUNCTIONS, ARGMAX_MASKED, APPLY_LOGIT_EDITS):
             raise AttributeError(f"Module has no function '{name}'")
         return self.vm[name]
 
 
-def test_old_library_keeps_grammar_rows_on_host(samplers):
+def test_old_library_keeps_grammar_and_edited_rows_on_host(samplers):
     new = samplers[SMALL_V]
     old_model = copy.copy(new.model)
     old_model.vm = _OldVM(new.model.vm)
     old = DeviceSampler(old_model)
     assert new.masks_supported and not old.masks_supported
+    assert new.edits_supported and not old.edits_supported
+    penalized = [SequenceSampler(SamplingParams(temperature=0.0, repetition_penalty=1.2), vocab_size=SMALL_V)
+                 for _ in range(EDITS_MIN_ROWS)]
+    assert new.can_sample(penalized) and not old.can_sample(penalized)
     v = SMALL_V
     plain = SequenceSampler(SamplingParams(temperature=0.0), vocab_size=v)
     grammar = SequenceSampler(SamplingParams(temperature=0.0), vocab_size=v,
@@ -738,8 +880,8 @@ def test_old_library_keeps_grammar_rows_on_host(samplers):
 
 # -- CUDA build (no GPU needed) ------------------------------------------------------------------
 
-# Run in a subprocess with the build-time libcuda stub (toolchain/cuda.py). Until
-# schedules/cuda/__init__.py uses sampling_rules, the script puts them in itself.
+# Run in a subprocess with the build-time libcuda stub (toolchain/cuda.py), through the CUDA
+# pipeline a model's build uses (schedules/cuda's rules: the sampler's kernels included).
 _CUDA_BUILD = textwrap.dedent("""
     import sys, tvm
     from vtool.schedules.cuda.sampler import sampler_module
@@ -748,16 +890,7 @@ _CUDA_BUILD = textwrap.dedent("""
     from vtool.schedules.cuda.tensor_intrinsics import light_inspect_stack
     from vtool.toolchain.pipeline import build_pipeline, pass_config
     with light_inspect_stack():  # TVM's tensor intrinsics parse in 5 s instead of ~60
-        import vtool.schedules.cuda as sc
-    if not sc.__dict__.get("RowReduction"):
-        from tvm.s_tir import dlight as dl
-        from vtool.schedules.cuda.sampling_rules import GuardedGEMV, RowReduction
-        # The wiring sampling_rules.py describes (the sampler has no matmul for the
-        # low-batch dispatch to take).
-        sc.cuda_schedule_pass = lambda: dl.ApplyDefaultSchedule(
-            sc.BF16TensorCoreMatmul(), RowReduction(),
-            *[GuardedGEMV() if n == "GEMV" else getattr(dl.gpu, n)() for n in sc.DEFAULT_RULES])
-        print("sampling_rules not wired into schedules/cuda yet: patched in for this build")
+        import vtool.schedules.cuda  # noqa: F401
     assert cuda.cuda_runtime_loaded(), "TVM's CUDA runtime did not load (stub)"
     vocab, target_name, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     spec = buildable(target_name)
@@ -807,12 +940,12 @@ def test_cuda_build(tmp_path):
 
 
 def test_cuda_rules_wired():
-    """schedules/cuda/__init__.py uses sampling_rules (else a CUDA build holding the sampler
-    fails in DLight's GEMV rule); see sampling_rules.py's docstring for the two lines."""
+    """schedules/cuda/__init__.py uses the sampler's rules (else a CUDA build holding the sampler
+    fails: in DLight's GEMV rule, or in Fallback on the logit edits' scatter loops)."""
     # Read, not imported: importing it inside pytest parses TVM's tensor intrinsics (~1 min).
     source = (Path(__file__).resolve().parent.parent / "schedules" / "cuda" / "__init__.py").read_text()
-    if "RowReduction" not in source or "GuardedGEMV" not in source:
-        pytest.xfail("schedules/cuda/__init__.py does not use sampling_rules.RowReduction/GuardedGEMV yet")
+    for rule in ("RowReduction()", "GuardedGEMV()", "LogitEdits()"):
+        assert rule in source, f"schedules/cuda/__init__.py does not use {rule}"
 
 
 # -- GPU ---------------------------------------------------------------------------------------
@@ -917,6 +1050,23 @@ def test_gpu_masked_rows(gpu_sampler):
             batches += 1
     print(f"\n[gpu masked, vocab {v}] {near} near-tie difference(s) in {batches} batches")
     assert near <= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_edited_rows(gpu_sampler):
+    if not gpu_sampler.edits_supported:
+        pytest.skip("the GPU sampler library has no logit edits function (built before it)")
+    rng = np.random.default_rng(17)
+    v = gpu_sampler.vocab_size
+    for b, masks in ((1, False), (9, True), (40, False)):
+        params = [SamplingParams(temperature=float(rng.choice([0.0, 0.7, 1.0])), top_p=float(rng.choice([1.0, 0.9])),
+                                 repetition_penalty=float(rng.choice([1.0, 1.3])),
+                                 frequency_penalty=float(rng.choice([0.0, 0.5])),
+                                 presence_penalty=float(rng.choice([0.0, -0.4])),
+                                 logit_bias={int(t): float(rng.uniform(-50, 50)) for t in rng.integers(0, v, 3)},
+                                 min_tokens=int(rng.choice([0, 3])), max_tokens=64) for _ in range(b)]
+        compare_edited_over_steps(gpu_sampler, rng, params, steps=5, masks=masks)
 
 
 @pytest.mark.parametrize("defer", [False, True])

@@ -242,12 +242,13 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
         "seconds": {"export_tvm": round(t_export, 2), "tvm.compile (incl. nvcc)": round(t_compile, 2),
                     "nvcc": record.pop("nvcc_seconds", 0.0), "export_library": round(t_link, 2)},
     })
-    from vtool.runtime.sampling.device import ARGMAX_MASKED, FUNCTIONS as SAMPLER_FUNCTIONS, MASK_FUNCTIONS, TOP_P_TOP_K_FEW_ROWS
+    from vtool.runtime.sampling.device import (APPLY_LOGIT_EDITS, ARGMAX_MASKED, FUNCTIONS as SAMPLER_FUNCTIONS, MASK_FUNCTIONS,
+                                               TOP_P_TOP_K_FEW_ROWS)
 
     few_rows = [TOP_P_TOP_K_FEW_ROWS] if row_sort.uses_row_sort(cfg.vocab_size) else []
 
     return {"params": params, "entry_points": entry_points, "pipeline": describe(target_spec.family, gemm, graph_sizes),
-            "cuda": record, "sampler": [*SAMPLER_FUNCTIONS, *MASK_FUNCTIONS, ARGMAX_MASKED, *few_rows], "tuning": tuning.summary()}
+            "cuda": record, "sampler": [*SAMPLER_FUNCTIONS, *MASK_FUNCTIONS, ARGMAX_MASKED, APPLY_LOGIT_EDITS, *few_rows], "tuning": tuning.summary()}
 
 
 def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str = "float32",

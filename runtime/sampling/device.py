@@ -16,8 +16,16 @@ usual draw runs on the masked rows, and the drawn token's raw logprob is taken f
 ones, as the host reports it. Any logits processor of such a row must be a BitmaskSource whose
 mask is all it does (GrammarProcessor is one).
 
-Requests that need other per-request logit processing or reporting stay on the host path:
-can_sample_on_device says which.
+Rows with logit_bias, min_tokens masking or the repetition / frequency / presence penalties
+sample here too when the library has APPLY_LOGIT_EDITS (schedules/cuda/logit_edits.py): at
+prepare time the batch's edits (SequenceSampler.edit_lists: flat positions and float32 values,
+one list per kind) are uploaded; at launch the edits are applied to a copy of the (masked)
+logits in the host's order and arithmetic, the draw runs on it, and token_logprob reports the
+raw logprob, as for grammar rows. So a batch with one penalized request no longer sends every
+row's logits to the host.
+
+Requests that need other per-request logit processing or reporting (logprobs, logits
+processors that are not bitmasks) stay on the host path: can_sample_on_device says which.
 """
 from __future__ import annotations
 
@@ -49,16 +57,26 @@ ARGMAX_MASKED = "sample_argmax_masked"  # optional too: greedy grammar rows in o
 # launches, for draws of fewer than FEW_ROWS rows, which the host's launches bound.
 TOP_P_TOP_K_FEW_ROWS = "sample_top_p_top_k_few_rows"
 FEW_ROWS = 16
+# Optional (libraries built since it exists; with TOKEN_LOGPROB): logit_bias, min_tokens masking
+# and the penalties applied on the device (schedules/cuda/logit_edits.py), so such rows draw here.
+APPLY_LOGIT_EDITS = "apply_logit_edits"
+# Below this many rows a batch with edits samples on the host, unless it has a random row and at
+# least two: one row's edits, uploads and extra launches cost more on the device than its copy to
+# the host and the host's pass (H100 host, 128,256 tokens, tests/bench/edited_rows.py: one greedy
+# row 0.56 ms against 0.23 on the host, one random row 1.18 against 1.00; 8 rows 0.79 / 1.59 against
+# 1.15 / 7.70; 64 rows 2.19 / 3.94 against 7.71 / 60.6).
+EDITS_MIN_ROWS = 4
+_EDIT_SLOTS = ("bias_at", "bias", "mask_at", "repetition_at", "repetition", "penalty_at", "frequency", "presence")
 
 
-def can_sample_on_device(params: SamplingParams, num_generated: int | None = None) -> bool:
+def can_sample_on_device(params: SamplingParams, num_generated: int | None = None, edits: bool = False) -> bool:
     """Whether a request's next token can be drawn by the device functions; False means
     the host sampler (runtime/sampling/host.py) must see its logits row:
 
     - logprobs (top-N and rank; the chosen token's own logprob is computed on the device),
-    - logit_bias, repetition/frequency/presence penalties (per-request logit edits),
-    - min_tokens while fewer than min_tokens are generated (eos/stop ids are masked then;
-      num_generated None: assume not yet).
+    - unless `edits` (a library with APPLY_LOGIT_EDITS): logit_bias, repetition/frequency/
+      presence penalties (per-request logit edits), and min_tokens while fewer than min_tokens
+      are generated (eos/stop ids are masked then; num_generated None: assume not yet).
 
     prompt_logprobs does not matter here (the engine computes it from prompt rows, apart
     from sampling). Structured output arrives as a logits processor (a GrammarProcessor
@@ -66,7 +84,11 @@ def can_sample_on_device(params: SamplingParams, num_generated: int | None = Non
     sequence_on_device says whether such a sequence can sample on the device.
     """
     p = params
-    if p.logprobs is not None or p.logit_bias:
+    if p.logprobs is not None:
+        return False
+    if edits:
+        return True
+    if p.logit_bias:
         return False
     if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
         return False
@@ -81,13 +103,49 @@ def bitmask_only(processor: Any) -> bool:
     return callable(getattr(processor, "fill_bitmask", None)) and callable(getattr(processor, "accept_token", None))
 
 
-def sequence_on_device(seq: SequenceSampler, with_masks: bool = False) -> bool:
+def sequence_on_device(seq: SequenceSampler, with_masks: bool = False, with_edits: bool = False) -> bool:
     """can_sample_on_device for a sequence at its current step. Its logits processors run on
     the host, unless with_masks (a DeviceSampler whose library can mask: masks_supported) and
-    every one of them is bitmask_only: then the device applies their mask."""
+    every one of them is bitmask_only: then the device applies their mask. with_edits: the
+    library applies logit edits (edits_supported)."""
     if seq.logits_processors and not (with_masks and all(bitmask_only(p) for p in seq.logits_processors)):
         return False
-    return can_sample_on_device(seq.params, seq.num_generated)
+    return can_sample_on_device(seq.params, seq.num_generated, edits=with_edits)
+
+
+def edits_pay(seqs: Sequence[SequenceSampler]) -> bool:
+    """Whether a batch is large enough that its logit edits are cheaper on the device than its rows'
+    copy to the host and the host sampler (EDITS_MIN_ROWS)."""
+    return len(seqs) >= EDITS_MIN_ROWS or (len(seqs) >= 2 and any(not seq.params.greedy for seq in seqs))
+
+
+def batch_edit_lists(seqs: Sequence[SequenceSampler], vocab: int) -> tuple[np.ndarray, ...] | None:
+    """APPLY_LOGIT_EDITS' eight arguments for a batch (row i: seqs[i]'s SequenceSampler.edit_lists):
+    per kind the flat positions row * vocab + token (int64) and their float32 values, one -1
+    padding entry in a kind no row has (a kernel of no threads cannot launch); None when no row
+    has an edit."""
+    lists = [seq.edit_lists() for seq in seqs]
+    if not any(e.bias_ids.size or e.mask_ids.size or e.repetition_ids.size or e.penalty_ids.size for e in lists):
+        return None
+
+    def at(ids_of) -> tuple[np.ndarray, list[int]]:  # noqa: ANN001 - EditLists -> ids
+        parts = [ids_of(e).astype(np.int64) + row * vocab for row, e in enumerate(lists)]
+        sizes = [p.size for p in parts]
+        flat = np.concatenate(parts) if sum(sizes) else np.full(1, -1, np.int64)
+        return flat, sizes
+
+    def values(parts: list[np.ndarray], sizes: list[int]) -> np.ndarray:
+        return np.concatenate(parts).astype(np.float32) if sum(sizes) else np.zeros(1, np.float32)
+
+    bias_at, sizes = at(lambda e: e.bias_ids)
+    bias = values([e.bias for e in lists], sizes)
+    mask_at, _ = at(lambda e: e.mask_ids)
+    rep_at, sizes = at(lambda e: e.repetition_ids)
+    rep = values([np.full(n, e.repetition, np.float32) for n, e in zip(sizes, lists)], sizes)
+    pen_at, sizes = at(lambda e: e.penalty_ids)
+    freq = values([e.frequency for e in lists], sizes)
+    pres = values([np.full(n, e.presence, np.float32) for n, e in zip(sizes, lists)], sizes)
+    return bias_at, bias, mask_at, rep_at, rep, pen_at, freq, pres
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +157,8 @@ class PreparedDraw:
     function: str
     args: tuple
     bitmask: Any = None
+    # APPLY_LOGIT_EDITS' lists on the device (None: no row has edits this step)
+    edits: tuple | None = None
     # prepare_batch(defer_mask=True): the mask being filled on a worker (a Future of the words or
     # None); launch() uploads it once the model step is queued
     mask_job: Any = None
@@ -136,19 +196,23 @@ class DeviceSampler:
         if missing:
             raise VtoolError(f"the library has no device sampling functions ({', '.join(missing)}); "
                              "rebuild it with a vtool that compiles them")
-        for name in (*MASK_FUNCTIONS, ARGMAX_MASKED, TOP_P_TOP_K_FEW_ROWS):
+        for name in (*MASK_FUNCTIONS, ARGMAX_MASKED, TOP_P_TOP_K_FEW_ROWS, APPLY_LOGIT_EDITS):
             try:
                 self._fns[name] = model.vm[name]
             except Exception:  # noqa: BLE001 - an older library: grammar rows sample on the host
                 pass
         self.masks_supported = all(name in self._fns for name in MASK_FUNCTIONS)
+        self.edits_supported = APPLY_LOGIT_EDITS in self._fns and TOKEN_LOGPROB in self._fns
         self._mask_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._create_view = global_func("runtime.TVMTensorCreateView")
 
     def can_sample(self, seqs: Sequence[SequenceSampler]) -> bool:
-        """Whether every one of these sequences can sample here this step (prepare_batch
-        takes them): sequence_on_device, with masks where the library has them."""
-        return all(sequence_on_device(seq, self.masks_supported) for seq in seqs)
+        """Whether every one of these sequences should sample here this step (prepare_batch
+        takes them): sequence_on_device, with masks where the library has them, and with logit
+        edits where the library has them and the batch is large enough for them to pay
+        (EDITS_MIN_ROWS)."""
+        edits = self.edits_supported and edits_pay(seqs)
+        return all(sequence_on_device(seq, self.masks_supported, edits) for seq in seqs)
 
     # -- the calls ------------------------------------------------------------------------
     def sample(self, logits: Any, params: Sequence[SamplingParams],
@@ -207,15 +271,18 @@ class DeviceSampler:
             words = prepared.mask_job.result()
             bitmask = self.model.upload(words, "int32", slot="sampler.bitmask") if words is not None else None
             prepared = dataclasses.replace(prepared, bitmask=bitmask, mask_job=None)
-        if prepared.bitmask is None:
+        if prepared.bitmask is None and prepared.edits is None:
             out = self._fns[prepared.function](view, *prepared.args)
             return LaunchedDraw(out[0], out[1], False)
-        if prepared.function == ARGMAX and ARGMAX_MASKED in self._fns:
+        if prepared.function == ARGMAX and ARGMAX_MASKED in self._fns and prepared.edits is None:
             out = self._fns[ARGMAX_MASKED](view, prepared.bitmask)
             return LaunchedDraw(out[0], out[1], True)
-        masked = self._fns[APPLY_TOKEN_BITMASK](view, prepared.bitmask)
-        tokens = self._fns[prepared.function](masked, *prepared.args)[0]
-        # The sampling function's logprob is the masked row's; the host reports the raw one.
+        # The host's order: the logits processors' mask, then the edits (process_logits).
+        edited = view if prepared.bitmask is None else self._fns[APPLY_TOKEN_BITMASK](view, prepared.bitmask)
+        if prepared.edits is not None:
+            edited = self._fns[APPLY_LOGIT_EDITS](edited, *prepared.edits)
+        tokens = self._fns[prepared.function](edited, *prepared.args)[0]
+        # The sampling function's logprob is the processed row's; the host reports the raw one.
         return LaunchedDraw(tokens, self._fns[TOKEN_LOGPROB](view, tokens), True)
 
     def collect(self, out: LaunchedDraw | None) -> tuple[np.ndarray, np.ndarray]:
@@ -230,8 +297,8 @@ class DeviceSampler:
         if bad.size:
             i = int(bad[0])
             if out.masked and tokens[i] < 0:
-                raise VtoolError(f"logits row {i}: its grammar mask allows no token with a finite logit, "
-                                 "or the row holds NaN/inf")
+                raise VtoolError(f"logits row {i}: its grammar mask or min_tokens' masking of eos/stop ids "
+                                 "allows no token with a finite logit, or the row holds NaN/inf")
             raise VtoolError(f"logits row {i} has no finite maximum (NaN/inf in the row): "
                              "the model produced NaN/inf")
         return tokens, logprobs
@@ -252,7 +319,7 @@ class DeviceSampler:
         step (llguidance drops the GIL while it fills), and launch() uploads it: that upload
         waits for the model step, but the filling no longer keeps the device idle."""
         for i, seq in enumerate(seqs):
-            if not sequence_on_device(seq, self.masks_supported):
+            if not sequence_on_device(seq, self.masks_supported, self.edits_supported):
                 raise ValueError(f"sequence {i} needs the host sampler (logprobs, penalties, logit_bias, "
                                  "min_tokens, or logits processors this library cannot mask); "
                                  "check can_sample first")
@@ -271,6 +338,11 @@ class DeviceSampler:
             else:
                 words = self._fill([seq.logits_processors for seq in seqs])
         prepared = self.prepare([s.params for s in seqs], [s.rng for s in seqs])
+        if prepared.rows and self.edits_supported:
+            edits = batch_edit_lists(seqs, self.vocab_size)
+            if edits is not None:
+                prepared = dataclasses.replace(prepared, edits=tuple(
+                    self.model.upload(a, str(a.dtype), slot=f"sampler.{name}") for name, a in zip(_EDIT_SLOTS, edits)))
         if job is not None:
             return dataclasses.replace(prepared, mask_job=job) if prepared.rows else prepared
         if words is None or prepared.rows == 0:

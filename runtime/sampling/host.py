@@ -18,6 +18,7 @@ import dataclasses
 import math
 import threading
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -68,6 +69,21 @@ class SampleResult:
         for rank, (token, lp) in enumerate(self.top_logprobs, start=1):
             out[token] = Logprob(lp, rank)
         return out
+
+
+class EditLists(NamedTuple):
+    """process_logits' edits of one row at this step, as token ids and float32 values in the
+    order it applies them (processors aside): what the device applies instead
+    (schedules/cuda/logit_edits.py). Ids are unique within each list."""
+
+    bias_ids: np.ndarray  # int64: x += bias
+    bias: np.ndarray  # float32
+    mask_ids: np.ndarray  # int64: x = -inf (eos / stop ids while min_tokens are not out)
+    repetition_ids: np.ndarray  # int64: x / r where x > 0, else x * r
+    repetition: np.float32
+    penalty_ids: np.ndarray  # int64: (x - frequency * count) - presence
+    frequency: np.ndarray  # float32: frequency_penalty * count, the product as the host rounds it
+    presence: np.float32
 
 
 class SequenceSampler:
@@ -141,6 +157,28 @@ class SequenceSampler:
         return bool(self.logits_processors or self._bias_ids.size
                     or (len(self.output_token_ids) < p.min_tokens and self._min_tokens_ids.size)
                     or (self._track_seen and self._seen) or (self._track_counts and self._counts))
+
+    @property
+    def edits_follow_tokens(self) -> bool:
+        """Whether this row's edits change with each drawn token (penalties, min_tokens): its
+        next step cannot be prepared before this step's token is known."""
+        p = self.params
+        return self._track_seen or self._track_counts or p.min_tokens > 0
+
+    def edit_lists(self) -> EditLists:
+        """The edits process_logits makes at this step besides its logits processors."""
+        p = self.params
+        none = np.zeros(0, np.int64)
+        mask = (self._min_tokens_ids if self.num_generated < p.min_tokens and self._min_tokens_ids.size else none)
+        seen = self._seen_ids if self._track_seen and self._seen else none
+        if self._track_counts and self._counts:
+            penalty_ids = np.fromiter(self._counts.keys(), dtype=np.int64, count=len(self._counts))
+            counts = np.fromiter(self._counts.values(), dtype=np.float32, count=len(self._counts))
+            frequency = np.float32(p.frequency_penalty) * counts
+        else:
+            penalty_ids, frequency = none, np.zeros(0, np.float32)
+        return EditLists(self._bias_ids, self._bias_values, mask, seen, np.float32(p.repetition_penalty),
+                         penalty_ids, frequency, np.float32(p.presence_penalty))
 
     def process_logits(self, raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The logits the choice is made from, before temperature (float32; into `out` if given)."""

@@ -70,6 +70,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax, te, tirx
 
+from vtool.schedules.cuda.logit_edits import logit_edits_func
+
 # The functions' names: runtime/sampling/device.py calls them by these names (it cannot import
 # this package; tests/test_gpu_sampler.py calls a library built here through it).
 ARGMAX = "sample_argmax"
@@ -91,6 +93,9 @@ ARGMAX_MASKED = "sample_argmax_masked"
 # sort for one with a library sort under CHUNKED_VOCAB. Built where it differs from
 # sample_top_p_top_k.
 TOP_P_TOP_K_FEW_ROWS = "sample_top_p_top_k_few_rows"
+# logit_bias, min_tokens masking and the penalties on the device (logit_edits.py): the edited
+# logits, which a sampling function then draws from; token_logprob gives the raw logprob.
+APPLY_LOGIT_EDITS = "apply_logit_edits"
 
 BATCH_VAR = "sample_batch"
 _I32_MAX = 2**31 - 1
@@ -534,6 +539,9 @@ def sampler_module(vocab_size: int, sort_symbol: str | None = None) -> tvm.IRMod
                            chunked, the same draw with fewer launches (for a few rows)
 
         apply_token_bitmask(logits f32[b, V], bitmask i32[b, W]) -> f32[b, V]
+        apply_logit_edits(logits f32[b, V], bias_at i64[n1], bias f32[n1], mask_at i64[n2],
+                          repetition_at i64[n3], repetition f32[n3], penalty_at i64[n4],
+                          frequency f32[n4], presence f32[n4]) -> f32[b, V]
         token_logprob(logits f32[b, V], token i32[b]) -> f64[b]
         sample_argmax_masked(logits f32[b, V], bitmask i32[b, W]) -> (i32[b], f64[b])
 
@@ -546,6 +554,9 @@ def sampler_module(vocab_size: int, sort_symbol: str | None = None) -> tvm.IRMod
     masked logits, and token_logprob gives the drawn token's raw log-softmax from the unmasked
     ones (the sampling function's own logprob is the masked row's); a token id outside the row
     is clamped into it (the caller has refused a -1 token already).
+
+    apply_logit_edits: logit_bias, min_tokens masking and the penalties (logit_edits.py); a
+    request with them draws from the edited logits, its logprob again from token_logprob.
 
     sort_symbol: an external function sorting rows of float32 in descending order into a
     destination (toolchain/row_sort.py's, linked into CUDA libraries), used for top-p / top-k
@@ -591,6 +602,23 @@ def sampler_module(vocab_size: int, sort_symbol: str | None = None) -> tvm.IRMod
     with bb.function(APPLY_TOKEN_BITMASK, [logits, bitmask]):
         with bb.dataflow():
             gv = bb.emit_output(g.te(_token_bitmask, logits, bitmask, name="sampler_apply_token_bitmask"))
+        bb.emit_func_output(gv)
+
+    b = tirx.Var(BATCH_VAR, "int64")
+    logits = tensor("logits", [b, vocab_size], "float32")
+    lists = {name: tirx.Var(f"edits_{name}", "int64") for name in ("bias", "mask", "repetition", "penalty")}
+    edit_params = [tensor("bias_at", [lists["bias"]], "int64"), tensor("bias", [lists["bias"]], "float32"),
+                   tensor("mask_at", [lists["mask"]], "int64"),
+                   tensor("repetition_at", [lists["repetition"]], "int64"),
+                   tensor("repetition", [lists["repetition"]], "float32"),
+                   tensor("penalty_at", [lists["penalty"]], "int64"),
+                   tensor("frequency", [lists["penalty"]], "float32"),
+                   tensor("presence", [lists["penalty"]], "float32")]
+    edits = bb.add_func(logit_edits_func(vocab_size), "sampler_logit_edits")
+    with bb.function(APPLY_LOGIT_EDITS, [logits, *edit_params]):
+        with bb.dataflow():
+            gv = bb.emit_output(relax.call_tir(edits, relax.Tuple([logits, *edit_params]),
+                                               relax.TensorType([b, vocab_size], "float32")))
         bb.emit_func_output(gv)
 
     b = tirx.Var(BATCH_VAR, "int64")
