@@ -14,6 +14,9 @@ vtool runtime (tvm_ffi + libtvm_runtime, CompiledModel's own upload/to_numpy):
   another temperature (it can fail);
 - parameters outside SamplingParams' ranges are refused with its SamplingParamsError;
   top_k past the vocabulary is off, as on the host; NaN / all -inf rows raise as on the host.
+Logprobs (CPU): rows asking for logprobs draw on the device beside the others, and only the span
+of their raw rows comes to the host, where the host's code reports logprob, rank and top-N: every
+field equals the host sampler's.
 Logit edits (CPU): apply_logit_edits equals SequenceSampler.process_logits bit for bit, and rows
 with logit_bias, min_tokens and the penalties (some with grammar masks) draw the host's tokens and
 report its raw logprobs over several steps (hypothesis over the parameters); a library without
@@ -514,6 +517,9 @@ def test_can_sample_on_device():
                   dict(presence_penalty=-0.5), dict(min_tokens=3)):
         assert can_sample_on_device(SamplingParams(**edits), edits=True), edits
     assert not can_sample_on_device(SamplingParams(logprobs=0, repetition_penalty=1.1), edits=True)
+    assert can_sample_on_device(SamplingParams(logprobs=0, repetition_penalty=1.1), edits=True, logprobs=True)
+    assert can_sample_on_device(SamplingParams(logprobs=5), logprobs=True)
+    assert not can_sample_on_device(SamplingParams(logprobs=5, logit_bias={3: 1.0}), logprobs=True)
     p = SamplingParams(min_tokens=3)
     assert not can_sample_on_device(p) and not can_sample_on_device(p, 2) and can_sample_on_device(p, 3)
     seq = SequenceSampler(p, eos_token_ids=[2], vocab_size=10)
@@ -796,6 +802,56 @@ def test_edited_rows_same_tokens_as_host(samplers, v):
     check()
 
 
+def compare_logprob_rows(sampler: DeviceSampler, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch,
+                         batches: tuple[int, ...] = (1, 6, 13)) -> None:
+    """Rows asking for logprobs (0, 1, 5, 20 or the whole vocabulary) drawn on the device beside
+    rows that do not (greedy, random, edited, masked) report sample_batch's logprob, rank and
+    top-N over several steps, and only the span of rows that asked is copied to the host."""
+    v = sampler.vocab_size
+    copied: list[tuple[int, ...]] = []
+    real = sampler.model.to_numpy
+
+    def spy(tensor):  # noqa: ANN001, ANN202
+        out = real(tensor)
+        copied.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(sampler.model, "to_numpy", spy)
+    for b in batches:
+        params = [SamplingParams(temperature=float(rng.choice([0.0, 0.8])), top_p=float(rng.choice([1.0, 0.9])),
+                                 logprobs=None if rng.random() < 0.4 else int(rng.choice([0, 1, 5, 20, -1])),
+                                 repetition_penalty=float(rng.choice([1.0, 1.2])), max_tokens=64)
+                  for _ in range(b)]
+        allowed = [None if rng.random() < 0.7 else rng.random(v) < 0.5 for _ in range(b)]
+        for a in allowed:
+            if a is not None:
+                a[EOS] = True
+        seeds = [int(x) for x in rng.integers(0, 2**63, b)]
+        prompts = [rng.integers(0, v, 10) for _ in range(b)]
+        device = edited_sequences(params, prompts, seeds, v, allowed)
+        host = edited_sequences(params, prompts, seeds, v, allowed)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        for _ in range(4):
+            logits = make_logits(rng, b, v, "normal")
+            copied.clear()
+            got = sampler.sample_batch(logits, device)
+            want = sample_batch(logits, host)
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert g.token_id == w.token_id, f"row {i}"
+                if params[i].logprobs is not None:
+                    assert (g.logprob, g.rank, g.top_logprobs) == (w.logprob, w.rank, w.top_logprobs), f"row {i}"
+                    assert g.logprobs_dict() == w.logprobs_dict()
+            rows_copied = [shape[0] for shape in copied if len(shape) == 2 and shape[-1] == v]
+            assert rows_copied == ([max(wanted) - min(wanted) + 1] if wanted else []), (rows_copied, wanted)
+
+
+@pytest.mark.parametrize("v", [SMALL_V, LARGE_V])
+@pytest.mark.slow
+def test_logprob_rows_draw_on_the_device_and_report_the_hosts_logprobs(samplers, v, monkeypatch):
+    """Only the rows that asked for logprobs come to the host, whose own code reports them."""
+    compare_logprob_rows(samplers[v], np.random.default_rng(v), monkeypatch)
+
+
 def test_edits_go_to_the_device_from_a_few_rows():
     """A batch with edited rows samples on the device from EDITS_MIN_ROWS rows, or from two when one
     samples at random; one row, or a few greedy ones, on the host (measured cheaper there)."""
@@ -1067,6 +1123,12 @@ def test_gpu_edited_rows(gpu_sampler):
                                  logit_bias={int(t): float(rng.uniform(-50, 50)) for t in rng.integers(0, v, 3)},
                                  min_tokens=int(rng.choice([0, 3])), max_tokens=64) for _ in range(b)]
         compare_edited_over_steps(gpu_sampler, rng, params, steps=5, masks=masks)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_logprob_rows(gpu_sampler, monkeypatch):
+    compare_logprob_rows(gpu_sampler, np.random.default_rng(19), monkeypatch, batches=(1, 9, 40))
 
 
 @pytest.mark.parametrize("defer", [False, True])

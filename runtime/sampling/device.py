@@ -24,8 +24,11 @@ logits in the host's order and arithmetic, the draw runs on it, and token_logpro
 raw logprob, as for grammar rows. So a batch with one penalized request no longer sends every
 row's logits to the host.
 
-Requests that need other per-request logit processing or reporting (logprobs, logits
-processors that are not bitmasks) stay on the host path: can_sample_on_device says which.
+Requests asking for logprobs draw here too (DeviceSampler, with_logprobs): after the draw only
+the span of their raw rows is copied to the host, where the host sampler's raw_logprobs reports
+logprob, rank and top-N from them, the same values as the host path, without the whole batch's
+logits crossing. Requests whose logits processors are not bitmasks stay on the host path:
+can_sample_on_device says which (speculative verification keeps logprobs rows on the host).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import numpy as np
 
 from vtool import VtoolError
 from vtool.runtime.sampling.bitmask_batch import fill_batch_bitmask
-from vtool.runtime.sampling.host import SampleResult, SequenceSampler
+from vtool.runtime.sampling.host import SampleResult, SequenceSampler, raw_logprobs, scratch_buffers
 from vtool.runtime.sampling.logits_processors import bitmask_words
 from vtool.runtime.sampling.params import SamplingParams, SamplingParamsError
 from vtool.runtime.artifact.tvm_runtime import global_func
@@ -69,11 +72,14 @@ EDITS_MIN_ROWS = 4
 _EDIT_SLOTS = ("bias_at", "bias", "mask_at", "repetition_at", "repetition", "penalty_at", "frequency", "presence")
 
 
-def can_sample_on_device(params: SamplingParams, num_generated: int | None = None, edits: bool = False) -> bool:
+def can_sample_on_device(params: SamplingParams, num_generated: int | None = None, edits: bool = False,
+                         logprobs: bool = False) -> bool:
     """Whether a request's next token can be drawn by the device functions; False means
     the host sampler (runtime/sampling/host.py) must see its logits row:
 
-    - logprobs (top-N and rank; the chosen token's own logprob is computed on the device),
+    - unless `logprobs` (a DeviceSampler draws such rows and copies only their raw rows to the
+      host for the top-N and rank): logprobs (the chosen token's own logprob is computed on the
+      device),
     - unless `edits` (a library with APPLY_LOGIT_EDITS): logit_bias, repetition/frequency/
       presence penalties (per-request logit edits), and min_tokens while fewer than min_tokens
       are generated (eos/stop ids are masked then; num_generated None: assume not yet).
@@ -84,7 +90,7 @@ def can_sample_on_device(params: SamplingParams, num_generated: int | None = Non
     sequence_on_device says whether such a sequence can sample on the device.
     """
     p = params
-    if p.logprobs is not None:
+    if p.logprobs is not None and not logprobs:
         return False
     if edits:
         return True
@@ -103,14 +109,16 @@ def bitmask_only(processor: Any) -> bool:
     return callable(getattr(processor, "fill_bitmask", None)) and callable(getattr(processor, "accept_token", None))
 
 
-def sequence_on_device(seq: SequenceSampler, with_masks: bool = False, with_edits: bool = False) -> bool:
+def sequence_on_device(seq: SequenceSampler, with_masks: bool = False, with_edits: bool = False,
+                       with_logprobs: bool = False) -> bool:
     """can_sample_on_device for a sequence at its current step. Its logits processors run on
     the host, unless with_masks (a DeviceSampler whose library can mask: masks_supported) and
     every one of them is bitmask_only: then the device applies their mask. with_edits: the
-    library applies logit edits (edits_supported)."""
+    library applies logit edits (edits_supported); with_logprobs: a DeviceSampler's draw, which
+    reports logprobs from the row copied to the host."""
     if seq.logits_processors and not (with_masks and all(bitmask_only(p) for p in seq.logits_processors)):
         return False
-    return can_sample_on_device(seq.params, seq.num_generated, edits=with_edits)
+    return can_sample_on_device(seq.params, seq.num_generated, edits=with_edits, logprobs=with_logprobs)
 
 
 def edits_pay(seqs: Sequence[SequenceSampler]) -> bool:
@@ -159,6 +167,8 @@ class PreparedDraw:
     bitmask: Any = None
     # APPLY_LOGIT_EDITS' lists on the device (None: no row has edits this step)
     edits: tuple | None = None
+    # rows whose request asked for logprobs: their raw rows come to the host after the draw
+    logprob_rows: tuple[int, ...] = ()
     # prepare_batch(defer_mask=True): the mask being filled on a worker (a Future of the words or
     # None); launch() uploads it once the model step is queued
     mask_job: Any = None
@@ -171,6 +181,9 @@ class LaunchedDraw:
     tokens: Any
     logprobs: Any
     masked: bool
+    # the [rows, V] logits drawn from, and the rows whose raw row the host reads for logprobs
+    logits: Any = None
+    logprob_rows: tuple[int, ...] = ()
 
 
 class DeviceSampler:
@@ -212,7 +225,7 @@ class DeviceSampler:
         edits where the library has them and the batch is large enough for them to pay
         (EDITS_MIN_ROWS)."""
         edits = self.edits_supported and edits_pay(seqs)
-        return all(sequence_on_device(seq, self.masks_supported, edits) for seq in seqs)
+        return all(sequence_on_device(seq, self.masks_supported, edits, with_logprobs=True) for seq in seqs)
 
     # -- the calls ------------------------------------------------------------------------
     def sample(self, logits: Any, params: Sequence[SamplingParams],
@@ -267,6 +280,12 @@ class DeviceSampler:
         if prepared.rows == 0:
             return None
         view = self._rows(logits, prepared.rows)
+        out = self._launch(view, prepared)
+        if prepared.logprob_rows:
+            return dataclasses.replace(out, logits=view, logprob_rows=prepared.logprob_rows)
+        return out
+
+    def _launch(self, view: Any, prepared: PreparedDraw) -> LaunchedDraw:
         if prepared.mask_job is not None:
             words = prepared.mask_job.result()
             bitmask = self.model.upload(words, "int32", slot="sampler.bitmask") if words is not None else None
@@ -319,7 +338,7 @@ class DeviceSampler:
         step (llguidance drops the GIL while it fills), and launch() uploads it: that upload
         waits for the model step, but the filling no longer keeps the device idle."""
         for i, seq in enumerate(seqs):
-            if not sequence_on_device(seq, self.masks_supported, self.edits_supported):
+            if not sequence_on_device(seq, self.masks_supported, self.edits_supported, with_logprobs=True):
                 raise ValueError(f"sequence {i} needs the host sampler (logprobs, penalties, logit_bias, "
                                  "min_tokens, or logits processors this library cannot mask); "
                                  "check can_sample first")
@@ -338,6 +357,9 @@ class DeviceSampler:
             else:
                 words = self._fill([seq.logits_processors for seq in seqs])
         prepared = self.prepare([s.params for s in seqs], [s.rng for s in seqs])
+        wanted = tuple(i for i, seq in enumerate(seqs) if seq.params.logprobs is not None)
+        if wanted and prepared.rows:
+            prepared = dataclasses.replace(prepared, logprob_rows=wanted)
         if prepared.rows and self.edits_supported:
             edits = batch_edit_lists(seqs, self.vocab_size)
             if edits is not None:
@@ -360,11 +382,27 @@ class DeviceSampler:
         """Wait for a launched draw; each sequence records its token (append_token: its logits
         processors accept it, once)."""
         tokens, logprobs = self.collect(out)
+        raw = self._raw_rows(out) if out is not None and out.logprob_rows else {}
+        scratch = scratch_buffers(self.vocab_size) if raw else None
         results = []
-        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+        for i, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
+            if i in raw:  # the host's report from the raw row: logprob, rank and top-N
+                row = raw[i]
+                results.append(raw_logprobs(row, row.max(), token, seq.params.logprobs, scratch))
+            else:
+                results.append(SampleResult(token_id=token, logprob=logprob))
             seq.append_token(token)
-            results.append(SampleResult(token_id=token, logprob=logprob))
         return results
+
+    def _raw_rows(self, out: LaunchedDraw) -> dict[int, np.ndarray]:
+        """The raw logits rows of out.logprob_rows on the host, copied in one span (first to last
+        such row) rather than the whole batch."""
+        rows = out.logprob_rows
+        first, last = min(rows), max(rows)
+        V, m = self.vocab_size, self.model
+        span = self._create_view(out.logits, m.ffi.Shape([last - first + 1, V]), "float32", first * V * 4)
+        host = np.asarray(m.to_numpy(span), dtype=np.float32).reshape(-1, V)
+        return {i: host[i - first] for i in rows}
 
     # -- helpers --------------------------------------------------------------------------
     def _parameters(self, params: Sequence[SamplingParams],

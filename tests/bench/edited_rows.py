@@ -1,7 +1,8 @@
 """A step's draw for rows with logit edits (repetition / frequency / presence penalties, logit_bias),
 on the device (apply_logit_edits, then the usual draw) against what a GPU host did before: the
 logits copied to the host and the host sampler. Greedy and random (temperature 0.8, top_p 0.95)
-batches, ms a step (median), each request with a 200-token prompt and 50 generated tokens.
+batches, and random ones asking for 5 logprobs (the device draws, the rows come to the host for
+the top-N), ms a step (median), each request with a 200-token prompt and 50 generated tokens.
 
     python tests/bench/edited_rows.py SAMPLER.so VOCAB [--batches 1,8,64] [--steps 30]
 
@@ -50,7 +51,8 @@ def main() -> None:
     sampler = DeviceSampler(Library(args.library, args.device, v))
     model = sampler.model
     rng = np.random.default_rng(0)
-    kinds = {"greedy": dict(temperature=0.0), "random": dict(temperature=0.8, top_p=0.95, seed=1)}
+    kinds = {"greedy": dict(temperature=0.0), "random": dict(temperature=0.8, top_p=0.95, seed=1),
+             "random, 5 logprobs": dict(temperature=0.8, top_p=0.95, seed=1, logprobs=5)}
     edits = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1, logit_bias={13: 2.0, 220: -1.0})
     for b in (int(x) for x in args.batches.split(",")):
         logits = (rng.standard_normal((b, v)) * 3).astype(np.float32)
