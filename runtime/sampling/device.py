@@ -339,9 +339,9 @@ class DeviceSampler:
         waits for the model step, but the filling no longer keeps the device idle."""
         for i, seq in enumerate(seqs):
             if not sequence_on_device(seq, self.masks_supported, self.edits_supported, with_logprobs=True):
-                raise ValueError(f"sequence {i} needs the host sampler (logprobs, penalties, logit_bias, "
-                                 "min_tokens, or logits processors this library cannot mask); "
-                                 "check can_sample first")
+                raise ValueError(f"sequence {i} needs the host sampler (logits processors this library cannot "
+                                 "mask, or penalties, logit_bias or min_tokens on a library without "
+                                 f"{APPLY_LOGIT_EDITS}); check can_sample first")
             seq._check_vocab(self.vocab_size)  # the host's per-vocabulary validation
         words = job = None
         if any(seq.logits_processors for seq in seqs):  # before any uniform is drawn: it may raise

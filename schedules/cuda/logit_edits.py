@@ -29,11 +29,41 @@ THREADS = 256
 COPY_VECTOR = 4
 
 
+def _edit_macros(V: int):  # noqa: ANN202 - TVMScript macros
+    """The four edits of one list entry `ve` on the output y (a no-op for a -1 padding entry),
+    shared by the plain and the scheduled function."""
+    minus_inf = T.float32(float("-inf"))
+
+    @T.macro
+    def bias_edit(y, at, bias, ve):
+        if at[ve] >= T.int64(0):
+            y[at[ve] // V, at[ve] % V] = y[at[ve] // V, at[ve] % V] + bias[ve]
+
+    @T.macro
+    def mask_edit(y, at, ve):
+        if at[ve] >= T.int64(0):
+            y[at[ve] // V, at[ve] % V] = minus_inf
+
+    @T.macro
+    def repetition_edit(y, at, rep, ve):
+        if at[ve] >= T.int64(0):
+            y[at[ve] // V, at[ve] % V] = T.if_then_else(y[at[ve] // V, at[ve] % V] > T.float32(0),
+                                                        y[at[ve] // V, at[ve] % V] / rep[ve],
+                                                        y[at[ve] // V, at[ve] % V] * rep[ve])
+
+    @T.macro
+    def penalty_edit(y, at, freq, pres, ve):
+        if at[ve] >= T.int64(0):
+            y[at[ve] // V, at[ve] % V] = (y[at[ve] // V, at[ve] % V] - freq[ve]) - pres[ve]
+
+    return bias_edit, mask_edit, repetition_edit, penalty_edit
+
+
 def logit_edits_func(vocab: int) -> tirx.PrimFunc:
     """edits(logits f32[b, V], bias_at i64[n1], bias f32[n1], mask_at i64[n2], rep_at i64[n3],
     rep f32[n3], pen_at i64[n4], frequency f32[n4], presence f32[n4]) -> f32[b, V]."""
     V = vocab
-    minus_inf = T.float32(float("-inf"))
+    bias_edit, mask_edit, repetition_edit, penalty_edit = _edit_macros(V)
 
     @T.prim_func(s_tir=True)
     def edits(x_h: T.handle, bias_at_h: T.handle, bias_h: T.handle, mask_at_h: T.handle, rep_at_h: T.handle,
@@ -63,32 +93,25 @@ def logit_edits_func(vocab: int) -> tirx.PrimFunc:
                 ve = T.axis.spatial(n1, e)
                 T.reads(bias_at[ve], bias[ve], y[0:b, 0:V])
                 T.writes(y[0:b, 0:V])
-                if bias_at[ve] >= T.int64(0):
-                    y[bias_at[ve] // V, bias_at[ve] % V] = y[bias_at[ve] // V, bias_at[ve] % V] + bias[ve]
+                bias_edit(y, bias_at, bias, ve)
         for e in range(n2):
             with T.sblock("sampler_logit_edit_mask"):
                 ve = T.axis.spatial(n2, e)
                 T.reads(mask_at[ve])
                 T.writes(y[0:b, 0:V])
-                if mask_at[ve] >= T.int64(0):
-                    y[mask_at[ve] // V, mask_at[ve] % V] = minus_inf
+                mask_edit(y, mask_at, ve)
         for e in range(n3):
             with T.sblock("sampler_logit_edit_repetition"):
                 ve = T.axis.spatial(n3, e)
                 T.reads(rep_at[ve], rep[ve], y[0:b, 0:V])
                 T.writes(y[0:b, 0:V])
-                if rep_at[ve] >= T.int64(0):
-                    y[rep_at[ve] // V, rep_at[ve] % V] = T.if_then_else(
-                        y[rep_at[ve] // V, rep_at[ve] % V] > T.float32(0),
-                        y[rep_at[ve] // V, rep_at[ve] % V] / rep[ve],
-                        y[rep_at[ve] // V, rep_at[ve] % V] * rep[ve])
+                repetition_edit(y, rep_at, rep, ve)
         for e in range(n4):
             with T.sblock("sampler_logit_edit_penalty"):
                 ve = T.axis.spatial(n4, e)
                 T.reads(pen_at[ve], freq[ve], pres[ve], y[0:b, 0:V])
                 T.writes(y[0:b, 0:V])
-                if pen_at[ve] >= T.int64(0):
-                    y[pen_at[ve] // V, pen_at[ve] % V] = (y[pen_at[ve] // V, pen_at[ve] % V] - freq[ve]) - pres[ve]
+                penalty_edit(y, pen_at, freq, pres, ve)
 
     return edits
 
@@ -99,7 +122,7 @@ def logit_edits_gpu_func(vocab: int) -> tirx.PrimFunc:
     scatter loops write the output that the copy wrote, which TIR's bind refuses to schedule."""
     V = vocab
     vec = COPY_VECTOR if V % COPY_VECTOR == 0 else 1
-    minus_inf = T.float32(float("-inf"))
+    bias_edit, mask_edit, repetition_edit, penalty_edit = _edit_macros(V)
 
     @T.prim_func(s_tir=True)
     def edits(x_h: T.handle, bias_at_h: T.handle, bias_h: T.handle, mask_at_h: T.handle, rep_at_h: T.handle,
@@ -134,8 +157,7 @@ def logit_edits_gpu_func(vocab: int) -> tirx.PrimFunc:
                     T.where(bx * THREADS + tx < n1)
                     T.reads(bias_at[ve], bias[ve], y[0:b, 0:V])
                     T.writes(y[0:b, 0:V])
-                    if bias_at[ve] >= T.int64(0):
-                        y[bias_at[ve] // V, bias_at[ve] % V] = y[bias_at[ve] // V, bias_at[ve] % V] + bias[ve]
+                    bias_edit(y, bias_at, bias, ve)
         for bx in T.thread_binding(T.ceildiv(n2, THREADS), thread="blockIdx.x"):
             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                 with T.sblock("sampler_logit_edit_mask"):
@@ -143,8 +165,7 @@ def logit_edits_gpu_func(vocab: int) -> tirx.PrimFunc:
                     T.where(bx * THREADS + tx < n2)
                     T.reads(mask_at[ve])
                     T.writes(y[0:b, 0:V])
-                    if mask_at[ve] >= T.int64(0):
-                        y[mask_at[ve] // V, mask_at[ve] % V] = minus_inf
+                    mask_edit(y, mask_at, ve)
         for bx in T.thread_binding(T.ceildiv(n3, THREADS), thread="blockIdx.x"):
             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                 with T.sblock("sampler_logit_edit_repetition"):
@@ -152,11 +173,7 @@ def logit_edits_gpu_func(vocab: int) -> tirx.PrimFunc:
                     T.where(bx * THREADS + tx < n3)
                     T.reads(rep_at[ve], rep[ve], y[0:b, 0:V])
                     T.writes(y[0:b, 0:V])
-                    if rep_at[ve] >= T.int64(0):
-                        y[rep_at[ve] // V, rep_at[ve] % V] = T.if_then_else(
-                            y[rep_at[ve] // V, rep_at[ve] % V] > T.float32(0),
-                            y[rep_at[ve] // V, rep_at[ve] % V] / rep[ve],
-                            y[rep_at[ve] // V, rep_at[ve] % V] * rep[ve])
+                    repetition_edit(y, rep_at, rep, ve)
         for bx in T.thread_binding(T.ceildiv(n4, THREADS), thread="blockIdx.x"):
             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                 with T.sblock("sampler_logit_edit_penalty"):
@@ -164,8 +181,7 @@ def logit_edits_gpu_func(vocab: int) -> tirx.PrimFunc:
                     T.where(bx * THREADS + tx < n4)
                     T.reads(pen_at[ve], freq[ve], pres[ve], y[0:b, 0:V])
                     T.writes(y[0:b, 0:V])
-                    if pen_at[ve] >= T.int64(0):
-                        y[pen_at[ve] // V, pen_at[ve] % V] = (y[pen_at[ve] // V, pen_at[ve] % V] - freq[ve]) - pres[ve]
+                    penalty_edit(y, pen_at, freq, pres, ve)
 
     return edits
 
