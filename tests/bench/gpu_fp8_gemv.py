@@ -57,6 +57,8 @@ def run(libs: list[str]) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from gpu_decode_8b import copy_bandwidth as copy_bw  # beside this script
+
     from vtool.runtime.artifact.tvm_runtime import cuda_runtime, ffi, global_func
 
     cuda_runtime()
@@ -67,19 +69,6 @@ def run(libs: list[str]) -> None:
     def tv(t, dtype: str):  # noqa: ANN001, ANN202
         raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
         return view(tvm_ffi.from_dlpack(raw), tvm_ffi.Shape(list(t.shape)), dtype, 0)
-
-    def copy_bw() -> float:
-        a = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
-        b = torch.empty_like(a)
-        for _ in range(3):
-            b.copy_(a)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            b.copy_(a)
-        end.record()
-        torch.cuda.synchronize()
-        return 2 * a.numel() / (start.elapsed_time(end) / 10 / 1e3) / 1e9
 
     gen = torch.Generator(device=dev)
     gen.manual_seed(0)
