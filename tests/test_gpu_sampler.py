@@ -894,6 +894,10 @@ def test_logit_edits_equal_process_logits(samplers):
     np.testing.assert_array_equal(m.to_numpy(out), want)
     assert np.isneginf(want[0, [EOS, 3]]).all() and (want[1] == logits[1]).all()
     assert batch_edit_lists([seqs[1]], v) is None  # nothing to edit: no call
+    # an eos id past the vocabulary (a bad config) would edit another row: refused by name
+    outside = SequenceSampler(SamplingParams(min_tokens=2), eos_token_ids=[v + 3], vocab_size=v)
+    with pytest.raises(VtoolError, match="outside the vocabulary"):
+        batch_edit_lists([seqs[1], outside], v)
 
 
 class _OldVM:

@@ -137,7 +137,12 @@ def batch_edit_lists(seqs: Sequence[SequenceSampler], vocab: int) -> tuple[np.nd
         return None
 
     def at(ids_of) -> tuple[np.ndarray, list[int]]:  # noqa: ANN001 - EditLists -> ids
-        parts = [ids_of(e).astype(np.int64) + row * vocab for row, e in enumerate(lists)]
+        ids = [ids_of(e) for e in lists]
+        for row, row_ids in enumerate(ids):  # a token past the row would edit another row's logits
+            if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= vocab):
+                raise VtoolError(f"row {row}: a logit edit names token {int(row_ids.max())} or "
+                                 f"{int(row_ids.min())}, outside the vocabulary of {vocab} (eos or stop ids?)")
+        parts = [row_ids.astype(np.int64) + row * vocab for row, row_ids in enumerate(ids)]
         sizes = [p.size for p in parts]
         flat = np.concatenate(parts) if sum(sizes) else np.full(1, -1, np.int64)
         return flat, sizes
