@@ -91,9 +91,10 @@ def chain_rows(requests: Sequence[Request], step: SchedulerOutput, on_device_dra
 
     The next step is known without the launched step's tokens only when every sequence of that
     step samples, on the device, a plain token (no drafts, no grammar: a mask depends on the
-    token before it; no penalties or min_tokens: their edits do too), the scheduler's running list is exactly those requests still unfinished
-    (nothing else running, nothing preempted), no waiting request could be admitted, and each
-    request has room for the launched step's token and one more."""
+    token before it; no penalties or min_tokens: their edits do too), the scheduler's running
+    list is exactly those requests still unfinished (nothing else running, nothing preempted),
+    no waiting request could be admitted, and each request has room for the launched step's
+    token and one more."""
     if not on_device_draw or can_admit:
         return None
     for s in step.sequences:

@@ -132,9 +132,9 @@ def batch_edit_lists(seqs: Sequence[SequenceSampler], vocab: int) -> tuple[np.nd
     per kind the flat positions row * vocab + token (int64) and their float32 values, one -1
     padding entry in a kind no row has (a kernel of no threads cannot launch); None when no row
     has an edit."""
-    lists = [seq.edit_lists() for seq in seqs]
-    if not any(e.bias_ids.size or e.mask_ids.size or e.repetition_ids.size or e.penalty_ids.size for e in lists):
+    if not any(seq.has_edits for seq in seqs):  # the common step: no arrays built
         return None
+    lists = [seq.edit_lists() for seq in seqs]
 
     def at(ids_of) -> tuple[np.ndarray, list[int]]:  # noqa: ANN001 - EditLists -> ids
         ids = [ids_of(e) for e in lists]

@@ -159,6 +159,12 @@ class SequenceSampler:
                     or (self._track_seen and self._seen) or (self._track_counts and self._counts))
 
     @property
+    def has_edits(self) -> bool:
+        """Whether edit_lists has anything at this step (cheap: read on every device draw)."""
+        return bool(self._bias_ids.size or (self._track_seen and self._seen) or (self._track_counts and self._counts)
+                    or (self.num_generated < self.params.min_tokens and self._min_tokens_ids.size))
+
+    @property
     def edits_follow_tokens(self) -> bool:
         """Whether this row's edits change with each drawn token (penalties, min_tokens): its
         next step cannot be prepared before this step's token is known."""

@@ -199,7 +199,6 @@ class LogitEdits(GPUScheduleRule):
             return None
         vocab = func.params[0].shape[1]  # TVM 0.27: buffer parameters carry their shape
         scheduled = logit_edits_gpu_func(int(vocab))
-        for key in ("global_symbol",):  # keep the name the module gave it
-            if func.attrs is not None and key in func.attrs:
-                scheduled = scheduled.with_attr(key, func.attrs[key])
+        if func.attrs is not None and "global_symbol" in func.attrs:  # keep the name the module gave it
+            scheduled = scheduled.with_attr("global_symbol", func.attrs["global_symbol"])
         return s_tir.Schedule(scheduled)
