@@ -27,3 +27,23 @@ def build_or_run(doc: str, build: Callable[[str], None], run: Callable[[str], No
         run(args[1])
     else:
         raise SystemExit(doc)
+
+
+def rotated_kernel_us(run_set: Callable[[int], None], n_sets: int, name: str) -> tuple[float, int]:
+    """(median microseconds, launches timed) of the kernel named `name` while run_set(i) calls it
+    on weight set i, the sets taken in turn so each call reads its weights from memory, not L2;
+    device times from torch.profiler (CUPTI). Every set runs once untimed first."""
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(n_sets):
+        run_set(i)
+    torch.cuda.synchronize()
+    reps = 8 * n_sets if n_sets >= 4 else 24
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            run_set(i % n_sets)
+        torch.cuda.synchronize()
+    ts = [e.device_time for e in prof.events() if e.device_type.name == "CUDA" and name in e.name]
+    return float(np.median(ts)), len(ts)

@@ -56,7 +56,8 @@ def build(out: str, fmt: str, settings: dict[str, int]) -> None:
 def run(libs: list[str], fmt: str) -> None:
     import numpy as np
     import torch
-    from torch.profiler import ProfilerActivity, profile
+
+    from device_split import rotated_kernel_us  # beside this script
 
     from vtool.runtime.artifact.tvm_runtime import cuda_runtime, ffi
 
@@ -108,19 +109,10 @@ def run(libs: list[str], fmt: str) -> None:
                 out = yt.float().cpu()
                 ref.setdefault(name, out)
                 err = float((out - ref[name]).abs().max() / ref[name].abs().max())
-                for s in sets:
-                    f(x, *s, y)
-                torch.cuda.synchronize()
-                reps = 8 * len(sets) if len(sets) >= 4 else 24
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for i in range(reps):
-                        f(x, *sets[i % len(sets)], y)
-                    torch.cuda.synchronize()
-                ts = [e.device_time for e in prof.events() if e.device_type.name == "CUDA" and name in e.name]
-                us = float(np.median(ts))
+                us, n = rotated_kernel_us(lambda i: f(x, *sets[i], y), len(sets), name)  # noqa: B023
                 print(json.dumps({"round": rnd, "lib": os.path.basename(lib), "kernel": name, "us": round(us, 2),
                                   "gb_s": round(nbytes / us / 1e3, 1), "pct_copy": round(100 * nbytes / us / 1e3 / bw, 1),
-                                  "n": len(ts), "rel_err": err}), flush=True)
+                                  "n": n, "rel_err": err}), flush=True)
     print(json.dumps({"copy_gb_s_end": round(copy_bw(), 1)}))
 
 

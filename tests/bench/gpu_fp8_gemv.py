@@ -55,9 +55,9 @@ def build(out: str) -> None:
 def run(libs: list[str]) -> None:
     import numpy as np
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    from gpu_decode_8b import copy_bandwidth as copy_bw  # beside this script
+    from device_split import rotated_kernel_us  # beside this script
+    from gpu_decode_8b import copy_bandwidth as copy_bw
 
     from vtool.runtime.artifact.tvm_runtime import cuda_runtime, ffi, global_func
 
@@ -75,7 +75,7 @@ def run(libs: list[str]) -> None:
     data = {}
     for name, (n, k) in SHAPES.items():
         nbytes = n * k + 4 * n
-        sets, refs = [], []
+        sets = []
         for _ in range(max(2, int(np.ceil(300e6 / nbytes)))):  # > 4x L2 (60 MB) in turn
             w = (torch.randn((n, k), device=dev, generator=gen) * 64).to(torch.float8_e4m3fn)
             s = torch.rand((n,), device=dev, generator=gen) * 0.01 + 0.001
@@ -96,20 +96,10 @@ def run(libs: list[str]) -> None:
                 f(xt, sets[0][2], sets[0][3], y)
                 torch.cuda.synchronize()
                 err = float((yt.float().reshape(-1).cpu() - ref).abs().max() / ref.abs().max())
-                for st in sets:
-                    f(xt, st[2], st[3], y)
-                torch.cuda.synchronize()
-                reps = 8 * len(sets) if len(sets) >= 4 else 24
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for i in range(reps):
-                        st = sets[i % len(sets)]
-                        f(xt, st[2], st[3], y)
-                    torch.cuda.synchronize()
-                ts = [e.device_time for e in prof.events() if e.device_type.name == "CUDA" and name in e.name]
-                us = float(np.median(ts))
+                us, n = rotated_kernel_us(lambda i: f(xt, sets[i][2], sets[i][3], y), len(sets), name)  # noqa: B023
                 print(json.dumps({"round": rnd, "lib": os.path.basename(lib), "kernel": name, "us": round(us, 2),
                                   "gb_s": round(nbytes / us / 1e3, 1), "pct_copy": round(100 * nbytes / us / 1e3 / bw, 1),
-                                  "n": len(ts), "rel_err": err}), flush=True)
+                                  "n": n, "rel_err": err}), flush=True)
     print(json.dumps({"copy_gb_s_end": round(copy_bw(), 1)}))
 
 
