@@ -40,6 +40,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from vtool.models.config import ModelConfig
+from vtool.models import draft_chain
 from vtool.models.fp8_linear import Fp8Linear
 from vtool.models.quantized_linear import (Int8Kernels, QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear,
                                           decode_numerics, use_int8_gemv)
@@ -227,6 +228,9 @@ class DecoderForCausalLM(nn.Module):
     toolchain; None: none) take the kept weights' matmuls over Q8_0 activation rows, in decode
     (`int8_activations` "decode") or everywhere ("q8_0"); "none" keeps them all float."""
 
+    # positions of the draft cache of draft_extend / draft_step (models/draft_chain.py); 0: no such entries
+    draft_cache_len = 0
+
     def __init__(self, c: ModelConfig, dtype: str, target: Target, formats: Formats | None = None,
                  int8_activations: str = "decode", int8_kernels: Int8Kernels | None = None):
         formats = formats or {}
@@ -292,6 +296,20 @@ class DecoderForCausalLM(nn.Module):
             h = self._layers(input_embeds, kv)
             return self._logits(op.take(h, logit_positions, axis=1)), kv
 
+    def draft_extend(self, input_ids: Tensor, position: Tensor, k_cache: Tensor, v_cache: Tensor):
+        n = input_ids.shape[0]
+        h = op.reshape(self.embed(input_ids), (1, n, self.config.hidden_size))
+        kv = draft_chain.ContiguousKV(self.config, self.dtype, k_cache, v_cache, position, n)
+        self._layers(h, kv)
+        return kv.k_cache  # the writes are what counts (the last layer's attention onwards is dead code)
+
+    def draft_step(self, state: Tensor, k_cache: Tensor, v_cache: Tensor):
+        token, position = draft_chain.select(state)
+        h = op.reshape(self.embed(token), (1, 1, self.config.hidden_size))
+        kv = draft_chain.ContiguousKV(self.config, self.dtype, k_cache, v_cache, position, 1)
+        state = draft_chain.record_argmax(state, self._logits(self._layers(h, kv)))
+        return draft_chain.last_token(state)
+
     def create_tir_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                                   support_sliding_window: tirx.Var) -> PagedKVCache:
@@ -356,6 +374,8 @@ class DecoderForCausalLM(nn.Module):
                 "$": {"param_mode": "none", "effect_mode": "none"},
             },
         }
+        if self.draft_cache_len:
+            spec.update(draft_chain.entry_specs(self.config, dt, self.draft_cache_len))
         if frees_window(self.config, getattr(self, "target", None)):
             spec[SLIDING_CACHE_ENTRY] = {
                 "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int, "page_size": int,

@@ -16,7 +16,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent
 
 # Modules any room may import: the build/run contract and plain paths.
 CONTRACTS = {"vtool", "vtool.runtime.artifact.manifest", "vtool.runtime.weights.ggml_blocks",
-             "vtool.runtime.weights.fp8_layout", "vtool.runtime.paths"}
+             "vtool.runtime.weights.fp8_layout", "vtool.runtime.paths", "vtool.runtime.artifact.draft_state"}
 
 COMPILER_ROOMS = ("vtool.toolchain", "vtool.models", "vtool.schedules")
 

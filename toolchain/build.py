@@ -44,7 +44,7 @@ Progress = Callable[[str], None]
 
 def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Progress,
             formats: dict[str, str] | None = None, attention: str = "tir", activations: str = "decode",
-            gemm: str = "tir"):
+            gemm: str = "tir", draft_cache_len: int = 0):
     import tvm
 
     from vtool.schedules.cpu.int8_gemv import Int8GemvKernels
@@ -80,18 +80,28 @@ def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Pro
         from vtool.toolchain.flashinfer_attention import use_attention
 
         use_attention(model, attention)
+    if draft_cache_len:  # draft_extend / draft_step (models/draft_chain.py)
+        model.draft_cache_len = draft_cache_len
     spec = model.get_default_spec()
     mod, named_params = model.export_tvm(spec=spec)
+    if draft_cache_len:
+        from vtool.models.draft_chain import STEP_ENTRY
+
+        # Every input of draft_step stays at one address for the runtime's whole run (its state and
+        # the two caches), so they count as fixed, as weights do: a CUDA build then captures the
+        # step whole in one graph (RewriteCUDAGraph treats the params past num_input as fixed).
+        mod[STEP_ENTRY] = mod[STEP_ENTRY].with_attr("num_input", 0)
     return target, mod, family.weights.parameters(named_params, formats), list(spec)
 
 
 def model_module(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Progress,
                  formats: dict[str, str] | None = None, attention: str = "tir", activations: str = "decode",
-                 gemm: str = "tir"):
+                 gemm: str = "tir", draft_cache_len: int = 0):
     """(tvm target, Relax module, params, entry points): everything a build compiles, before
     the pipeline. One place for it, so that `vtool tune` extracts the very kernels a build
     schedules (their structural hashes key the tuning records)."""
-    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress, formats, attention, activations, gemm)
+    target, mod, params, entry_points = _export(cfg, target_spec, dtype, progress, formats, attention, activations, gemm,
+                                                draft_cache_len)
     for extra in family_of(target_spec).extra_modules(cfg):  # CUDA: the GPU sampler
         mod.update(extra)
     return target, mod, params, entry_points
@@ -110,7 +120,8 @@ def compile_cpu(plan: BuildPlan, library_path: Path, progress: Progress) -> dict
     target_spec = plan.target
     fcompile = fcompile_for(target_spec)  # before compiling: a missing cross linker is refused at once
     target, mod, params, entry_points = model_module(plan.config, target_spec, plan.dtype, progress, dict(plan.kept),
-                                                     plan.attention, plan.activations)
+                                                     plan.attention, plan.activations,
+                                                     draft_cache_len=plan.draft_cache_len)
     records = _tuning_records(target_spec, progress, plan.records)
     progress(f"compiling for {target_spec.name}")
     with target, plan.family.pass_context(plan.dtype):
@@ -158,17 +169,20 @@ def compile_cuda(plan: BuildPlan, library_path: Path, progress: Progress) -> dic
         if cuda.cuda_runtime_loaded():
             return compile_cuda_here(plan.config, plan.target, plan.dtype, library_path, progress, gemm=plan.gemm,
                                      attention=plan.attention, records=plan.records,
-                                     cuda_graph_sizes=plan.cuda_graph_sizes, formats=dict(plan.kept))
+                                     cuda_graph_sizes=plan.cuda_graph_sizes, formats=dict(plan.kept),
+                                     draft_cache_len=plan.draft_cache_len)
     request = {"config": plan.config.to_dict(), "target": plan.target.name, "dtype": plan.dtype,
                "library": str(library_path), "gemm": plan.gemm, "attention": plan.attention, "records": plan.records,
-               "cuda_graph_sizes": list(plan.cuda_graph_sizes), "formats": dict(plan.kept)}
+               "cuda_graph_sizes": list(plan.cuda_graph_sizes), "formats": dict(plan.kept),
+               "draft_cache_len": plan.draft_cache_len}
     return cuda.run_worker(request, progress)
 
 
 def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, library_path: Path,
                       progress: Progress, in_subprocess: bool = False, gemm: str = "tir",
                       attention: str = "tir", records: bool = True,
-                      cuda_graph_sizes: tuple[int, ...] = (), formats: dict[str, str] | None = None) -> dict[str, Any]:
+                      cuda_graph_sizes: tuple[int, ...] = (), formats: dict[str, str] | None = None,
+                      draft_cache_len: int = 0) -> dict[str, Any]:
     """The CUDA compile proper, in a process whose TVM has its CUDA runtime loaded (the
     worker subprocess, or this one when a real driver is installed)."""
     import tvm
@@ -188,7 +202,8 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
         fi = flashinfer_attention.build_objects(dtype, cfg.head_dim, target_spec.archs, progress)
     t0 = time.perf_counter()
     target, mod, params, entry_points = model_module(cfg, target_spec, dtype, progress, formats or None,
-                                                     attention=attention, activations="none", gemm=gemm)
+                                                     attention=attention, activations="none", gemm=gemm,
+                                                     draft_cache_len=draft_cache_len)
     graph_sizes = tuple(cuda_graph_sizes)
     entry_points = entry_points + graph_entry_points(graph_sizes, entry_points)  # the *_captured copies (pipeline.py)
     t_export = time.perf_counter() - t0
@@ -255,7 +270,8 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
                    output: str | Path | None = None, progress: Progress | None = None,
                    checkpoint: Checkpoint | None = None, force: bool = False, gemm: str = "auto",
                    quantization: str = "auto", attention: str = "auto", activations: str = "auto",
-                   records: bool = True, cuda_graph_sizes: str = "auto", hf_overrides: str = "") -> Path:
+                   records: bool = True, cuda_graph_sizes: str = "auto", hf_overrides: str = "",
+                   draft_cache_len: int = 0) -> Path:
     """Build (or find in the cache) the artifact for one checkpoint, target and dtype: the
     options (BuildOptions: plan.py says what each value does) are resolved into a BuildPlan,
     refused there by name when they cannot work, and the plan is built.
@@ -278,19 +294,34 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
 
     hf_overrides: a JSON object of config.json fields put in place of the checkpoint's before
     the config is parsed (vLLM's --hf-overrides; runtime/weights/hf_overrides.py); the manifest
-    records it and the runtime applies it to the checkpoint's config too."""
+    records it and the runtime applies it to the checkpoint's config too.
+
+    draft_cache_len: positions of the speculative draft cache (models/draft_chain.py): the library
+    gets draft_extend / draft_step, which a draft model drafts through (0: none)."""
     progress = progress or (lambda _msg: None)
     options = BuildOptions(dtype=dtype, quantization=quantization, activations=activations, gemm=gemm,
                            attention=attention, records=records, cuda_graph_sizes=cuda_graph_sizes,
-                           hf_overrides=hf_overrides or "")
+                           hf_overrides=hf_overrides or "", draft_cache_len=int(draft_cache_len or 0))
     # The options as asked, for the manifest's provenance (the plan holds what they resolve to).
     requested = {"target": target_name, **dataclasses.asdict(options)}
     if not options.hf_overrides:  # builds without keep their provenance records as they were
         del requested["hf_overrides"]
+    if not options.draft_cache_len:
+        del requested["draft_cache_len"]
     target_spec = check_request(target_name, options)  # refused before the checkpoint is read
     ckpt = checkpoint or open_checkpoint(model_path)
     plan = resolve_plan(ckpt, target_spec, options, notice=progress)
     return build_from_plan(plan, ckpt, output, progress, force, requested)
+
+
+def _draft_chain_record(plan: BuildPlan) -> dict[str, Any]:
+    from vtool.models import draft_chain
+
+    c = plan.config
+    return {"cache_len": plan.draft_cache_len,
+            "cache_shape": [c.num_hidden_layers, plan.draft_cache_len, c.num_key_value_heads, c.head_dim],
+            "state_len": draft_chain.STATE_LEN, "max_steps": draft_chain.MAX_STEPS,
+            "max_forced": draft_chain.MAX_FORCED}
 
 
 def build_from_plan(plan: BuildPlan, checkpoint: Checkpoint, output: str | Path | None = None,
@@ -357,6 +388,8 @@ def _build_into(folder: Path, key: str, plan: BuildPlan, checkpoint: Checkpoint,
             "source_config": dict(plan.source_config),
             # --hf-overrides: the runtime applies them to the checkpoint's config (runtime/weights/hf_overrides.py)
             **({"hf_overrides": dict(plan.hf_overrides)} if plan.hf_overrides else {}),
+            # --draft-cache-len: the draft cache's layout (models/draft_chain.py; runtime/engine/draft_chain.py)
+            **({"draft_chain": _draft_chain_record(plan)} if plan.draft_cache_len else {}),
             "source_format": plan.source_format,
             "target": plan.target.describe(),
             "dtype": plan.dtype,

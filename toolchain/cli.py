@@ -12,12 +12,13 @@ import click
 from vtool.runtime.cli import (activations_option, console, hf_overrides_option, main, model_options, out,
                                quantization_option, register_builder, resolve_model)
 from vtool.toolchain.dist_cli import dist
+from vtool.toolchain.plan import DRAFT_CACHE_AUTO
 
 
 def build_with_progress(model_path: Path, target: str, dtype: str, output: str | None = None,
                         force: bool = False, gemm: str = "auto", quantization: str = "auto",
                         attention: str = "auto", activations: str = "auto", cuda_graph_sizes: str = "auto",
-                        hf_overrides: str = "") -> Path:
+                        hf_overrides: str = "", draft_cache_len: int = 0) -> Path:
     """Build with vtool's own progress line; what TVM's C++ side prints while compiling goes to
     a log file (named on failure) instead of the terminal."""
     from vtool.toolchain.build import build_artifact
@@ -36,13 +37,14 @@ def build_with_progress(model_path: Path, target: str, dtype: str, output: str |
 
             return build_artifact(model_path, target, dtype, output=output, progress=report, force=force, gemm=gemm,
                                   quantization=quantization, attention=attention, activations=activations,
-                                  cuda_graph_sizes=cuda_graph_sizes, hf_overrides=hf_overrides)
+                                  cuda_graph_sizes=cuda_graph_sizes, hf_overrides=hf_overrides,
+                                  draft_cache_len=draft_cache_len)
 
 
 def _builder(model_path: Path, target: str, dtype: str, *, quantization: str = "auto",
-             activations: str = "auto", hf_overrides: str = "") -> Path:
+             activations: str = "auto", hf_overrides: str = "", draft: bool = False) -> Path:
     return build_with_progress(model_path, target, dtype, quantization=quantization, activations=activations,
-                               hf_overrides=hf_overrides)
+                               hf_overrides=hf_overrides, draft_cache_len=DRAFT_CACHE_AUTO if draft else 0)
 
 
 register_builder(_builder)
@@ -75,12 +77,17 @@ def _attention_option(fn: Callable) -> Callable:
               help="CUDA: batch sizes at which batched decode runs from CUDA graphs, e.g. 1,2,4,8,16 (a step is "
                    "padded up to the next; larger batches run uncaptured); auto = 1,2,4,8,16,24,32,48,64,96,128; "
                    "none = batched decode uncaptured")
+@click.option("--draft-cache-len", "draft_cache_len", default=0, show_default=True, type=click.IntRange(min=0),
+              help="for a model that will serve as a speculative draft: positions of a draft cache of its own, "
+                   "through which it drafts every token with no host work between them (a CUDA graph a token); "
+                   "at most 8192 on CUDA; 0 = none (the draft then runs as the engine runs a model)")
 @hf_overrides_option
 def build(model: str | None, revision: str | None, target: str, dtype: str, output: str | None, force: bool, gemm: str,
-          attention: str, quantization: str, activations: str, cuda_graph_sizes: str, hf_overrides: str | None) -> None:
+          attention: str, quantization: str, activations: str, cuda_graph_sizes: str, draft_cache_len: int,
+          hf_overrides: str | None) -> None:
     """Compile a model into an artifact folder (model.so + manifest.json)."""
     folder = build_with_progress(resolve_model(model, revision), target, dtype, output, force, gemm, quantization, attention,
-                                 activations, cuda_graph_sizes, hf_overrides or "")
+                                 activations, cuda_graph_sizes, hf_overrides or "", draft_cache_len)
     out.print(str(folder), highlight=False)
 
 

@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
                                    gemm=request.get("gemm", "tir"), attention=request.get("attention", "tir"),
                                    records=request.get("records", True),
                                    cuda_graph_sizes=tuple(request.get("cuda_graph_sizes", ())),
-                                   formats=request.get("formats") or None)
+                                   formats=request.get("formats") or None,
+                                   draft_cache_len=int(request.get("draft_cache_len", 0)))
     except VtoolError as err:
         print("vtool-error: " + str(err).replace("\n", "\\n"), flush=True)
         return 2

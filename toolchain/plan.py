@@ -67,9 +67,15 @@ _COMPILER_SOURCES = ("models", "schedules", "targets", "toolchain/pipeline.py", 
                      "toolchain/block_mma.py", "toolchain/native/block_mma.cu",
                      "toolchain/row_sort.py", "toolchain/native/row_sort.cu",
                      "runtime/weights/ggml_blocks.py",  # the block layout the kernels are compiled for
-                     "runtime/weights/fp8_layout.py")  # and the FP8 one
+                     "runtime/weights/fp8_layout.py",  # and the FP8 one
+                     "runtime/artifact/draft_state.py")  # and the draft cache's state
 
 Notice = Callable[[str], None]
+
+
+# --draft-cache-len: what a draft model built for --speculative-config asks (resolve_draft_cache_len)
+DRAFT_CACHE_AUTO = -1
+DEFAULT_DRAFT_CACHE_LEN = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +89,7 @@ class BuildOptions:
     records: bool = True  # apply the tuning records found for the target (tuning_logs/<target>/)
     cuda_graph_sizes: str = "auto"  # "auto", "none" or comma-separated batch sizes (CUDA_GRAPH_SIZES_NONE above)
     hf_overrides: str = ""  # --hf-overrides: a JSON object of config.json fields (runtime/weights/hf_overrides.py)
+    draft_cache_len: int = 0  # --draft-cache-len: draft_extend/draft_step over a cache of this many positions; 0: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +118,8 @@ class BuildPlan:
     cuda_graph_sizes: tuple[int, ...] = ()
     # --hf-overrides: config.json fields replaced before the config was parsed ({} for none)
     hf_overrides: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    # positions of the speculative draft cache of draft_extend / draft_step (models/draft_chain.py); 0: none
+    draft_cache_len: int = 0
 
     @property
     def family(self) -> Family:
@@ -171,6 +180,7 @@ class BuildPlan:
             "tuning": {"records": self.records, "digest": self.tuning_digest},
             "toolchain": None if self.toolchain is None else dict(self.toolchain),
             "cuda_graph_sizes": list(self.cuda_graph_sizes),
+            **({"draft_cache_len": self.draft_cache_len} if self.draft_cache_len else {}),
         }
 
     def quantization_key(self) -> str:
@@ -193,7 +203,7 @@ class BuildPlan:
             raise VtoolError("this plan was resolved without its tools (as `vtool tune` does): it has no cache key")
         return _key(self.source_config, self.target, self.dtype, self.quantization_key(), self.gemm,
                     self.attention_backend, self.tuning_digest, self.toolchain, self.cuda_graph_sizes,
-                    self.hf_overrides)
+                    self.hf_overrides, self.draft_cache_len)
 
 
 # --- the cache key -----------------------------------------------------------------------------
@@ -211,7 +221,7 @@ def compiler_source_digest() -> str:
 
 def _key(source_cfg: Mapping[str, Any], target: TargetSpec, dtype: str, quantization: str, gemm: str,
          attention: str, tuning: str, toolchain: Mapping[str, str], graph_sizes: tuple[int, ...] = (),
-         hf_overrides: Mapping[str, Any] | None = None) -> str:
+         hf_overrides: Mapping[str, Any] | None = None, draft_cache_len: int = 0) -> str:
     payload = {"config": dict(source_cfg), "target": target.describe(), "dtype": dtype,
                "quantization": quantization, "gemm": gemm, "versions": installed_versions(),
                "compiler": compiler_source_digest()}
@@ -225,6 +235,8 @@ def _key(source_cfg: Mapping[str, Any], target: TargetSpec, dtype: str, quantiza
         payload["cuda_graph_sizes"] = list(graph_sizes)
     if hf_overrides:  # recorded in the manifest, which the runtime applies; builds without keep their keys
         payload["hf_overrides"] = canonical(hf_overrides)
+    if draft_cache_len:  # two more entry points; builds without keep their keys
+        payload["draft_cache_len"] = draft_cache_len
     blob = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -287,13 +299,47 @@ def resolve_plan(checkpoint: Checkpoint, target: str | TargetSpec, options: Buil
     digest = _records_digest(spec) if options.records else ""
     toolchain = family.toolchain(spec) if tools else None
     graph_sizes = resolve_cuda_graph_sizes(options.cuda_graph_sizes, spec)
+    draft_len = resolve_draft_cache_len(options.draft_cache_len, cfg, spec)
     return BuildPlan(
         target=spec, config=cfg, source_config=MappingProxyType(source_config(raw)), source_format=checkpoint.format,
         dtype=options.dtype, quantization=quantization, kept=MappingProxyType(dict(kept)),
         dense=MappingProxyType(dict(dense)), left_float=left_float, quantized_sources=MappingProxyType(qsources),
         weights_key=weights_key, activations=activations, gemm=gemm, attention=attention, records=options.records,
         tuning_digest=digest, toolchain=None if toolchain is None else MappingProxyType(dict(toolchain)),
-        attention_backend=backend, cuda_graph_sizes=graph_sizes, hf_overrides=MappingProxyType(overrides))
+        attention_backend=backend, cuda_graph_sizes=graph_sizes, hf_overrides=MappingProxyType(overrides),
+        draft_cache_len=draft_len)
+
+
+def resolve_draft_cache_len(requested: int, cfg: ModelConfig, target_spec: TargetSpec) -> int:
+    """--draft-cache-len: 0, or the positions of the draft cache (models/draft_chain.py) when this
+    model and target can have one; what cannot work is refused by name. DRAFT_CACHE_AUTO (a draft
+    model built for --speculative-config): a cache of DEFAULT_DRAFT_CACHE_LEN positions on CUDA
+    targets where the model can have one, else none (on the CPU the engine's way is as fast:
+    its steps are its kernels)."""
+    from vtool.models.draft_chain import MAX_CACHE_LEN_CUDA, unsupported_reason
+    from vtool.models.registry import model_family
+
+    if requested == DRAFT_CACHE_AUTO:
+        family = model_family(cfg.architecture)
+        usable = (family_of(target_spec).name == "cuda" and family.task == "generate" and family.name != "gpt2"
+                  and unsupported_reason(cfg) is None)
+        return min(DEFAULT_DRAFT_CACHE_LEN, cfg.max_position_embeddings) if usable else 0
+    if not requested:
+        return 0
+    if requested < 16:
+        raise VtoolError(f"--draft-cache-len {requested}: give the positions a draft sequence may reach "
+                         "(prompt and output, at least 16), or 0 for none")
+    family = model_family(cfg.architecture)
+    if family.task != "generate" or family.name == "gpt2":
+        raise VtoolError(f"--draft-cache-len: the {family.name} family ({cfg.architecture}) has no draft entry "
+                         "points (the decoders of models/decoder.py have them)")
+    why = unsupported_reason(cfg)
+    if why:
+        raise VtoolError(f"--draft-cache-len: {cfg.architecture} cannot run on the draft cache: {why}")
+    if family_of(target_spec).name == "cuda" and requested > MAX_CACHE_LEN_CUDA:
+        raise VtoolError(f"--draft-cache-len {requested}: the CUDA draft attention takes at most "
+                         f"{MAX_CACHE_LEN_CUDA} positions")
+    return int(requested)
 
 
 def resolve_cuda_graph_sizes(requested: str, target_spec: TargetSpec) -> tuple[int, ...]:

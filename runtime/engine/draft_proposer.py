@@ -11,6 +11,11 @@ token ids come back); random ones draw from the draft's own
 distribution after the request's temperature, top-k, top-p and min-p, which verification
 needs (sampling/spec_verify.py). When the draft's cache is full the least recently used
 sequences leave it; a request that still does not fit gets no drafts that step.
+
+A draft library built with `--draft-cache-len` has a faster way for the common case, one greedy
+request alone: runtime/engine/draft_chain.py drafts its k tokens through the library's own cache,
+with no host work between them (on CUDA one graph launch a token). Other rounds take the engine's
+way above; the two caches are kept apart, each in step with the requests it served.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vtool import VtoolError
+from vtool.runtime.engine.draft_chain import DraftChain, has_draft_chain
 from vtool.runtime.engine.kv_cache import PagedKVCache
 from vtool.runtime.engine.request import Request
 from vtool.runtime.engine.runner import ModelRunner
@@ -64,6 +70,9 @@ class DraftModelProposer:
         self.argmax_on_device = False
         self._seqs: OrderedDict[str, _DraftSequence] = OrderedDict()  # least recently used first
         self._next_id = 0
+        # the library's own draft cache (built with --draft-cache-len), for one greedy request alone
+        self.chain: DraftChain | None = DraftChain(self.model) if has_draft_chain(self.model) else None
+        self.chain_rounds = 0  # rounds drafted through it
 
     @classmethod
     def open(cls, config: SpeculativeConfig, engine: Engine) -> DraftModelProposer:
@@ -77,6 +86,12 @@ class DraftModelProposer:
 
     # -- proposer interface -------------------------------------------------------------------
     def propose_batch(self, requests: list[Request], limits: list[int]) -> None:
+        if self._chain_takes(requests, limits):
+            request = requests[0]
+            request.draft_ids = self.chain.propose(request.request_id, request.all_ids, limits[0])
+            request.draft_probs = None
+            self.chain_rounds += 1
+            return
         live = [(r, limit, s) for r, limit in zip(requests, limits) if (s := self._sync(r)) is not None]
         if not live:
             return
@@ -103,7 +118,15 @@ class DraftModelProposer:
             request.draft_ids = drafts[i]
             request.draft_probs = np.stack(probs[i]) if probs[i] else None
 
+    def _chain_takes(self, requests: list[Request], limits: list[int]) -> bool:
+        """Whether this round drafts through the library's own cache: one greedy request alone
+        (the chain draws argmax tokens only, and holds one sequence) that fits it."""
+        return (self.chain is not None and len(requests) == 1 and requests[0].params.greedy
+                and self.chain.fits(len(requests[0].all_ids), limits[0]))
+
     def release(self, request: Request) -> None:
+        if self.chain is not None:
+            self.chain.release(request.request_id)
         seq = self._seqs.pop(request.request_id, None)
         if seq is not None:
             self.kv.remove(seq.seq_id)

@@ -43,7 +43,7 @@ def describe() -> dict:
             "dequantize": "prompts' whole-weight dequantization: 16-byte stores in block order (schedules/cuda/dequantize.py)",
             "low_batch_dispatch": [{"max_n": limit, "rule": f"LowBatchGEMV({bucket})"} for limit, bucket in LOW_BATCH_BUCKETS]
             + [{"rule": "bf16 WMMA tensor cores, else Matmul"}],
-            "default_rules": ["vtool.LogitEdits", "vtool.BF16TensorCoreMatmul", "vtool.RowReduction"]
+            "default_rules": ["vtool.LogitEdits", "vtool.DraftChain", "vtool.BF16TensorCoreMatmul", "vtool.RowReduction"]
             + [f"dlight.gpu.{r}" if r != "GEMV" else "vtool.GuardedGEMV" for r in DEFAULT_RULES]}
 
 
@@ -125,13 +125,14 @@ def cuda_schedule_pass() -> tvm.transform.Pass:
             mod[gv] = func
         return mod
 
+    from vtool.schedules.cuda.draft_chain import DraftChain
     from vtool.schedules.cuda.logit_edits import LogitEdits
     from vtool.schedules.cuda.sampling_rules import GuardedGEMV, RowReduction
 
     # RowReduction: the sampler's per-row reductions (one block per row instead of
     # Fallback's one thread); GuardedGEMV: DLight's GEMV minus an assert that would end the
     # build on those kernels (sampling_rules.py says which).
-    rules = ([LogitEdits(), BF16TensorCoreMatmul(), RowReduction()]
+    rules = ([LogitEdits(), DraftChain(), BF16TensorCoreMatmul(), RowReduction()]
              + [GuardedGEMV() if name == "GEMV" else getattr(dl.gpu, name)() for name in DEFAULT_RULES])
     return tvm.transform.Sequential([_low_batch, dl.ApplyDefaultSchedule(*rules)], name="VtoolCUDASchedules")
 

@@ -9,9 +9,10 @@ write-new-code one (`write`), through the model's chat template unless --raw.
 
 The report counts the verification steps that took the argmax of every row on the device, and
 gives the host seconds of the target's and the draft's model runners (launch / wait-and-sample)
-over all runs. With a draft model each k runs twice: `k4` copies the draft's logits rows to the
-host and scans them there (the default), `k4-devargmax` takes the draft's argmax on the device
-(only token ids come back; DraftModelProposer.argmax_on_device). --profile N prints the N most costly functions (cProfile,
+over all runs. With a draft model each k runs twice: `k4` as the engine runs it (through the draft
+library's own cache, runtime/engine/draft_chain.py, when the library was built with
+--draft-cache-len; `chain_rounds` counts them), `k4-engine` with that cache off (each draft token an
+engine step of the draft, its logits row scanned on the host). --profile N prints the N most costly functions (cProfile,
 cumulative) of one speculative run.
 """
 from __future__ import annotations
@@ -92,14 +93,14 @@ def main() -> None:
         else:
             config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k,
                                                "prompt_lookup_min": lo, "prompt_lookup_max": hi})
-        for variant in ("", "-devargmax") if a.draft_artifact else ("",):
+        for variant in ("", "-engine") if a.draft_artifact else ("",):
             engine = Engine(session, EngineConfig(max_num_seqs=4, speculative=config))
             draft_runner = getattr(engine.speculator.proposer, "runner", None)
             if draft_runner is not None and "draft_step_ms" not in report:
                 proposer = engine.speculator.proposer
                 report["draft_step_ms"] = step_times(SimpleNamespace(model=proposer.model, kv=proposer.kv), 1)
-            if variant == "-devargmax":
-                engine.speculator.proposer.argmax_on_device = True
+            if variant == "-engine":
+                engine.speculator.proposer.chain = None
             calls = count_device_verifies(engine)
             decode_rate(engine, prompt, 16)
             t0 = time.perf_counter()
@@ -114,7 +115,8 @@ def main() -> None:
                 "wall_s_3_runs": round(wall, 3),
                 "target_runner_s": {n: round(v, 3) for n, v in engine.runner.seconds.items()},
                 "draft_runner_s": ({n: round(v, 3) for n, v in draft_runner.seconds.items()}
-                                   if draft_runner is not None else None), **calls}
+                                   if draft_runner is not None else None),
+                "chain_rounds": getattr(engine.speculator.proposer, "chain_rounds", 0), **calls}
             if a.profile and variant == "":
                 prof = cProfile.Profile()
                 prof.enable()

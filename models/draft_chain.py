@@ -1,0 +1,267 @@
+"""A draft model's decode step with nothing on the host between tokens (speculative decoding).
+
+A draft model proposes k tokens per round for one sequence. Through the engine each of them is a
+whole `decode` call: TVM's paged KV cache stages each step's page table from the host, and its
+attention runs between the captured pieces, about 1 ms a call on an H200 whatever the model's size
+(docs/BENCHMARKS.md, issue 15), which costs more than the target saves. These entry points keep the
+draft's keys and values in a cache of its own instead, one contiguous row of positions per layer
+(`k_cache`, `v_cache`: [layers, CACHE_LEN, kv_heads, head_dim], owned by the runtime), and read
+every per-step value from a small int32 `state` tensor on the device, so a step has only fixed
+inputs: a CUDA build captures `draft_step` whole in one graph, and k drafts are k graph launches
+queued without a wait.
+
+    draft_extend(input_ids[n], position[1], k_cache, v_cache)
+        the keys and values of n tokens from `position` on (a prompt, or a round's catch-up)
+    draft_step(state[STATE_LEN], k_cache, v_cache) -> token[1]
+        one token: j = state[STEP]; it feeds state[FORCED + j] while j < state[NUM_FORCED], else
+        the token step j - 1 drew, at position state[POSITION] + j; writes the greedy argmax of its
+        logits to state[OUT + j] and state[STEP] = j + 1
+
+The kernels here are plain TIR (what a CPU build runs, and the tests check); on CUDA the
+DraftChain schedule rule (schedules/cuda/draft_chain.py) puts scheduled forms in their place,
+found by their block names. Rotary embeddings are applied here (the paged cache applies them
+inside its kernels); configurations whose attention this cannot reproduce are refused by
+`unsupported_reason`.
+"""
+from __future__ import annotations
+
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.script import tirx as T
+
+from vtool.models.config import ModelConfig
+from vtool.models.rope import apply_rope, inverse_frequencies
+
+# the state tensor's layout (a contract with the runtime)
+from vtool.runtime.artifact.draft_state import (FORCED, MAX_CACHE_LEN_CUDA, MAX_FORCED, MAX_STEPS,  # noqa: F401
+                                                NUM_FORCED, OUT, POSITION, STATE_LEN, STEP)
+
+EXTEND_ENTRY = "draft_extend"
+STEP_ENTRY = "draft_step"
+
+
+def unsupported_reason(c: ModelConfig) -> str | None:
+    """Why this model's attention cannot run on the draft cache; None when it can."""
+    if c.sliding_window:
+        return "its layers attend over a sliding window"
+    if c.attn_logit_softcap:
+        return "its attention soft-caps the scores"
+    if c.rope_scaling and not c.model_rope:
+        return f"its rope scaling {c.rope_scaling.get('rope_type')!r} is applied only by the paged cache's kernels"
+    if c.rotary_dim and c.rotary_dim != c.head_dim and not c.model_rope:
+        return "it rotates part of each head"
+    return None
+
+
+# -- plain TIR kernels ---------------------------------------------------------------------------
+
+def write_kv_func(layers: int, cache_len: int, kv_heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
+    """write(k_cache, v_cache, k[s, kv_heads, D], v, base[1], layer): row base + i of `layer` takes
+    token i's key and value (in place)."""
+    L, C, H, D = layers, cache_len, kv_heads, head_dim
+
+    @T.prim_func(s_tir=True)
+    def write(kc_h: T.handle, vc_h: T.handle, k_h: T.handle, v_h: T.handle, base_h: T.handle, layer: T.int64):
+        T.func_attr({"tirx.noalias": True})
+        s = T.int64()
+        kc = T.match_buffer(kc_h, (L, C, H, D), dtype)
+        vc = T.match_buffer(vc_h, (L, C, H, D), dtype)
+        k = T.match_buffer(k_h, (s, H, D), dtype)
+        v = T.match_buffer(v_h, (s, H, D), dtype)
+        base = T.match_buffer(base_h, (1,), "int32")
+        for i, h, d in T.grid(s, H, D):
+            with T.sblock("draft_chain_write"):
+                vi, vh, vd = T.axis.remap("SSS", [i, h, d])
+                T.reads(k[vi, vh, vd], v[vi, vh, vd], base[0])
+                T.writes(kc[layer, 0:C, vh, vd], vc[layer, 0:C, vh, vd])
+                kc[layer, T.cast(base[0], "int64") + vi, vh, vd] = k[vi, vh, vd]
+                vc[layer, T.cast(base[0], "int64") + vi, vh, vd] = v[vi, vh, vd]
+
+    return write
+
+
+def attention_func(layers: int, cache_len: int, q_heads: int, kv_heads: int, head_dim: int,
+                   dtype: str) -> tirx.PrimFunc:
+    """attend(q[s, q_heads, D], k_cache, v_cache, base[1], layer, scale) -> o[s, q_heads, D]:
+    query i (at position base + i) over rows 0..base + i of `layer`, softmax in float32."""
+    L, C, HQ, HKV, D = layers, cache_len, q_heads, kv_heads, head_dim
+    group = HQ // HKV
+
+    @T.prim_func(s_tir=True)
+    def attend(q_h: T.handle, kc_h: T.handle, vc_h: T.handle, base_h: T.handle, layer: T.int64, scale: T.float32,
+               o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        s = T.int64()
+        q = T.match_buffer(q_h, (s, HQ, D), dtype)
+        kc = T.match_buffer(kc_h, (L, C, HKV, D), dtype)
+        vc = T.match_buffer(vc_h, (L, C, HKV, D), dtype)
+        base = T.match_buffer(base_h, (1,), "int32")
+        o = T.match_buffer(o_h, (s, HQ, D), dtype)
+        for i, h in T.grid(s, HQ):
+            with T.sblock("draft_chain_attention"):
+                vi, vh = T.axis.remap("SS", [i, h])
+                T.reads(q[vi, vh, 0:D], kc[layer, 0:C, vh // group, 0:D], vc[layer, 0:C, vh // group, 0:D], base[0])
+                T.writes(o[vi, vh, 0:D])
+                acc = T.sblock_alloc_buffer((D,), "float32")
+                st = T.sblock_alloc_buffer((3,), "float32")  # running max, running sum, score
+                for d in range(D):
+                    acc[d] = T.float32(0)
+                st[0] = T.float32(-3.0e38)
+                st[1] = T.float32(0)
+                for t in range(T.cast(base[0], "int64") + vi + 1):
+                    st[2] = T.float32(0)
+                    for d in range(D):
+                        st[2] = st[2] + T.cast(q[vi, vh, d], "float32") * T.cast(kc[layer, t, vh // group, d], "float32")
+                    st[2] = st[2] * scale
+                    m_new: T.let[T.float32] = T.max(st[0], st[2])
+                    rescale: T.let[T.float32] = T.exp(st[0] - m_new)
+                    p: T.let[T.float32] = T.exp(st[2] - m_new)
+                    st[1] = st[1] * rescale + p
+                    for d in range(D):
+                        acc[d] = acc[d] * rescale + p * T.cast(vc[layer, t, vh // group, d], "float32")
+                    st[0] = m_new
+                for d in range(D):
+                    o[vi, vh, d] = T.cast(acc[d] / st[1], dtype)
+
+    return attend
+
+
+def select_func() -> tirx.PrimFunc:
+    """select(state) -> (token[1], position[1]) of the step state[STEP] names."""
+
+    @T.prim_func(s_tir=True)
+    def select(state_h: T.handle, token_h: T.handle, pos_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        state = T.match_buffer(state_h, (STATE_LEN,), "int32")
+        token = T.match_buffer(token_h, (1,), "int32")
+        pos = T.match_buffer(pos_h, (1,), "int32")
+        with T.sblock("draft_chain_select"):
+            T.reads(state[0:STATE_LEN])
+            T.writes(token[0], pos[0])
+            j: T.let[T.int32] = state[STEP]
+            token[0] = T.if_then_else(j < state[NUM_FORCED], state[FORCED + T.min(j, MAX_FORCED - 1)],
+                                      state[OUT + T.max(j - 1, 0)])
+            pos[0] = state[POSITION] + j
+
+    return select
+
+
+def last_token_func() -> tirx.PrimFunc:
+    """last(state) -> [1]: the token the latest step drew (a fresh tensor: see last_token)."""
+
+    @T.prim_func(s_tir=True)
+    def last(state_h: T.handle, token_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        state = T.match_buffer(state_h, (STATE_LEN,), "int32")
+        token = T.match_buffer(token_h, (1,), "int32")
+        with T.sblock("draft_chain_last"):
+            T.reads(state[0:STATE_LEN])
+            T.writes(token[0])
+            token[0] = state[OUT + T.min(T.max(state[STEP] - 1, 0), MAX_STEPS - 1)]
+
+    return last
+
+
+def record_argmax_func(vocab: int) -> tirx.PrimFunc:
+    """record(state, logits[1, 1, V]): state[OUT + state[STEP]] = the argmax (the lowest index
+    among equal maxima, as numpy's), then state[STEP] += 1 (in place)."""
+    V = vocab
+
+    @T.prim_func(s_tir=True)
+    def record(state_h: T.handle, x_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        state = T.match_buffer(state_h, (STATE_LEN,), "int32")
+        x = T.match_buffer(x_h, (1, 1, V), "float32")
+        with T.sblock("draft_chain_argmax"):
+            T.reads(state[0:STATE_LEN], x[0, 0, 0:V])
+            T.writes(state[0:STATE_LEN])
+            best = T.sblock_alloc_buffer((1,), "float32")
+            at = T.sblock_alloc_buffer((1,), "int32")
+            best[0] = x[0, 0, 0]
+            at[0] = 0
+            for t in range(1, V):
+                if x[0, 0, t] > best[0]:
+                    best[0] = x[0, 0, t]
+                    at[0] = T.int32(t)
+            state[OUT + T.min(state[STEP], MAX_STEPS - 1)] = at[0]
+            state[STEP] = state[STEP] + 1
+
+    return record
+
+
+# -- the cache the decoder layers attend through -------------------------------------------------
+
+class ContiguousKV:
+    """What models/decoder.py's Attention asks of a KV cache (attention_with_fused_qkv,
+    get_query_positions), over the draft's contiguous cache for `num_tokens` tokens from the
+    position in `base` ([1] int32, on the device)."""
+
+    def __init__(self, c: ModelConfig, dtype: str, k_cache: Tensor, v_cache: Tensor, base: Tensor, num_tokens: int | tirx.PrimExpr):
+        self.config, self.dtype = c, dtype
+        self.k_cache, self.v_cache, self.base, self.num_tokens = k_cache, v_cache, base, num_tokens
+        layers, cache_len, kv_heads, head_dim = (int(x) for x in k_cache.shape)
+        self._write = write_kv_func(layers, cache_len, kv_heads, head_dim, dtype)
+        self._attend = attention_func(layers, cache_len, c.num_attention_heads, kv_heads, head_dim, dtype)
+        self._inv_freq = None if c.model_rope else inverse_frequencies(head_dim, c.rope_theta)
+        self._positions: Tensor | None = None
+
+    def get_query_positions(self, n: int | tirx.PrimExpr) -> Tensor:
+        if self._positions is None:
+            def positions(b: te.Tensor) -> te.Tensor:
+                return te.compute((n,), lambda i: b[0] + i.astype("int32"), name="draft_chain_positions")
+
+            self._positions = op.tensor_expr_op(positions, name_hint="draft_chain_positions", args=[self.base])
+        return self._positions
+
+    def attention_with_fused_qkv(self, layer_id: int, qkv: Tensor, num_qo_heads: int, sm_scale: float) -> Tensor:
+        b, s, heads, d = qkv.shape
+        hkv = (heads - num_qo_heads) // 2
+        flat = op.reshape(qkv, (b * s, heads, d))
+        q, k, v = op.split(flat, [num_qo_heads, num_qo_heads + hkv], axis=1)
+        if self._inv_freq is not None:  # the paged cache's RopeMode.NORMAL, done here
+            positions = self.get_query_positions(b * s)
+            q = apply_rope(q, positions, self._inv_freq)
+            k = apply_rope(k, positions, self._inv_freq)
+        layer = tirx.IntImm("int64", layer_id)
+        self.k_cache, self.v_cache = op.tensor_ir_inplace_op(
+            self._write, "draft_chain_write", [self.k_cache, self.v_cache, k, v, self.base, layer], [0, 1],
+            [Tensor.placeholder(self.k_cache.shape, self.dtype), Tensor.placeholder(self.v_cache.shape, self.dtype)])
+        o = op.tensor_ir_op(self._attend, "draft_chain_attention",
+                            [q, self.k_cache, self.v_cache, self.base, layer, tirx.FloatImm("float32", sm_scale)],
+                            Tensor.placeholder((b * s, num_qo_heads, d), self.dtype))
+        return op.reshape(o, (b, s, num_qo_heads, d))
+
+
+def select(state: Tensor) -> tuple[Tensor, Tensor]:
+    token, pos = op.tensor_ir_op(select_func(), "draft_chain_select", [state],
+                                 [Tensor.placeholder((1,), "int32"), Tensor.placeholder((1,), "int32")])
+    return token, pos
+
+
+def record_argmax(state: Tensor, logits: Tensor) -> Tensor:
+    return op.tensor_ir_inplace_op(record_argmax_func(int(logits.shape[-1])), "draft_chain_argmax", [state, logits],
+                                   0, Tensor.placeholder((STATE_LEN,), "int32"))
+
+
+def last_token(state: Tensor) -> Tensor:
+    """The step's result as a new tensor. draft_step returns this rather than `state` itself: in
+    TVM 0.27 a CUDA-graph region whose last value is the function's return value is lifted without
+    exporting it (the VM codegen then fails on an undefined variable), so the graph must end
+    before one more kernel whose output is the function's own (outside the graph)."""
+    return op.tensor_ir_op(last_token_func(), "draft_chain_last", [state], Tensor.placeholder((1,), "int32"))
+
+
+def cache_spec(c: ModelConfig, dtype: str, cache_len: int) -> nn.spec.Tensor:
+    return nn.spec.Tensor([c.num_hidden_layers, cache_len, c.num_key_value_heads, c.head_dim], dtype)
+
+
+def entry_specs(c: ModelConfig, dtype: str, cache_len: int) -> dict:
+    """The two entry points' specs (models/decoder.py adds them when the build asks)."""
+    packed = {"param_mode": "packed", "effect_mode": "none"}
+    cache = {"k_cache": cache_spec(c, dtype, cache_len), "v_cache": cache_spec(c, dtype, cache_len)}
+    return {
+        EXTEND_ENTRY: {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "position": nn.spec.Tensor([1], "int32"),
+                       **cache, "$": packed},
+        STEP_ENTRY: {"state": nn.spec.Tensor([STATE_LEN], "int32"), **cache, "$": packed},
+    }

@@ -1,0 +1,16 @@
+"""The draft cache's state tensor (`vtool build --draft-cache-len`): the contract between the compiled
+draft_step (models/draft_chain.py, schedules/cuda/draft_chain.py) and the runtime that fills and
+reads it (runtime/engine/draft_chain.py). int32 slots:
+
+    POSITION    the position of the round's first fed token
+    NUM_FORCED  how many tokens the round feeds before drafting on its own (1..MAX_FORCED)
+    STEP        the next step's index j (the runtime writes 0; each step adds 1)
+    FORCED..    the fed tokens
+    OUT + j     the greedy token step j drew
+"""
+POSITION, NUM_FORCED, STEP, FORCED = 0, 1, 2, 3
+MAX_FORCED = 2  # a round feeds at most the target's last token and the draft the cache lacks
+OUT = 8
+MAX_STEPS = 24  # steps a round may run (its drafts plus MAX_FORCED - 1)
+STATE_LEN = OUT + MAX_STEPS
+MAX_CACHE_LEN_CUDA = 8192  # the CUDA attention keeps one score per position in shared memory

@@ -1,0 +1,174 @@
+"""The draft cache (`vtool build --draft-cache-len`): draft_extend / draft_step (models/draft_chain.py)
+and the runtime's DraftChain (runtime/engine/draft_chain.py), on a CPU build.
+
+The oracle is the same library's own paged-cache greedy decode (Generator), itself checked against
+transformers elsewhere: the chain's drafts must be the greedy continuation of whatever tokens a
+round hands it, whatever it held from earlier rounds. The CUDA forms of the kernels are checked on
+a GPU by tests/test_gpu_draft_chain.py."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from vtool import VtoolError
+from vtool.runtime.engine.draft_chain import DraftChain, has_draft_chain
+from vtool.runtime.engine.engine import Engine, EngineConfig
+from vtool.runtime.engine.generate import Generator
+from vtool.runtime.engine.spec_config import parse_speculative_config
+from vtool.runtime.sampling.params import SamplingParams
+from vtool.runtime.session import open_session
+from vtool.runtime.weights.checkpoint import open_checkpoint
+
+CACHE_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def chain_artifact(tiny_model_dir):
+    from vtool.toolchain.build import build_artifact
+
+    return build_artifact(tiny_model_dir, "host", draft_cache_len=CACHE_LEN)
+
+
+@pytest.fixture(scope="module")
+def chain_session(tiny_model_dir, chain_artifact):
+    return open_session(chain_artifact, open_checkpoint(tiny_model_dir), max_model_len=256)
+
+
+def greedy(session, ids: list[int], n: int) -> list[int]:
+    """The library's own greedy continuation through the paged cache (Generator)."""
+    gen = Generator(session.model, 256)
+    return list(gen.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)).token_ids)
+
+
+def test_the_build_records_the_draft_cache(chain_session, tiny_session):
+    m = chain_session.model
+    assert has_draft_chain(m) and not has_draft_chain(tiny_session.model)
+    info = m.manifest["draft_chain"]
+    cfg = m.manifest["config"]
+    assert info["cache_len"] == CACHE_LEN == m.manifest["build"]["plan"]["draft_cache_len"]
+    assert info["cache_shape"] == [cfg["num_hidden_layers"], CACHE_LEN, cfg["num_key_value_heads"],
+                                   cfg["hidden_size"] // cfg["num_attention_heads"]]
+    assert {"draft_extend", "draft_step"} <= set(m.manifest["entry_points"])
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), prompt=st.lists(st.integers(1, 400), min_size=1, max_size=30), k=st.integers(1, 8))
+def test_drafts_are_the_greedy_continuation_round_after_round(chain_session, data, prompt, k):
+    """Rounds as verification leaves them: some drafts kept, then another token (the target's),
+    or a request that starts over; each round's drafts equal the paged cache's greedy tokens."""
+    chain = DraftChain(chain_session.model)
+    ids, request = list(prompt), "a"
+    for _ in range(4):
+        if len(ids) + k > CACHE_LEN:
+            break
+        drafts = chain.propose(request, ids, k)
+        assert drafts == greedy(chain_session, ids, k), (ids, k)
+        kept = data.draw(st.integers(0, k), label="kept")
+        ids = ids + drafts[:kept] + [data.draw(st.integers(1, 400), label="next")]
+        if data.draw(st.booleans(), label="another request"):
+            request = request + "'"
+            ids = ids[:data.draw(st.integers(1, len(ids)), label="its common prefix")]
+
+
+def test_a_round_past_the_cache_or_the_steps_is_refused_by_name(chain_session):
+    chain = DraftChain(chain_session.model)
+    assert not chain.fits(CACHE_LEN, 1) and chain.fits(CACHE_LEN - 1, 1)
+    assert not chain.fits(10, chain.max_steps) and not chain.fits(10, 0)
+    with pytest.raises(ValueError, match="cannot take"):
+        chain.propose("a", [1] * CACHE_LEN, 2)
+
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n", "Hi"]
+
+
+def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return out
+
+
+def test_a_draft_with_the_cache_drafts_through_it_alone_and_changes_nothing(chain_session, tiny_session,
+                                                                             tiny_model_dir, chain_artifact):
+    """The tiny model as its own draft, built with the cache: a greedy request alone drafts through
+    it (and keeps every draft); three at once take the engine's way; the tokens never change."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [tiny_session.tokenizer.encode(p) for p in PROMPTS]
+    baseline = run(Engine(tiny_session, EngineConfig()), prompts, params)
+    config = parse_speculative_config({"model": str(tiny_model_dir), "num_speculative_tokens": 4})
+    engine = Engine(tiny_session, EngineConfig(speculative=config.resolved(str(chain_artifact), str(tiny_model_dir))))
+    draft = engine.speculator.proposer
+    assert draft.chain is not None
+    assert run(engine, prompts, params) == baseline  # three at once: the paged draft cache
+    assert draft.chain_rounds == 0
+    for i, ids in enumerate(prompts):  # one at a time: the chain
+        assert run(engine, [ids], params) == {"r0": baseline[f"r{i}"]}
+    assert draft.chain_rounds > 0
+    s = engine.stats()
+    assert s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"] > 0
+    assert draft.chain.owner is None  # released with its request
+    assert engine.kv.in_sync() and engine.kv_usage() == 0.0
+    # a sampled request alone needs the draft's probabilities: the engine's way
+    rounds = draft.chain_rounds
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
+    run(engine, [prompts[0]], sampled)
+    assert draft.chain_rounds == rounds
+
+
+@pytest.mark.parametrize("shape, says", [
+    ("gpt2-learned-pos", "no draft entry points"),
+    ("mistral-window", "sliding window"),
+    ("gemma2-softcap", "sliding window|soft-caps"),
+])
+def test_models_the_cache_cannot_serve_are_refused_by_name(tiny_shape_dir, shape, says):
+    from vtool.toolchain.plan import BuildOptions, resolve_plan
+
+    with pytest.raises(VtoolError, match=says):
+        resolve_plan(open_checkpoint(tiny_shape_dir(shape)), "host", BuildOptions(draft_cache_len=64), tools=False)
+
+
+def test_sizes_and_targets(tiny_model_dir):
+    from vtool.toolchain.plan import DRAFT_CACHE_AUTO, BuildOptions, resolve_plan
+
+    ckpt = open_checkpoint(tiny_model_dir)
+    with pytest.raises(VtoolError, match="at least 16"):
+        resolve_plan(ckpt, "host", BuildOptions(draft_cache_len=8), tools=False)
+    with pytest.raises(VtoolError, match="at most 8192"):
+        resolve_plan(ckpt, "sm_90a", BuildOptions(draft_cache_len=10000), tools=False)
+    # what a draft model built for --speculative-config asks: a cache on CUDA, none on the CPU
+    assert resolve_plan(ckpt, "host", BuildOptions(draft_cache_len=DRAFT_CACHE_AUTO), tools=False).draft_cache_len == 0
+    limit = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    assert resolve_plan(ckpt, "sm_90a", BuildOptions(draft_cache_len=DRAFT_CACHE_AUTO),
+                        tools=False).draft_cache_len == min(4096, limit)
+    # the option changes the library, so the cache key
+    a = resolve_plan(ckpt, "host", BuildOptions(), tools=False).as_dict()
+    b = resolve_plan(ckpt, "host", BuildOptions(draft_cache_len=64), tools=False).as_dict()
+    assert "draft_cache_len" not in a and b["draft_cache_len"] == 64
+
+
+def test_the_cuda_attention_refuses_what_it_cannot_lay_out():
+    from vtool.schedules.cuda.draft_chain import attention_gpu
+
+    with pytest.raises(ValueError, match="8192 positions"):
+        attention_gpu(2, 9000, 4, 2, 64, "float16")
+    with pytest.raises(ValueError, match="head dim"):
+        attention_gpu(2, 128, 4, 2, 96, "float16")
+
+
+@pytest.mark.slow
+def test_a_cuda_build_has_the_draft_entries(tiny_model_dir, tmp_path):
+    """Compiled for sm_90a here (no GPU): the scheduled kernels go through nvcc."""
+    from vtool.toolchain.build import build_artifact
+
+    art = build_artifact(tiny_model_dir, "sm_90a", "float16", output=tmp_path / "art", draft_cache_len=128)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["draft_chain"]["cache_len"] == 128
+    assert {"draft_extend", "draft_step"} <= set(manifest["entry_points"])
+    assert manifest["build"]["cuda"]["embedded"]["sass"]
+    assert "vtool.DraftChain" in manifest["build"]["pipeline"]["schedules"]["default_rules"]
