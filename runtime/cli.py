@@ -80,13 +80,11 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
 
 
 def artifact_for(model_path: Path, artifact: str | None, target: str, dtype: str,
-                 quantization: str = "auto", activations: str = "auto", hf_overrides: str | None = None,
-                 draft: bool = False) -> Path:
+                 quantization: str = "auto", activations: str = "auto", hf_overrides: str | None = None) -> Path:
     """The prebuilt artifact when given (a folder, or a release archive verified and unpacked
     into the cache; nothing is compiled, so no compiler is needed), else the cached or fresh
     build when this install has the compiler. hf_overrides: --hf-overrides (a prebuilt
-    artifact carries its own: given again, they must be the same). draft: the build is a
-    speculative draft model's (it gets the draft cache where it can have one)."""
+    artifact carries its own: given again, they must be the same)."""
     from vtool.runtime.weights.hf_overrides import parse_hf_overrides
 
     overrides = parse_hf_overrides(hf_overrides)  # refused by name before any build or model load
@@ -104,7 +102,7 @@ def artifact_for(model_path: Path, artifact: str | None, target: str, dtype: str
         raise VtoolError("this vtool is the runtime only (no compiler): pass --artifact with a folder made by "
                          "`vtool build` or an archive made by `vtool dist archive`")
     return _builder(model_path, target, dtype, quantization=quantization, activations=activations,
-                    hf_overrides=hf_overrides or "", **({"draft": True} if draft else {}))
+                    hf_overrides=hf_overrides or "")
 
 
 # --- options shared with the compiler's commands ----------------------------------------------------
@@ -193,8 +191,7 @@ def _speculative(raw: str | None, target: str, dtype: str) -> Any:
 
     config = parse_speculative_config(raw)
     build = None if _builder is None else \
-        (lambda path, draft_dtype, quantization: artifact_for(path, None, target, draft_dtype, quantization,
-                                                               draft=True))
+        (lambda path, draft_dtype, quantization: artifact_for(path, None, target, draft_dtype, quantization))
     return with_draft_built(config, dtype, build)
 
 

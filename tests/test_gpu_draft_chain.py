@@ -55,18 +55,18 @@ def test_the_chain_drafts_the_greedy_continuation_on_the_gpu(shape, dtype, tmp_p
     from vtool.runtime.engine.draft_chain import DraftChain
     from vtool.runtime.engine.generate import Generator
     from vtool.runtime.sampling.params import SamplingParams
-    from vtool.runtime.session import open_session
+    from vtool.runtime.artifact.library import CompiledModel
     from vtool.runtime.weights.checkpoint import open_checkpoint
 
     model_dir, artifact = case_paths(shape, dtype, tmp_path_factory)
-    session = open_session(artifact, open_checkpoint(model_dir), max_model_len=CACHE_LEN)
-    assert session.model.on_gpu
-    gen = Generator(session.model, CACHE_LEN)
+    model = CompiledModel(artifact, open_checkpoint(model_dir))  # (a tiny random model: no tokenizer)
+    assert model.on_gpu
+    gen = Generator(model, CACHE_LEN)
 
     def greedy(ids: list[int], n: int) -> list[int]:
         return list(gen.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)).token_ids)
 
-    chain = DraftChain(session.model)
+    chain = DraftChain(model)
     rng = np.random.default_rng(7)
     same = total = 0
     for prompt_len, k in ((1, 3), (2, 5), (37, 4), (120, 8)):

@@ -11,7 +11,6 @@ from vtool.runtime.engine.engine import EngineConfig
 from vtool.runtime.engine.offline import OfflineLLM
 from vtool.runtime.engine.spec_config import parse_speculative_config
 from vtool.runtime.session import open_session, with_draft_built
-from vtool.toolchain.plan import DRAFT_CACHE_AUTO
 from vtool.toolchain.build import build_artifact
 
 
@@ -32,6 +31,5 @@ class LLM(OfflineLLM):
             engine_kwargs["speculative"] = with_draft_built(
                 parse_speculative_config(speculative_config), dtype,
                 lambda draft, draft_dtype, quantization: build_artifact(draft, target, draft_dtype,
-                                                                        quantization=quantization,
-                                                                        draft_cache_len=DRAFT_CACHE_AUTO))
+                                                                        quantization=quantization))
         super().__init__(session, EngineConfig(**engine_kwargs))

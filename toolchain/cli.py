@@ -12,7 +12,6 @@ import click
 from vtool.runtime.cli import (activations_option, console, hf_overrides_option, main, model_options, out,
                                quantization_option, register_builder, resolve_model)
 from vtool.toolchain.dist_cli import dist
-from vtool.toolchain.plan import DRAFT_CACHE_AUTO
 
 
 def build_with_progress(model_path: Path, target: str, dtype: str, output: str | None = None,
@@ -42,9 +41,9 @@ def build_with_progress(model_path: Path, target: str, dtype: str, output: str |
 
 
 def _builder(model_path: Path, target: str, dtype: str, *, quantization: str = "auto",
-             activations: str = "auto", hf_overrides: str = "", draft: bool = False) -> Path:
+             activations: str = "auto", hf_overrides: str = "") -> Path:
     return build_with_progress(model_path, target, dtype, quantization=quantization, activations=activations,
-                               hf_overrides=hf_overrides, draft_cache_len=DRAFT_CACHE_AUTO if draft else 0)
+                               hf_overrides=hf_overrides)
 
 
 register_builder(_builder)

@@ -73,11 +73,6 @@ _COMPILER_SOURCES = ("models", "schedules", "targets", "toolchain/pipeline.py", 
 Notice = Callable[[str], None]
 
 
-# --draft-cache-len: what a draft model built for --speculative-config asks (resolve_draft_cache_len)
-DRAFT_CACHE_AUTO = -1
-DEFAULT_DRAFT_CACHE_LEN = 4096
-
-
 @dataclasses.dataclass(frozen=True)
 class BuildOptions:
     """What the user asked for (the CLI's flags, the API's arguments); "auto" lets the plan choose."""
@@ -312,18 +307,12 @@ def resolve_plan(checkpoint: Checkpoint, target: str | TargetSpec, options: Buil
 
 def resolve_draft_cache_len(requested: int, cfg: ModelConfig, target_spec: TargetSpec) -> int:
     """--draft-cache-len: 0, or the positions of the draft cache (models/draft_chain.py) when this
-    model and target can have one; what cannot work is refused by name. DRAFT_CACHE_AUTO (a draft
-    model built for --speculative-config): a cache of DEFAULT_DRAFT_CACHE_LEN positions on CUDA
-    targets where the model can have one, else none (on the CPU the engine's way is as fast:
-    its steps are its kernels)."""
+    model and target can have one; what cannot work is refused by name. Never on by itself: a draft
+    model built for --speculative-config gets none, as measured on an H100 (session 36,
+    docs/BENCHMARKS.md) the step through it is still slower than the engine's draft step."""
     from vtool.models.draft_chain import MAX_CACHE_LEN_CUDA, unsupported_reason
     from vtool.models.registry import model_family
 
-    if requested == DRAFT_CACHE_AUTO:
-        family = model_family(cfg.architecture)
-        usable = (family_of(target_spec).name == "cuda" and family.task == "generate" and family.name != "gpt2"
-                  and unsupported_reason(cfg) is None)
-        return min(DEFAULT_DRAFT_CACHE_LEN, cfg.max_position_embeddings) if usable else 0
     if not requested:
         return 0
     if requested < 16:

@@ -12,9 +12,10 @@ distribution after the request's temperature, top-k, top-p and min-p, which veri
 needs (sampling/spec_verify.py). When the draft's cache is full the least recently used
 sequences leave it; a request that still does not fit gets no drafts that step.
 
-A draft library built with `--draft-cache-len` has a faster way for the common case, one greedy
+A draft library built with `--draft-cache-len` has another way for the common case, one greedy
 request alone: runtime/engine/draft_chain.py drafts its k tokens through the library's own cache,
-with no host work between them (on CUDA one graph launch a token). Other rounds take the engine's
+with no host work between them (on CUDA one graph launch a token; measured on an H100 not yet
+faster than the engine's way: docs/BENCHMARKS.md, session 36). Other rounds take the engine's
 way above; the two caches are kept apart, each in step with the requests it served.
 """
 from __future__ import annotations
