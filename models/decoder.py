@@ -374,8 +374,9 @@ class DecoderForCausalLM(nn.Module):
                 "$": {"param_mode": "none", "effect_mode": "none"},
             },
         }
-        if self.draft_cache_len:
-            spec.update(draft_chain.entry_specs(self.config, dt, self.draft_cache_len))
+        draft_cache_len = getattr(self, "draft_cache_len", 0)  # (GPT-2 borrows this method and has none)
+        if draft_cache_len:
+            spec.update(draft_chain.entry_specs(self.config, dt, draft_cache_len))
         if frees_window(self.config, getattr(self, "target", None)):
             spec[SLIDING_CACHE_ENTRY] = {
                 "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int, "page_size": int,

@@ -310,11 +310,12 @@ def resolve_draft_cache_len(requested: int, cfg: ModelConfig, target_spec: Targe
     model and target can have one; what cannot work is refused by name. Never on by itself: a draft
     model built for --speculative-config gets none, as measured on an H100 (session 36,
     docs/BENCHMARKS.md) the step through it is still slower than the engine's draft step."""
+    if not requested:
+        return 0
+    # only now: the model rooms import TVM, which a `vtool run` finding its build cached never loads
     from vtool.models.draft_chain import MAX_CACHE_LEN_CUDA, unsupported_reason
     from vtool.models.registry import model_family
 
-    if not requested:
-        return 0
     if requested < 16:
         raise VtoolError(f"--draft-cache-len {requested}: give the positions a draft sequence may reach "
                          "(prompt and output, at least 16), or 0 for none")
