@@ -66,8 +66,8 @@ class DraftModelProposer:
         self.runner = ModelRunner(self.model, self.kv, device_sampling=True, continuations=True)
         # Off until it measures faster on a GPU: in session 9 a device draw for the draft's
         # greedy tokens ran 0.77-0.91x against copying the row and scanning it on the host
-        # (the compiled argmax also computes the row's log-sum-exp in float64); the bench
-        # tests/bench/spec_ngram_artifact.py runs both ("-devargmax").
+        # (the compiled argmax also computes the row's log-sum-exp in float64); set it by hand
+        # to measure again (the bench's variants now compare the draft cache with this path).
         self.argmax_on_device = False
         self._seqs: OrderedDict[str, _DraftSequence] = OrderedDict()  # least recently used first
         self._next_id = 0
