@@ -25,6 +25,7 @@ inside its kernels); configurations whose attention this cannot reproduce are re
 """
 from __future__ import annotations
 
+import numpy as np
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
@@ -34,8 +35,8 @@ from vtool.models.config import ModelConfig
 from vtool.models.rope import apply_rope, inverse_frequencies
 
 # the state tensor's layout (a contract with the runtime)
-from vtool.runtime.artifact.draft_state import (FORCED, MAX_CACHE_LEN_CUDA, MAX_FORCED, MAX_STEPS,  # noqa: F401
-                                                NUM_FORCED, OUT, POSITION, STATE_LEN, STEP)
+from vtool.runtime.artifact.draft_state import (FORCED, MAX_FORCED, MAX_STEPS, NUM_FORCED, OUT,  # noqa: F401
+                                                PART_ACC, PART_MAX, PART_SUM, POSITION, SPLITS, STATE_LEN, STEP)
 
 EXTEND_ENTRY = "draft_extend"
 STEP_ENTRY = "draft_step"
@@ -56,75 +57,121 @@ def unsupported_reason(c: ModelConfig) -> str | None:
 
 # -- plain TIR kernels ---------------------------------------------------------------------------
 
-def write_kv_func(layers: int, cache_len: int, kv_heads: int, head_dim: int, dtype: str) -> tirx.PrimFunc:
-    """write(k_cache, v_cache, k[s, kv_heads, D], v, base[1], layer): row base + i of `layer` takes
-    token i's key and value (in place)."""
-    L, C, H, D = layers, cache_len, kv_heads, head_dim
+def write_kv_func(layers: int, cache_len: int, kv_heads: int, head_dim: int, q_heads: int, dtype: str) -> tirx.PrimFunc:
+    """write(k_cache, v_cache, qkv[s, q_heads + 2 kv_heads, D], inv_freq[D / 2], base[1], layer): row
+    base + i of `layer` takes token i's key, rotated to position base + i as models/rope.py's
+    apply_rope rotates (all zeros in inv_freq: the key as it is, for models that rotate their own),
+    and its value, both read from the fused q|k|v (in place)."""
+    L, C, H, D, HQ = layers, cache_len, kv_heads, head_dim, q_heads
+    HALF = D // 2
 
     @T.prim_func(s_tir=True)
-    def write(kc_h: T.handle, vc_h: T.handle, k_h: T.handle, v_h: T.handle, base_h: T.handle, layer: T.int64):
+    def write(kc_h: T.handle, vc_h: T.handle, qkv_h: T.handle, freq_h: T.handle, base_h: T.handle, layer: T.int64):
         T.func_attr({"tirx.noalias": True})
         s = T.int64()
         kc = T.match_buffer(kc_h, (L, C, H, D), dtype)
         vc = T.match_buffer(vc_h, (L, C, H, D), dtype)
-        k = T.match_buffer(k_h, (s, H, D), dtype)
-        v = T.match_buffer(v_h, (s, H, D), dtype)
+        qkv = T.match_buffer(qkv_h, (s, HQ + 2 * H, D), dtype)
+        freq = T.match_buffer(freq_h, (HALF,), "float32")
         base = T.match_buffer(base_h, (1,), "int32")
         for i, h, d in T.grid(s, H, D):
             with T.sblock("draft_chain_write"):
                 vi, vh, vd = T.axis.remap("SSS", [i, h, d])
-                T.reads(k[vi, vh, vd], v[vi, vh, vd], base[0])
+                T.reads(qkv[vi, HQ + vh, 0:D], qkv[vi, HQ + H + vh, vd], freq[0:HALF], base[0])
                 T.writes(kc[layer, 0:C, vh, vd], vc[layer, 0:C, vh, vd])
-                kc[layer, T.cast(base[0], "int64") + vi, vh, vd] = k[vi, vh, vd]
-                vc[layer, T.cast(base[0], "int64") + vi, vh, vd] = v[vi, vh, vd]
+                angle: T.let[T.float32] = T.cast(base[0] + T.cast(vi, "int32"), "float32") * freq[vd % HALF]
+                other: T.let[T.float32] = T.if_then_else(vd < HALF, -T.cast(qkv[vi, HQ + vh, vd + HALF], "float32"),
+                                                         T.cast(qkv[vi, HQ + vh, vd - HALF], "float32"))
+                kc[layer, T.cast(base[0], "int64") + vi, vh, vd] = T.cast(
+                    T.cast(qkv[vi, HQ + vh, vd], "float32") * T.cos(angle) + other * T.sin(angle), dtype)
+                vc[layer, T.cast(base[0], "int64") + vi, vh, vd] = qkv[vi, HQ + H + vh, vd]
 
     return write
 
 
-def attention_func(layers: int, cache_len: int, q_heads: int, kv_heads: int, head_dim: int,
-                   dtype: str) -> tirx.PrimFunc:
-    """attend(q[s, q_heads, D], k_cache, v_cache, base[1], layer, scale) -> o[s, q_heads, D]:
-    query i (at position base + i) over rows 0..base + i of `layer`, softmax in float32."""
-    L, C, HQ, HKV, D = layers, cache_len, q_heads, kv_heads, head_dim
+def attention_part_func(layers: int, cache_len: int, q_heads: int, kv_heads: int, head_dim: int, dtype: str,
+                        splits: int = SPLITS) -> tirx.PrimFunc:
+    """attend_part(q[s, q_heads, D], k_cache, v_cache, base[1], layer, scale) -> part[s, q_heads, splits, 2 + D]:
+    query i (at position base + i) attends over rows 0..base + i of `layer` in `splits` pieces; piece p
+    keeps its softmax state (max score, sum of exp(score - max), the weighted sum of values; float32,
+    natural log units; an empty piece: max -3e38, sum 0). attention_merge_func joins the pieces."""
+    L, C, HQ, HKV, D, P = layers, cache_len, q_heads, kv_heads, head_dim, splits
     group = HQ // HKV
 
     @T.prim_func(s_tir=True)
-    def attend(q_h: T.handle, kc_h: T.handle, vc_h: T.handle, base_h: T.handle, layer: T.int64, scale: T.float32,
-               o_h: T.handle):
+    def attend_part(q_h: T.handle, kc_h: T.handle, vc_h: T.handle, base_h: T.handle, layer: T.int64,
+                    scale: T.float32, part_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         s = T.int64()
         q = T.match_buffer(q_h, (s, HQ, D), dtype)
         kc = T.match_buffer(kc_h, (L, C, HKV, D), dtype)
         vc = T.match_buffer(vc_h, (L, C, HKV, D), dtype)
         base = T.match_buffer(base_h, (1,), "int32")
-        o = T.match_buffer(o_h, (s, HQ, D), dtype)
-        for i, h in T.grid(s, HQ):
-            with T.sblock("draft_chain_attention"):
-                vi, vh = T.axis.remap("SS", [i, h])
+        part = T.match_buffer(part_h, (s, HQ, P, PART_ACC + D), "float32")
+        for i, h, p in T.grid(s, HQ, P):
+            with T.sblock("draft_chain_attention_part"):
+                vi, vh, vp = T.axis.remap("SSS", [i, h, p])
                 T.reads(q[vi, vh, 0:D], kc[layer, 0:C, vh // group, 0:D], vc[layer, 0:C, vh // group, 0:D], base[0])
-                T.writes(o[vi, vh, 0:D])
+                T.writes(part[vi, vh, vp, 0:PART_ACC + D])
                 acc = T.sblock_alloc_buffer((D,), "float32")
                 st = T.sblock_alloc_buffer((3,), "float32")  # running max, running sum, score
+                n: T.let[T.int64] = T.cast(base[0], "int64") + vi + 1
+                chunk: T.let[T.int64] = T.ceildiv(n, P)
+                start: T.let[T.int64] = vp * chunk
                 for d in range(D):
                     acc[d] = T.float32(0)
                 st[0] = T.float32(-3.0e38)
                 st[1] = T.float32(0)
-                for t in range(T.cast(base[0], "int64") + vi + 1):
+                for t in range(start, T.max(T.min(start + chunk, n), start)):
                     st[2] = T.float32(0)
                     for d in range(D):
                         st[2] = st[2] + T.cast(q[vi, vh, d], "float32") * T.cast(kc[layer, t, vh // group, d], "float32")
                     st[2] = st[2] * scale
                     m_new: T.let[T.float32] = T.max(st[0], st[2])
                     rescale: T.let[T.float32] = T.exp(st[0] - m_new)
-                    p: T.let[T.float32] = T.exp(st[2] - m_new)
-                    st[1] = st[1] * rescale + p
+                    w: T.let[T.float32] = T.exp(st[2] - m_new)
+                    st[1] = st[1] * rescale + w
                     for d in range(D):
-                        acc[d] = acc[d] * rescale + p * T.cast(vc[layer, t, vh // group, d], "float32")
+                        acc[d] = acc[d] * rescale + w * T.cast(vc[layer, t, vh // group, d], "float32")
                     st[0] = m_new
+                part[vi, vh, vp, PART_MAX] = st[0]
+                part[vi, vh, vp, PART_SUM] = st[1]
                 for d in range(D):
-                    o[vi, vh, d] = T.cast(acc[d] / st[1], dtype)
+                    part[vi, vh, vp, PART_ACC + d] = acc[d]
 
-    return attend
+    return attend_part
+
+
+def attention_merge_func(q_heads: int, head_dim: int, dtype: str, splits: int = SPLITS) -> tirx.PrimFunc:
+    """attend_merge(part[s, q_heads, splits, 2 + D]) -> o[s, q_heads, D]: the pieces' softmax states
+    joined (piece 0 is never empty, so the joint max is a real score's)."""
+    HQ, D, P = q_heads, head_dim, splits
+
+    @T.prim_func(s_tir=True)
+    def attend_merge(part_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        s = T.int64()
+        part = T.match_buffer(part_h, (s, HQ, P, PART_ACC + D), "float32")
+        o = T.match_buffer(o_h, (s, HQ, D), dtype)
+        for i, h in T.grid(s, HQ):
+            with T.sblock("draft_chain_attention_merge"):
+                vi, vh = T.axis.remap("SS", [i, h])
+                T.reads(part[vi, vh, 0:P, 0:PART_ACC + D])
+                T.writes(o[vi, vh, 0:D])
+                st = T.sblock_alloc_buffer((3,), "float32")  # joint max, joint sum, acc
+                st[0] = T.float32(-3.0e38)
+                for p in range(P):
+                    st[0] = T.max(st[0], part[vi, vh, p, PART_MAX])
+                for d in range(D):
+                    st[1] = T.float32(0)
+                    st[2] = T.float32(0)
+                    for p in range(P):
+                        w: T.let[T.float32] = T.exp(part[vi, vh, p, PART_MAX] - st[0])
+                        st[1] = st[1] + part[vi, vh, p, PART_SUM] * w
+                        st[2] = st[2] + part[vi, vh, p, PART_ACC + d] * w
+                    o[vi, vh, d] = T.cast(st[2] / st[1], dtype)
+
+    return attend_merge
 
 
 def select_func() -> tirx.PrimFunc:
@@ -201,10 +248,12 @@ class ContiguousKV:
         self.config, self.dtype = c, dtype
         self.k_cache, self.v_cache, self.base, self.num_tokens = k_cache, v_cache, base, num_tokens
         layers, cache_len, kv_heads, head_dim = (int(x) for x in k_cache.shape)
-        self._write = write_kv_func(layers, cache_len, kv_heads, head_dim, dtype)
-        self._attend = attention_func(layers, cache_len, c.num_attention_heads, kv_heads, head_dim, dtype)
+        self._write = write_kv_func(layers, cache_len, kv_heads, head_dim, c.num_attention_heads, dtype)
+        self._attend_part = attention_part_func(layers, cache_len, c.num_attention_heads, kv_heads, head_dim, dtype)
+        self._attend_merge = attention_merge_func(c.num_attention_heads, head_dim, dtype)
         self._inv_freq = None if c.model_rope else inverse_frequencies(head_dim, c.rope_theta)
         self._positions: Tensor | None = None
+        self._freq: Tensor | None = None
 
     def get_query_positions(self, n: int | tirx.PrimExpr) -> Tensor:
         if self._positions is None:
@@ -216,19 +265,24 @@ class ContiguousKV:
 
     def attention_with_fused_qkv(self, layer_id: int, qkv: Tensor, num_qo_heads: int, sm_scale: float) -> Tensor:
         b, s, heads, d = qkv.shape
-        hkv = (heads - num_qo_heads) // 2
         flat = op.reshape(qkv, (b * s, heads, d))
-        q, k, v = op.split(flat, [num_qo_heads, num_qo_heads + hkv], axis=1)
+        # the queries rotated and the keys rotated into the cache straight from q|k|v: no split kernels
         if self._inv_freq is not None:  # the paged cache's RopeMode.NORMAL, done here
-            positions = self.get_query_positions(b * s)
-            q = apply_rope(q, positions, self._inv_freq)
-            k = apply_rope(k, positions, self._inv_freq)
+            q = apply_rope(flat, self.get_query_positions(b * s), self._inv_freq, heads=(0, num_qo_heads))
+        else:  # the model rotated q and k itself
+            q = op.split(flat, [num_qo_heads], axis=1)[0]
+        if self._freq is None:
+            self._freq = Tensor.from_const(self._inv_freq if self._inv_freq is not None
+                                           else np.zeros(int(d) // 2, np.float32))
+        freq = self._freq
         layer = tirx.IntImm("int64", layer_id)
         self.k_cache, self.v_cache = op.tensor_ir_inplace_op(
-            self._write, "draft_chain_write", [self.k_cache, self.v_cache, k, v, self.base, layer], [0, 1],
+            self._write, "draft_chain_write", [self.k_cache, self.v_cache, flat, freq, self.base, layer], [0, 1],
             [Tensor.placeholder(self.k_cache.shape, self.dtype), Tensor.placeholder(self.v_cache.shape, self.dtype)])
-        o = op.tensor_ir_op(self._attend, "draft_chain_attention",
-                            [q, self.k_cache, self.v_cache, self.base, layer, tirx.FloatImm("float32", sm_scale)],
+        part = op.tensor_ir_op(self._attend_part, "draft_chain_attention_part",
+                               [q, self.k_cache, self.v_cache, self.base, layer, tirx.FloatImm("float32", sm_scale)],
+                               Tensor.placeholder((b * s, num_qo_heads, SPLITS, PART_ACC + d), "float32"))
+        o = op.tensor_ir_op(self._attend_merge, "draft_chain_attention_merge", [part],
                             Tensor.placeholder((b * s, num_qo_heads, d), self.dtype))
         return op.reshape(o, (b, s, num_qo_heads, d))
 

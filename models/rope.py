@@ -68,14 +68,29 @@ def yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> tupl
     return inv.astype(np.float32), float(scaling["attention_factor"])
 
 
-def apply_rope(x: Tensor, positions: Tensor, inv_freq: np.ndarray, scale: float = 1.0) -> Tensor:
+class _HeadView:
+    """x[i, first + h, k] as x[i, h, k]."""
+
+    def __init__(self, x: te.Tensor, first: int):
+        self.x, self.first, self.dtype = x, first, x.dtype
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN204 - te index tuples
+        i, h, k = index
+        return self.x[i, h + self.first, k] if self.first else self.x[i, h, k]
+
+
+def apply_rope(x: Tensor, positions: Tensor, inv_freq: np.ndarray, scale: float = 1.0,
+               heads: tuple[int, int] | None = None) -> Tensor:
     """x [n, heads, d] rotated as transformers' rotate_half pairs (i, i + r/2) over its first
     r = 2 * len(inv_freq) dims (all d of them unless partial_rotary_factor), in float32; cos
-    and sin times `scale` (longrope's and yarn's attention factor; 1: none)."""
+    and sin times `scale` (longrope's and yarn's attention factor; 1: none). `heads` (first,
+    count): rotate only those heads of x (the query heads of a fused q|k|v, read in place)."""
     inv = Tensor.from_const(inv_freq)
 
-    def rotate(xt: te.Tensor, pos: te.Tensor, freq: te.Tensor) -> te.Tensor:
-        n, heads, d = xt.shape
+    def rotate(whole: te.Tensor, pos: te.Tensor, freq: te.Tensor) -> te.Tensor:
+        first, count = heads if heads is not None else (0, int(whole.shape[1]))
+        xt = _HeadView(whole, first)
+        n, d = whole.shape[0], whole.shape[2]
         rotary = 2 * int(inv_freq.shape[0])  # partial_rotary_factor: dims past it pass unrotated
         half = rotary // 2
 
@@ -94,6 +109,6 @@ def apply_rope(x: Tensor, positions: Tensor, inv_freq: np.ndarray, scale: float 
                 return rotated(i, h, k)
             return tirx.if_then_else(k < rotary, rotated(i, h, tirx.min(k, rotary - 1)), xt[i, h, k])
 
-        return te.compute((n, heads, d), at, name="model_rope")
+        return te.compute((n, count, d), at, name="model_rope")
 
     return op.tensor_expr_op(rotate, name_hint="model_rope", args=[x, positions, inv])

@@ -73,6 +73,34 @@ def test_drafts_are_the_greedy_continuation_round_after_round(chain_session, dat
             ids = ids[:data.draw(st.integers(1, len(ids)), label="its common prefix")]
 
 
+def test_a_model_that_rotates_its_own_keys_drafts_its_greedy_tokens(tiny_shape_dir, tmp_path):
+    """Phi-4-mini's partial rotary (q and k rotated by the model, not the cache): the draft cache
+    stores its keys as they come, and its drafts are still the paged cache's greedy tokens."""
+    import shutil
+    from types import SimpleNamespace
+
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.toolchain.build import build_artifact
+
+    folder = tmp_path / "phi3-partial"
+    shutil.copytree(tiny_shape_dir("phi3-fused"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(partial_rotary_factor=0.75, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                              "partial_rotary_factor": 0.75})
+    cfg.pop("rope_scaling", None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    art = build_artifact(folder, "host", output=tmp_path / "art", draft_cache_len=64)
+    model = CompiledModel(art, open_checkpoint(folder))  # the tiny folder has no tokenizer
+    assert model.manifest["config"]["model_rope"] and model.manifest["config"]["rotary_dim"] == 24
+    session = SimpleNamespace(model=model)
+    chain = DraftChain(model)
+    ids = [5, 17, 300, 2, 41, 9, 77]
+    drafts = chain.propose("a", ids, 6)
+    assert drafts == greedy(session, ids, 6)
+    ids = ids + drafts[:3] + [123]
+    assert chain.propose("a", ids, 5) == greedy(session, ids, 5)
+
+
 def test_a_round_past_the_cache_or_the_steps_is_refused_by_name(chain_session):
     chain = DraftChain(chain_session.model)
     assert not chain.fits(CACHE_LEN, 1) and chain.fits(CACHE_LEN - 1, 1)
@@ -139,9 +167,10 @@ def test_sizes_and_targets(tiny_model_dir):
     ckpt = open_checkpoint(tiny_model_dir)
     with pytest.raises(VtoolError, match="at least 16"):
         resolve_plan(ckpt, "host", BuildOptions(draft_cache_len=8), tools=False)
-    with pytest.raises(VtoolError, match="at most 8192"):
-        resolve_plan(ckpt, "sm_90a", BuildOptions(draft_cache_len=10000), tools=False)
-    assert resolve_plan(ckpt, "sm_90a", BuildOptions(draft_cache_len=8192), tools=False).draft_cache_len == 8192
+    context = ckpt.config()["max_position_embeddings"]
+    with pytest.raises(VtoolError, match=f"more positions than the model's context \\({context}\\)"):
+        resolve_plan(ckpt, "sm_90a", BuildOptions(draft_cache_len=context + 1), tools=False)
+    assert resolve_plan(ckpt, "sm_90a", BuildOptions(draft_cache_len=context), tools=False).draft_cache_len == context
     # the option changes the library, so the cache key
     a = resolve_plan(ckpt, "host", BuildOptions(), tools=False).as_dict()
     b = resolve_plan(ckpt, "host", BuildOptions(draft_cache_len=64), tools=False).as_dict()
@@ -149,12 +178,13 @@ def test_sizes_and_targets(tiny_model_dir):
 
 
 def test_the_cuda_attention_refuses_what_it_cannot_lay_out():
-    from vtool.schedules.cuda.draft_chain import attention_gpu
+    from vtool.schedules.cuda.draft_chain import attention_layout, attention_part_gpu
 
-    with pytest.raises(ValueError, match="8192 positions"):
-        attention_gpu(2, 9000, 4, 2, 64, "float16")
-    with pytest.raises(ValueError, match="head dim"):
-        attention_gpu(2, 128, 4, 2, 96, "float16")
+    assert attention_layout(14, 2, 64, "bfloat16") == (8, 8, 16, 2)  # the 0.5B Qwen2.5 draft
+    with pytest.raises(ValueError, match="cannot lay out 4 query heads over 2 KV heads of 96"):
+        attention_part_gpu(2, 128, 4, 2, 96, "float16", 32)
+    with pytest.raises(ValueError, match="cannot lay out 32 query heads over 1 KV heads of 128"):
+        attention_layout(32, 1, 128, "bfloat16")  # 32 heads x 8 elements: too many registers
 
 
 @pytest.mark.slow

@@ -294,7 +294,7 @@ def resolve_plan(checkpoint: Checkpoint, target: str | TargetSpec, options: Buil
     digest = _records_digest(spec) if options.records else ""
     toolchain = family.toolchain(spec) if tools else None
     graph_sizes = resolve_cuda_graph_sizes(options.cuda_graph_sizes, spec)
-    draft_len = resolve_draft_cache_len(options.draft_cache_len, cfg, spec)
+    draft_len = resolve_draft_cache_len(options.draft_cache_len, cfg, spec, options.dtype)
     return BuildPlan(
         target=spec, config=cfg, source_config=MappingProxyType(source_config(raw)), source_format=checkpoint.format,
         dtype=options.dtype, quantization=quantization, kept=MappingProxyType(dict(kept)),
@@ -305,7 +305,7 @@ def resolve_plan(checkpoint: Checkpoint, target: str | TargetSpec, options: Buil
         draft_cache_len=draft_len)
 
 
-def resolve_draft_cache_len(requested: int, cfg: ModelConfig, target_spec: TargetSpec) -> int:
+def resolve_draft_cache_len(requested: int, cfg: ModelConfig, target_spec: TargetSpec, dtype: str) -> int:
     """--draft-cache-len: 0, or the positions of the draft cache (models/draft_chain.py) when this
     model and target can have one; what cannot work is refused by name. Never on by itself: a draft
     model built for --speculative-config gets none, as measured on an H100 (session 36,
@@ -313,7 +313,7 @@ def resolve_draft_cache_len(requested: int, cfg: ModelConfig, target_spec: Targe
     if not requested:
         return 0
     # only now: the model rooms import TVM, which a `vtool run` finding its build cached never loads
-    from vtool.models.draft_chain import MAX_CACHE_LEN_CUDA, unsupported_reason
+    from vtool.models.draft_chain import unsupported_reason
     from vtool.models.registry import model_family
 
     if requested < 16:
@@ -326,9 +326,16 @@ def resolve_draft_cache_len(requested: int, cfg: ModelConfig, target_spec: Targe
     why = unsupported_reason(cfg)
     if why:
         raise VtoolError(f"--draft-cache-len: {cfg.architecture} cannot run on the draft cache: {why}")
-    if family_of(target_spec).name == "cuda" and requested > MAX_CACHE_LEN_CUDA:
-        raise VtoolError(f"--draft-cache-len {requested}: the CUDA draft attention takes at most "
-                         f"{MAX_CACHE_LEN_CUDA} positions")
+    if requested > cfg.max_position_embeddings:
+        raise VtoolError(f"--draft-cache-len {requested}: more positions than the model's context "
+                         f"({cfg.max_position_embeddings})")
+    if family_of(target_spec).name == "cuda":
+        from vtool.schedules.cuda.draft_chain import attention_layout
+
+        try:
+            attention_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype)
+        except ValueError as e:
+            raise VtoolError(f"--draft-cache-len: {e}") from None
     return int(requested)
 
 

@@ -1,6 +1,7 @@
 """The draft cache's state tensor (`vtool build --draft-cache-len`): the contract between the compiled
 draft_step (models/draft_chain.py, schedules/cuda/draft_chain.py) and the runtime that fills and
-reads it (runtime/engine/draft_chain.py). int32 slots:
+reads it (runtime/engine/draft_chain.py), and the layout of the attention's pieces that the plain kernels
+(models/) and their CUDA forms (schedules/) both write. The state's int32 slots:
 
     POSITION    the position of the round's first fed token
     NUM_FORCED  how many tokens the round feeds before drafting on its own (1..MAX_FORCED)
@@ -13,4 +14,9 @@ MAX_FORCED = 2  # a round feeds at most the target's last token and the draft th
 OUT = 8
 MAX_STEPS = 24  # steps a round may run (its drafts plus MAX_FORCED - 1)
 STATE_LEN = OUT + MAX_STEPS
-MAX_CACHE_LEN_CUDA = 8192  # the CUDA attention keeps one score per position in shared memory
+
+# The draft attention's pieces: each query's positions are cut into at most SPLITS, and every piece
+# keeps a row [max score, sum of exp(score - max), the weighted sum of values over head_dim] (float32).
+SPLITS = 32
+PART_MAX, PART_SUM = 0, 1
+PART_ACC = 2

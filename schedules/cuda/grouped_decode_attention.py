@@ -76,7 +76,7 @@ def layout(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str) -> t
     return vec, tl, groups, unroll
 
 
-def _unpacker(dtype: str):
+def unpacker(dtype: str):
     """unpack(word, i): element i of a 32-bit word of `dtype` elements, as float32 (the
     little-endian order the elements are stored in)."""
     if dtype == "float32":
@@ -111,7 +111,7 @@ def grouped_decode(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: s
     PER_WORD = 32 // ELEM_BITS  # elements in a 32-bit word
     WORDS = VEC // PER_WORD  # words a thread holds of one token's row
     LOAD = 128 // ELEM_BITS  # elements in 16 bytes
-    unpack = _unpacker(dtype)
+    unpack = unpacker(dtype)
     PER_ITER = GROUPS * U  # tokens a block takes per iteration
     OUT_PER_THREAD = (G * D + THREADS - 1) // THREADS
     LOG2E = math.log2(math.e)
