@@ -183,13 +183,14 @@ def select_func() -> tirx.PrimFunc:
         state = T.match_buffer(state_h, (STATE_LEN,), "int32")
         token = T.match_buffer(token_h, (1,), "int32")
         pos = T.match_buffer(pos_h, (1,), "int32")
-        with T.sblock("draft_chain_select"):
-            T.reads(state[0:STATE_LEN])
-            T.writes(token[0], pos[0])
-            j: T.let[T.int32] = state[STEP]
-            token[0] = T.if_then_else(j < state[NUM_FORCED], state[FORCED + T.min(j, MAX_FORCED - 1)],
-                                      state[OUT + T.max(j - 1, 0)])
-            pos[0] = state[POSITION] + j
+        for _ in range(1):  # a loop over the block, for the CUDA form's thread binding
+            with T.sblock("draft_chain_select"):
+                T.reads(state[0:STATE_LEN])
+                T.writes(token[0], pos[0])
+                j: T.let[T.int32] = state[STEP]
+                token[0] = T.if_then_else(j < state[NUM_FORCED], state[FORCED + T.min(j, MAX_FORCED - 1)],
+                                          state[OUT + T.max(j - 1, 0)])
+                pos[0] = state[POSITION] + j
 
     return select
 
@@ -202,10 +203,11 @@ def last_token_func() -> tirx.PrimFunc:
         T.func_attr({"tirx.noalias": True})
         state = T.match_buffer(state_h, (STATE_LEN,), "int32")
         token = T.match_buffer(token_h, (1,), "int32")
-        with T.sblock("draft_chain_last"):
-            T.reads(state[0:STATE_LEN])
-            T.writes(token[0])
-            token[0] = state[OUT + T.min(T.max(state[STEP] - 1, 0), MAX_STEPS - 1)]
+        for _ in range(1):
+            with T.sblock("draft_chain_last"):
+                T.reads(state[0:STATE_LEN])
+                T.writes(token[0])
+                token[0] = state[OUT + T.min(T.max(state[STEP] - 1, 0), MAX_STEPS - 1)]
 
     return last
 

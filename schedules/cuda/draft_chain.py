@@ -249,36 +249,14 @@ def attention_merge_gpu(q_heads: int, head_dim: int, dtype: str, splits: int) ->
     return attend_merge
 
 
-def select_gpu() -> tirx.PrimFunc:
-    @T.prim_func(s_tir=True)
-    def select(state_h: T.handle, token_h: T.handle, pos_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        state = T.match_buffer(state_h, (STATE_LEN,), "int32")
-        token = T.match_buffer(token_h, (1,), "int32")
-        pos = T.match_buffer(pos_h, (1,), "int32")
-        for bx in T.thread_binding(1, thread="blockIdx.x"):
-            for tx in T.thread_binding(1, thread="threadIdx.x"):
-                with T.sblock("draft_chain_select"):
-                    j: T.let[T.int32] = state[STEP]
-                    token[0] = T.if_then_else(j < state[NUM_FORCED], state[FORCED + T.min(j, MAX_FORCED - 1)],
-                                              state[OUT + T.max(j - 1, 0)])
-                    pos[0] = state[POSITION] + j
-
-    return select
-
-
-def last_token_gpu() -> tirx.PrimFunc:
-    @T.prim_func(s_tir=True)
-    def last(state_h: T.handle, token_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        state = T.match_buffer(state_h, (STATE_LEN,), "int32")
-        token = T.match_buffer(token_h, (1,), "int32")
-        for bx in T.thread_binding(1, thread="blockIdx.x"):
-            for tx in T.thread_binding(1, thread="threadIdx.x"):
-                with T.sblock("draft_chain_last"):
-                    token[0] = state[OUT + T.min(T.max(state[STEP] - 1, 0), MAX_STEPS - 1)]
-
-    return last
+def one_thread(func: tirx.PrimFunc, block: str) -> tirx.PrimFunc:
+    """A loopless plain kernel (the step's token select, the last token) as one CUDA thread."""
+    sch = s_tir.Schedule(func)
+    sb = sch.get_sblock(block)
+    (loop,) = sch.get_loops(sb)
+    sch.bind(loop, "blockIdx.x")
+    sch.bind(sch.add_unit_loop(sb), "threadIdx.x")
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
 def record_argmax_gpu(vocab: int) -> tirx.PrimFunc:
@@ -364,10 +342,9 @@ def scheduled_form(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     if "draft_chain_attention_merge" in names:
         _, HQ, P, _ = shape(0)
         return attention_merge_gpu(HQ, shape(1)[2], str(func.params[1].dtype), P)
-    if "draft_chain_select" in names:
-        return select_gpu()
-    if "draft_chain_last" in names:
-        return last_token_gpu()
+    for block in ("draft_chain_select", "draft_chain_last"):
+        if block in names:
+            return one_thread(func, block)
     if "draft_chain_argmax" in names:
         return record_argmax_gpu(shape(1)[2])
     return None
