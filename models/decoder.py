@@ -310,6 +310,17 @@ class DecoderForCausalLM(nn.Module):
         state = draft_chain.record_argmax(state, self._logits(self._layers(h, kv)))
         return draft_chain.last_token(state)
 
+    def chain_verify(self, state: Tensor, k_cache: Tensor, v_cache: Tensor):
+        """A target's round over its own cache: MAX_VERIFY rows (the last accepted token, the drafts,
+        padding) from state[V_POSITION] on, each row's greedy token into the state (and returned)."""
+        tokens, position = draft_chain.verify_inputs(state)
+        rows = draft_chain.MAX_VERIFY
+        h = op.reshape(self.embed(tokens), (1, rows, self.config.hidden_size))
+        kv = draft_chain.ContiguousKV(self.config, self.dtype, k_cache, v_cache, position, rows)
+        with decode_numerics(self):  # as batch_verify: the rows' logits are decode's
+            logits = self._logits(self._layers(h, kv))
+        return draft_chain.verify_out(draft_chain.verify_argmax(state, logits))
+
     def create_tir_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                                   prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                                   support_sliding_window: tirx.Var) -> PagedKVCache:

@@ -36,10 +36,12 @@ from vtool.models.rope import apply_rope, inverse_frequencies
 
 # the state tensor's layout (a contract with the runtime)
 from vtool.runtime.artifact.draft_state import (FORCED, MAX_FORCED, MAX_STEPS, NUM_FORCED, OUT,  # noqa: F401
-                                                PART_ACC, PART_MAX, PART_SUM, POSITION, SPLITS, STATE_LEN, STEP)
+                                                MAX_VERIFY, PART_ACC, PART_MAX, PART_SUM, POSITION, SPLITS,
+                                                STATE_LEN, STEP, V_OUT, V_POSITION, V_TOKENS, VERIFY_STATE_LEN)
 
 EXTEND_ENTRY = "draft_extend"
 STEP_ENTRY = "draft_step"
+VERIFY_ENTRY = "chain_verify"
 
 
 def unsupported_reason(c: ModelConfig) -> str | None:
@@ -239,6 +241,71 @@ def record_argmax_func(vocab: int) -> tirx.PrimFunc:
     return record
 
 
+def verify_inputs_func() -> tirx.PrimFunc:
+    """inputs(state) -> (tokens[MAX_VERIFY], position[1]) of a chain_verify call."""
+
+    @T.prim_func(s_tir=True)
+    def inputs(state_h: T.handle, token_h: T.handle, pos_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        state = T.match_buffer(state_h, (VERIFY_STATE_LEN,), "int32")
+        token = T.match_buffer(token_h, (MAX_VERIFY,), "int32")
+        pos = T.match_buffer(pos_h, (1,), "int32")
+        for r in range(MAX_VERIFY):
+            with T.sblock("chain_verify_inputs"):
+                vr = T.axis.spatial(MAX_VERIFY, r)
+                T.reads(state[0:VERIFY_STATE_LEN])
+                T.writes(token[vr], pos[0])
+                token[vr] = state[V_TOKENS + vr]
+                if vr == 0:
+                    pos[0] = state[V_POSITION]
+
+    return inputs
+
+
+def rows_argmax_func(rows: int, vocab: int) -> tirx.PrimFunc:
+    """argmax(state, logits[1, rows, V]): state[V_OUT + r] = row r's argmax (the lowest index among
+    equal maxima, as numpy's) (in place)."""
+    R, V = rows, vocab
+
+    @T.prim_func(s_tir=True)
+    def argmax(state_h: T.handle, x_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        state = T.match_buffer(state_h, (VERIFY_STATE_LEN,), "int32")
+        x = T.match_buffer(x_h, (1, R, V), "float32")
+        for r in range(R):
+            with T.sblock("chain_verify_argmax"):
+                vr = T.axis.spatial(R, r)
+                T.reads(x[0, vr, 0:V])
+                T.writes(state[V_OUT + vr])
+                best = T.sblock_alloc_buffer((1,), "float32")
+                at = T.sblock_alloc_buffer((1,), "int32")
+                best[0] = x[0, vr, 0]
+                at[0] = 0
+                for t in range(1, V):
+                    if x[0, vr, t] > best[0]:
+                        best[0] = x[0, vr, t]
+                        at[0] = T.int32(t)
+                state[V_OUT + vr] = at[0]
+
+    return argmax
+
+
+def verify_out_func() -> tirx.PrimFunc:
+    """out(state) -> [MAX_VERIFY]: the rows' greedy tokens as a new tensor (see last_token)."""
+
+    @T.prim_func(s_tir=True)
+    def out(state_h: T.handle, token_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        state = T.match_buffer(state_h, (VERIFY_STATE_LEN,), "int32")
+        token = T.match_buffer(token_h, (MAX_VERIFY,), "int32")
+        for r in range(MAX_VERIFY):
+            with T.sblock("chain_verify_out"):
+                vr = T.axis.spatial(MAX_VERIFY, r)
+                token[vr] = state[V_OUT + vr]
+
+    return out
+
+
 # -- the cache the decoder layers attend through -------------------------------------------------
 
 class ContiguousKV:
@@ -308,6 +375,22 @@ def last_token(state: Tensor) -> Tensor:
     return op.tensor_ir_op(last_token_func(), "draft_chain_last", [state], Tensor.placeholder((1,), "int32"))
 
 
+def verify_inputs(state: Tensor) -> tuple[Tensor, Tensor]:
+    return op.tensor_ir_op(verify_inputs_func(), "chain_verify_inputs", [state],
+                           [Tensor.placeholder((MAX_VERIFY,), "int32"), Tensor.placeholder((1,), "int32")])
+
+
+def verify_argmax(state: Tensor, logits: Tensor) -> Tensor:
+    rows, vocab = int(logits.shape[1]), int(logits.shape[2])
+    return op.tensor_ir_inplace_op(rows_argmax_func(rows, vocab), "chain_verify_argmax", [state, logits], 0,
+                                   Tensor.placeholder((VERIFY_STATE_LEN,), "int32"))
+
+
+def verify_out(state: Tensor) -> Tensor:
+    return op.tensor_ir_op(verify_out_func(), "chain_verify_out", [state],
+                           Tensor.placeholder((MAX_VERIFY,), "int32"))
+
+
 def cache_spec(c: ModelConfig, dtype: str, cache_len: int) -> nn.spec.Tensor:
     return nn.spec.Tensor([c.num_hidden_layers, cache_len, c.num_key_value_heads, c.head_dim], dtype)
 
@@ -320,4 +403,5 @@ def entry_specs(c: ModelConfig, dtype: str, cache_len: int) -> dict:
         EXTEND_ENTRY: {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "position": nn.spec.Tensor([1], "int32"),
                        **cache, "$": packed},
         STEP_ENTRY: {"state": nn.spec.Tensor([STATE_LEN], "int32"), **cache, "$": packed},
+        VERIFY_ENTRY: {"state": nn.spec.Tensor([VERIFY_STATE_LEN], "int32"), **cache, "$": packed},
     }

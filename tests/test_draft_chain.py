@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from vtool import VtoolError
-from vtool.runtime.engine.draft_chain import DraftChain, has_draft_chain
+from vtool.runtime.engine.draft_chain import ChainVerifier, DraftChain, chain_generate, has_chain_verify, has_draft_chain
 from vtool.runtime.engine.engine import Engine, EngineConfig
 from vtool.runtime.engine.generate import Generator
 from vtool.runtime.engine.spec_config import parse_speculative_config
@@ -51,7 +51,8 @@ def test_the_build_records_the_draft_cache(chain_session, tiny_session):
     assert info["cache_len"] == CACHE_LEN == m.manifest["build"]["plan"]["draft_cache_len"]
     assert info["cache_shape"] == [cfg["num_hidden_layers"], CACHE_LEN, cfg["num_key_value_heads"],
                                    cfg["hidden_size"] // cfg["num_attention_heads"]]
-    assert {"draft_extend", "draft_step"} <= set(m.manifest["entry_points"])
+    assert {"draft_extend", "draft_step", "chain_verify"} <= set(m.manifest["entry_points"])
+    assert info["max_verify"] == 8 and info["verify_state_len"] == 24
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -99,6 +100,57 @@ def test_a_model_that_rotates_its_own_keys_drafts_its_greedy_tokens(tiny_shape_d
     assert drafts == greedy(session, ids, 6)
     ids = ids + drafts[:3] + [123]
     assert chain.propose("a", ids, 5) == greedy(session, ids, 5)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tiny_model_dir, tmp_path_factory):
+    """Another tiny model of the same vocabulary (another seed): its drafts are mostly wrong."""
+    import sys
+    from pathlib import Path
+
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.runtime.weights.default_model import default_model_path
+    from vtool.toolchain.build import build_artifact
+
+    sys.path.insert(0, str(Path(__file__).parent / "support"))
+    from tiny_models import make_tiny_chat_model
+
+    folder = make_tiny_chat_model(tmp_path_factory.mktemp("otherdraft"), default_model_path(), seed=5)
+    return CompiledModel(build_artifact(folder, "host", draft_cache_len=CACHE_LEN), open_checkpoint(folder))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(1, 400), min_size=1, max_size=20), k=st.integers(0, 7),
+       n=st.integers(1, 24), own=st.booleans())
+def test_chain_speculation_gives_the_target_s_greedy_tokens(chain_session, other_draft, prompt, k, n, own):
+    """Both caches on the device: the target's chain_verify scores each round's drafts (its own
+    model's, all kept; or another model's, mostly not) and the tokens are its greedy decode."""
+    target = ChainVerifier(chain_session.model)
+    draft = DraftChain(chain_session.model if own else other_draft)
+    tokens, stats = chain_generate(target, draft, list(prompt), n, k)
+    assert tokens == greedy(chain_session, list(prompt), n)
+    assert stats["accepted"] <= stats["drafted"] and stats["rounds"] <= n
+    if own and k:  # its own drafts are its greedy tokens: every one kept
+        assert stats["accepted"] == stats["drafted"] and stats["rounds"] < n or n <= 1
+
+
+def test_chain_verify_scores_any_drafts_as_decode_would(chain_session):
+    """Row by row, chain_verify's greedy tokens are the paged cache's after each prefix, for drafts
+    that are right, wrong, after a rejected round and for another request."""
+    assert has_chain_verify(chain_session.model)
+    target = ChainVerifier(chain_session.model)
+    ids = [3, 99, 250, 7, 61]
+    want = greedy(chain_session, ids, 4)
+    assert target.verify("a", ids, want[:3]) == want  # all right: the bonus token too
+    wrong = [want[0], (want[1] + 1) % 400, 5]
+    got = target.verify("a", ids, wrong)
+    assert got[:2] == want[:2] and got[2] == greedy(chain_session, ids + wrong[:2], 1)[0]
+    ids2 = ids + [want[0], want[1]]  # the round kept one draft and the target's token
+    assert target.verify("a", ids2, []) == greedy(chain_session, ids2, 1)
+    other = [8, 8, 8]
+    assert target.verify("b", other, [1, 2]) == [greedy(chain_session, other + [1, 2][:i], 1)[0] for i in range(3)]
+    with pytest.raises(ValueError, match="cannot take"):
+        target.verify("a", ids, [1] * target.max_verify)
 
 
 def test_a_round_past_the_cache_or_the_steps_is_refused_by_name(chain_session):

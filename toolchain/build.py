@@ -85,12 +85,14 @@ def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Pro
     spec = model.get_default_spec()
     mod, named_params = model.export_tvm(spec=spec)
     if draft_cache_len:
-        from vtool.models.draft_chain import STEP_ENTRY
+        from vtool.models.draft_chain import STEP_ENTRY, VERIFY_ENTRY
 
-        # Every input of draft_step stays at one address for the runtime's whole run (its state and
-        # the two caches), so they count as fixed, as weights do: a CUDA build then captures the
-        # step whole in one graph (RewriteCUDAGraph treats the params past num_input as fixed).
-        mod[STEP_ENTRY] = mod[STEP_ENTRY].with_attr("num_input", 0)
+        # Every input of draft_step and chain_verify stays at one address for the runtime's whole
+        # run (its state and the two caches), so they count as fixed, as weights do: a CUDA build
+        # then captures each whole in one graph (RewriteCUDAGraph treats the params past
+        # num_input as fixed).
+        for entry in (STEP_ENTRY, VERIFY_ENTRY):
+            mod[entry] = mod[entry].with_attr("num_input", 0)
     return target, mod, family.weights.parameters(named_params, formats), list(spec)
 
 
@@ -321,7 +323,8 @@ def _draft_chain_record(plan: BuildPlan) -> dict[str, Any]:
     return {"cache_len": plan.draft_cache_len,
             "cache_shape": [c.num_hidden_layers, plan.draft_cache_len, c.num_key_value_heads, c.head_dim],
             "state_len": draft_chain.STATE_LEN, "max_steps": draft_chain.MAX_STEPS,
-            "max_forced": draft_chain.MAX_FORCED}
+            "max_forced": draft_chain.MAX_FORCED, "verify_state_len": draft_chain.VERIFY_STATE_LEN,
+            "max_verify": draft_chain.MAX_VERIFY}
 
 
 def build_from_plan(plan: BuildPlan, checkpoint: Checkpoint, output: str | Path | None = None,

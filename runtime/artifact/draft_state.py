@@ -20,3 +20,11 @@ STATE_LEN = OUT + MAX_STEPS
 SPLITS = 32
 PART_MAX, PART_SUM = 0, 1
 PART_ACC = 2
+
+# chain_verify's state (a target model's own cache: it scores a round's drafts in one captured call).
+# Every call computes MAX_VERIFY rows: the round's last accepted token and its drafts, then padding.
+V_POSITION = 0  # the position of row 0
+V_TOKENS = 8  # the rows' tokens
+MAX_VERIFY = 8  # rows a call scores (so at most MAX_VERIFY - 1 drafts)
+V_OUT = V_TOKENS + MAX_VERIFY  # the greedy token after each row
+VERIFY_STATE_LEN = V_OUT + MAX_VERIFY

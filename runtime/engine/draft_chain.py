@@ -1,5 +1,6 @@
 """Greedy drafts from a draft library's own cache: `draft_extend` and `draft_step` (a library built
-with `vtool build --draft-cache-len N`; the compiled side is models/draft_chain.py).
+with `vtool build --draft-cache-len N`; the compiled side is models/draft_chain.py), and a target
+library's verification over a cache of its own (`chain_verify`, same build option).
 
 One sequence at a time holds the cache. A round feeds the tokens the cache lacks: the prompt (or
 any gap longer than the state's forced slots) through `draft_extend`, then the last one or two
@@ -14,62 +15,90 @@ from __future__ import annotations
 import ctypes
 import numpy as np
 
-from vtool.runtime.artifact.draft_state import FORCED, NUM_FORCED, OUT, POSITION, STEP
+from vtool.runtime.artifact.draft_state import (FORCED, MAX_VERIFY, NUM_FORCED, OUT, POSITION, STEP, V_POSITION,
+                                                V_TOKENS)
 from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.artifact.tvm_runtime import global_func
 
 EXTEND_ENTRY = "draft_extend"
 STEP_ENTRY = "draft_step"
+VERIFY_ENTRY = "chain_verify"
 
 
 def has_draft_chain(model: CompiledModel) -> bool:
     return "draft_chain" in model.manifest and model.has_function(STEP_ENTRY) and model.has_function(EXTEND_ENTRY)
 
 
-class DraftChain:
-    """The draft cache of one library, and the request whose tokens it holds."""
+def has_chain_verify(model: CompiledModel) -> bool:
+    return has_draft_chain(model) and model.has_function(VERIFY_ENTRY) and "max_verify" in model.manifest["draft_chain"]
 
-    def __init__(self, model: CompiledModel):
+
+class _ChainCache:
+    """A library's own cache (K and V of one sequence), the request whose tokens it holds, and
+    the common-prefix bookkeeping both sides of a round share."""
+
+    def __init__(self, model: CompiledModel, state_len: int):
         info = model.manifest["draft_chain"]
         self.model = model
         self.cache_len: int = info["cache_len"]
-        self.max_steps: int = info["max_steps"]
-        self.max_forced: int = info["max_forced"]
-        self._state_len: int = info["state_len"]
         shape = tuple(info["cache_shape"])
         zeros = np.zeros(shape, dtype=np.float32 if model.dtype == "float32" else np.uint16)  # the bytes of 0.0
         self._k, self._v = model.upload(zeros, dtype=model.dtype), model.upload(zeros, dtype=model.dtype)
-        # one tensor for the whole run: a CUDA build's graph of draft_step holds its address
-        self._state = model.upload(np.zeros(self._state_len, dtype=np.int32))
-        self._step, self._extend = model.function(STEP_ENTRY), model.function(EXTEND_ENTRY)
+        # one tensor for the whole run: a CUDA build's graphs hold its address
+        self._state = model.upload(np.zeros(state_len, dtype=np.int32))
+        self._state_len = state_len
+        self._extend = model.function(EXTEND_ENTRY)
         self.owner: str | None = None
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds, in order
-
-    def fits(self, num_tokens: int, k: int) -> bool:
-        """Whether a sequence of num_tokens tokens can draw k drafts here."""
-        return 0 < k <= self.max_steps - self.max_forced + 1 and num_tokens >= 1 and \
-            num_tokens + k <= self.cache_len
 
     def release(self, request_id: str) -> None:
         if self.owner == request_id:
             self.owner, self.tokens = None, []
 
-    def propose(self, request_id: str, ids: list[int], k: int) -> list[int]:
-        """k greedy drafts following `ids` (the request's prompt and output so far)."""
-        if not self.fits(len(ids), k):
-            raise ValueError(f"the draft cache ({self.cache_len} positions) cannot take {len(ids)} tokens "
-                             f"and {k} drafts")
+    def _sync(self, request_id: str, ids: list[int], keep_last: int) -> int:
+        """Bring the cache to hold ids[:common] with common >= len(ids) - keep_last: the tokens it
+        lacks beyond the last keep_last go in through draft_extend. Returns common."""
         if self.owner != request_id:
             self.owner, self.tokens = request_id, []
         m = len(ids)
         common, limit = 0, min(len(self.tokens), m - 1)
         while common < limit and self.tokens[common] == ids[common]:
             common += 1
-        if m - common > self.max_forced:  # a prompt, or a longer gap: its keys and values in one call
+        if m - common > keep_last:  # a prompt, or a longer gap: its keys and values in one call
             m_ = self.model
-            self._extend(m_.upload(np.asarray(ids[common:m - 1], dtype=np.int32)),
+            self._extend(m_.upload(np.asarray(ids[common:m - keep_last], dtype=np.int32)),
                          m_.upload(np.asarray([common], dtype=np.int32)), self._k, self._v, m_.params)
-            common = m - 1
+            common = m - keep_last
+        return common
+
+    def _write_state(self, state: np.ndarray) -> None:
+        # into the same tensor every round (TVMTensorCopyFromBytes waits for the copy, and the
+        # stream's earlier steps, which read the old state, come first)
+        global_func("runtime.TVMTensorCopyFromBytes")(self._state, ctypes.c_void_p(state.ctypes.data), state.nbytes)
+
+
+class DraftChain(_ChainCache):
+    """The draft cache of one library, and the request whose tokens it holds."""
+
+    def __init__(self, model: CompiledModel):
+        info = model.manifest["draft_chain"]
+        super().__init__(model, info["state_len"])
+        self.max_steps: int = info["max_steps"]
+        self.max_forced: int = info["max_forced"]
+        self._step = model.function(STEP_ENTRY)
+
+    def fits(self, num_tokens: int, k: int) -> bool:
+        """Whether a sequence of num_tokens tokens can draw k drafts here."""
+        return 0 < k <= self.max_steps - self.max_forced + 1 and num_tokens >= 1 and \
+            num_tokens + k <= self.cache_len
+
+    def propose(self, request_id: str, ids: list[int], k: int) -> list[int]:
+        """k greedy drafts following `ids` (the request's prompt and output so far)."""
+        if not self.fits(len(ids), k):
+            raise ValueError(f"the draft cache ({self.cache_len} positions) cannot take {len(ids)} tokens "
+                             f"and {k} drafts")
+        m = len(ids)
+        common = self._sync(request_id, ids, self.max_forced)  # at most max_forced tokens left to feed
         forced = ids[common:m]
         state = np.zeros(self._state_len, dtype=np.int32)
         state[POSITION], state[NUM_FORCED], state[STEP] = common, len(forced), 0
@@ -82,7 +111,66 @@ class DraftChain:
         self.tokens = list(ids) + drafts[:-1]  # the last draft was drawn, never fed
         return drafts
 
-    def _write_state(self, state: np.ndarray) -> None:
-        # into the same tensor every round (TVMTensorCopyFromBytes waits for the copy, and the
-        # stream's earlier steps, which read the old state, come first)
-        global_func("runtime.TVMTensorCopyFromBytes")(self._state, ctypes.c_void_p(state.ctypes.data), state.nbytes)
+
+class ChainVerifier(_ChainCache):
+    """A target library's own cache (built with --draft-cache-len): chain_verify scores a round's
+    drafts for one greedy sequence in one call (captured whole on CUDA), no paged cache involved."""
+
+    def __init__(self, model: CompiledModel):
+        info = model.manifest["draft_chain"]
+        super().__init__(model, info["verify_state_len"])
+        self.max_verify: int = info["max_verify"]
+        self._verify = model.function(VERIFY_ENTRY)
+
+    def fits(self, num_tokens: int, k: int) -> bool:
+        """Whether a sequence of num_tokens tokens can have k drafts scored here."""
+        return 0 <= k < self.max_verify and num_tokens >= 1 and num_tokens - 1 + self.max_verify <= self.cache_len
+
+    def verify(self, request_id: str, ids: list[int], drafts: list[int]) -> list[int]:
+        """The target's greedy token after ids and after each of ids + drafts[:i]: len(drafts) + 1
+        tokens (the first mismatch with the drafts, or the one past them all, ends the round)."""
+        k = len(drafts)
+        if not self.fits(len(ids), k):
+            raise ValueError(f"the target's chain cache ({self.cache_len} positions, {self.max_verify} rows) "
+                             f"cannot take {len(ids)} tokens and {k} drafts")
+        m = len(ids)
+        # rows: the tokens the cache lacks (as many as the rows leave room for), then the drafts
+        common = self._sync(request_id, ids, self.max_verify - k)
+        rows = ids[common:] + list(drafts)
+        state = np.zeros(self._state_len, dtype=np.int32)
+        state[V_POSITION] = common
+        state[V_TOKENS:V_TOKENS + len(rows)] = rows
+        self._write_state(state)
+        out = self.model.to_numpy(self._verify(self._state, self._k, self._v, self.model.params))
+        # every row's keys and values were written (the padding's too, past the tokens: written over later)
+        self.tokens = list(ids) + list(drafts)
+        return [int(t) for t in out[m - 1 - common:m - common + k]]
+
+
+def chain_generate(target: ChainVerifier, draft: DraftChain, prompt: list[int], max_tokens: int, k: int,
+                   stop_ids: frozenset[int] = frozenset(), request_id: str = "chain") -> tuple[list[int], dict]:
+    """Greedy speculative decoding of one sequence with both caches on the device: each round the
+    draft proposes k tokens (k steps queued, one read), the target scores them in one chain_verify
+    call and keeps the longest prefix it agrees with plus its own next token. The tokens are the
+    target's greedy decode. Returns (tokens, {"rounds", "drafted", "accepted"})."""
+    ids, out = list(prompt), []
+    stats = {"rounds": 0, "drafted": 0, "accepted": 0}
+    while len(out) < max_tokens:
+        room = min(k, max_tokens - len(out) - 1)
+        drafts = draft.propose(request_id, ids, room) if room > 0 and draft.fits(len(ids), room) else []
+        if not target.fits(len(ids), len(drafts)):
+            raise ValueError(f"the chain caches cannot take {len(ids)} tokens and {len(drafts)} drafts")
+        greedy = target.verify(request_id, ids, drafts)
+        kept = 0
+        while kept < len(drafts) and drafts[kept] == greedy[kept]:
+            kept += 1
+        new = drafts[:kept] + [greedy[kept]]
+        stats["rounds"] += 1
+        stats["drafted"] += len(drafts)
+        stats["accepted"] += kept
+        for t in new:
+            out.append(t)
+            ids.append(t)
+            if t in stop_ids or len(out) >= max_tokens:
+                return out, stats
+    return out, stats

@@ -23,7 +23,7 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.script import tirx as T
 
 from vtool.runtime.artifact.draft_state import (FORCED, MAX_FORCED, MAX_STEPS, NUM_FORCED, OUT, PART_ACC, PART_MAX,
-                                                PART_SUM, POSITION, STATE_LEN, STEP)
+                                                PART_SUM, POSITION, STATE_LEN, STEP, V_OUT, VERIFY_STATE_LEN)
 from vtool.schedules.cuda.grouped_decode_attention import unpacker as grouped_unpacker
 from vtool.schedules.cuda.grouped_decode_attention import layout as grouped_layout
 
@@ -259,9 +259,52 @@ def one_thread(func: tirx.PrimFunc, block: str) -> tirx.PrimFunc:
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
-def record_argmax_gpu(vocab: int) -> tirx.PrimFunc:
+def _argmax_scan(vocab: int):
+    """A macro: block argmax of logits row `row` with ARGMAX_THREADS threads; the index lands in
+    idxs[0] (the lowest index among equal maxima, as numpy's)."""
     V, NT = vocab, ARGMAX_THREADS
     steps = _log2(NT)
+
+    @T.macro
+    def scan(x, row, tx, vals, idxs):
+        best = T.sblock_alloc_buffer((1,), "float32", scope="local")
+        at = T.sblock_alloc_buffer((1,), "int32", scope="local")
+        mine = T.sblock_alloc_buffer((1,), "float32", scope="local")
+        seen = T.sblock_alloc_buffer((UNROLL,), "float32", scope="local")
+        mine_at = T.sblock_alloc_buffer((1,), "int32", scope="local")
+        best[0] = T.min_value("float32")
+        at[0] = T.int32(V)
+        for it in T.serial((V + NT * UNROLL - 1) // (NT * UNROLL)):
+            for u in T.unroll(UNROLL):  # the loads first, all in flight
+                seen[u] = x[0, row, T.min((it * UNROLL + u) * NT + T.cast(tx, "int32"), V - 1)]
+            for u in T.unroll(UNROLL):  # then in index order: the first maximum stays
+                t: T.let[T.int32] = (it * UNROLL + u) * NT + T.cast(tx, "int32")
+                if t < V:
+                    if seen[u] > best[0] or at[0] == V:
+                        best[0] = seen[u]
+                        at[0] = t
+        vals[tx] = best[0]
+        idxs[tx] = at[0]
+        T.tvm_storage_sync("shared")
+        for r in T.unroll(steps):
+            # read, wait, then write: TVM's sync planner puts no barrier inside a condition
+            best[0] = vals[T.min(tx + (NT >> (r + 1)), NT - 1)]
+            at[0] = idxs[T.min(tx + (NT >> (r + 1)), NT - 1)]
+            mine[0] = vals[tx]
+            mine_at[0] = idxs[tx]
+            T.tvm_storage_sync("shared")
+            if tx < (NT >> (r + 1)):
+                if best[0] > mine[0] or (best[0] == mine[0] and at[0] < mine_at[0]):
+                    vals[tx] = best[0]
+                    idxs[tx] = at[0]
+            T.tvm_storage_sync("shared")
+
+    return scan
+
+
+def record_argmax_gpu(vocab: int) -> tirx.PrimFunc:
+    V, NT = vocab, ARGMAX_THREADS
+    scan = _argmax_scan(V)
 
     @T.prim_func(s_tir=True)
     def record(state_h: T.handle, x_h: T.handle):
@@ -273,37 +316,7 @@ def record_argmax_gpu(vocab: int) -> tirx.PrimFunc:
                 with T.sblock("draft_chain_argmax"):
                     vals = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
                     idxs = T.sblock_alloc_buffer((NT,), "int32", scope="shared")
-                    best = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    at = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                    mine = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    seen = T.sblock_alloc_buffer((UNROLL,), "float32", scope="local")
-                    mine_at = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                    best[0] = T.min_value("float32")
-                    at[0] = T.int32(V)
-                    for it in T.serial((V + NT * UNROLL - 1) // (NT * UNROLL)):
-                        for u in T.unroll(UNROLL):  # the loads first, all in flight
-                            seen[u] = x[0, 0, T.min((it * UNROLL + u) * NT + T.cast(tx, "int32"), V - 1)]
-                        for u in T.unroll(UNROLL):  # then in index order: the first maximum stays
-                            t: T.let[T.int32] = (it * UNROLL + u) * NT + T.cast(tx, "int32")
-                            if t < V:
-                                if seen[u] > best[0] or at[0] == V:
-                                    best[0] = seen[u]
-                                    at[0] = t
-                    vals[tx] = best[0]
-                    idxs[tx] = at[0]
-                    T.tvm_storage_sync("shared")
-                    for r in T.unroll(steps):
-                        # read, wait, then write: TVM's sync planner puts no barrier inside a condition
-                        best[0] = vals[T.min(tx + (NT >> (r + 1)), NT - 1)]
-                        at[0] = idxs[T.min(tx + (NT >> (r + 1)), NT - 1)]
-                        mine[0] = vals[tx]
-                        mine_at[0] = idxs[tx]
-                        T.tvm_storage_sync("shared")
-                        if tx < (NT >> (r + 1)):
-                            if best[0] > mine[0] or (best[0] == mine[0] and at[0] < mine_at[0]):
-                                vals[tx] = best[0]
-                                idxs[tx] = at[0]
-                        T.tvm_storage_sync("shared")
+                    scan(x, 0, tx, vals, idxs)
                     if tx == 0:
                         state[OUT + T.min(state[STEP], MAX_STEPS - 1)] = idxs[0]
                         state[STEP] = state[STEP] + 1
@@ -311,7 +324,40 @@ def record_argmax_gpu(vocab: int) -> tirx.PrimFunc:
     return record
 
 
-KERNELS = ("draft_chain_write", "draft_chain_attention_part", "draft_chain_attention_merge", "draft_chain_select", "draft_chain_argmax",
+def rows_argmax_gpu(rows: int, vocab: int) -> tirx.PrimFunc:
+    """models/draft_chain.py rows_argmax_func on CUDA: a block of ARGMAX_THREADS per row."""
+    R, V, NT = rows, vocab, ARGMAX_THREADS
+    scan = _argmax_scan(V)
+
+    @T.prim_func(s_tir=True)
+    def argmax(state_h: T.handle, x_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        state = T.match_buffer(state_h, (VERIFY_STATE_LEN,), "int32")
+        x = T.match_buffer(x_h, (1, R, V), "float32")
+        for bx in T.thread_binding(R, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("chain_verify_argmax"):
+                    vals = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    idxs = T.sblock_alloc_buffer((NT,), "int32", scope="shared")
+                    scan(x, bx, tx, vals, idxs)
+                    if tx == 0:
+                        state[V_OUT + bx] = idxs[0]
+
+    return argmax
+
+
+def thread_per_row(func: tirx.PrimFunc, block: str) -> tirx.PrimFunc:
+    """A plain kernel of one small spatial loop (chain_verify's inputs and output) as one block."""
+    sch = s_tir.Schedule(func)
+    sb = sch.get_sblock(block)
+    (loop,) = sch.get_loops(sb)
+    sch.bind(loop, "threadIdx.x")
+    sch.bind(sch.add_unit_loop(loop), "blockIdx.x")
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+KERNELS = ("chain_verify_inputs", "chain_verify_argmax", "chain_verify_out",
+           "draft_chain_write", "draft_chain_attention_part", "draft_chain_attention_merge", "draft_chain_select", "draft_chain_argmax",
            "draft_chain_last")
 
 
@@ -345,6 +391,11 @@ def scheduled_form(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     for block in ("draft_chain_select", "draft_chain_last"):
         if block in names:
             return one_thread(func, block)
+    for block in ("chain_verify_inputs", "chain_verify_out"):
+        if block in names:
+            return thread_per_row(func, block)
+    if "chain_verify_argmax" in names:
+        return rows_argmax_gpu(shape(1)[1], shape(1)[2])
     if "draft_chain_argmax" in names:
         return record_argmax_gpu(shape(1)[2])
     return None
