@@ -12,8 +12,11 @@ gives the host seconds of the target's and the draft's model runners (launch / w
 over all runs. With a draft model each k runs twice: `k4` as the engine runs it (through the draft
 library's own cache, runtime/engine/draft_chain.py, when the library was built with
 --draft-cache-len; `chain_rounds` counts them), `k4-engine` with that cache off (each draft token an
-engine step of the draft, its logits row scanned on the host). --profile N prints the N most costly functions (cProfile,
-cumulative) of one speculative run.
+engine step of the draft, its logits row scanned on the host), and, when the target library was built
+with --draft-cache-len too, `k4-chain`: runtime/engine/draft_chain.py's chain_generate, both models
+over their own caches (the target's verification one captured chain_verify call a round), outside
+the engine (timed after the first token, as the others). --profile N prints the N most costly
+functions (cProfile, cumulative) of one speculative run.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from pathlib import Path
 from spec_ngram_cpu import PROMPT
 from spec_oracle import decode_rate, step_times
 
+from vtool.runtime.engine.draft_chain import ChainVerifier, DraftChain, chain_generate, has_chain_verify
 from vtool.runtime.engine.engine import Engine, EngineConfig
 from vtool.runtime.engine.spec_config import parse_speculative_config
 from vtool.runtime.session import open_session
@@ -125,8 +129,30 @@ def main() -> None:
                 out = io.StringIO()
                 pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(a.profile)
                 print(f"== profile k={k}\n{out.getvalue()}", file=sys.stderr)
+            if variant == "" and a.draft_artifact and has_chain_verify(session.model) \
+                    and getattr(engine.speculator.proposer, "chain", None) is not None:
+                chain = chain_rate(session.model, engine.speculator.proposer.chain, prompt, a.tokens, k, reference)
+                report[f"k{k}-chain"] = {**chain, "speedup": chain["tok_s"] / report["no_spec_tok_s"]}
             del engine
     print(json.dumps(report))
+
+
+def chain_rate(target_model, draft: DraftChain, prompt: list[int], tokens: int, k: int,
+               reference: list[int]) -> dict:
+    """chain_generate's decode tok/s after the first token, best of 3 after a warm-up."""
+    target = ChainVerifier(target_model)
+    best, same, stats = 0.0, True, {}
+    for run in range(4):
+        request = f"chain{run}"
+        first = target.verify(request, list(prompt), [])[0]  # the prompt into the target's cache
+        t0 = time.perf_counter()
+        out, stats = chain_generate(target, draft, list(prompt) + [first], tokens - 1, k, request_id=request)
+        rate = (tokens - 1) / (time.perf_counter() - t0)
+        if run:
+            best = max(best, rate)
+            same = same and [first] + out == list(reference)[:tokens]
+    return {"tok_s": best, "same_tokens": same, "kept": stats["accepted"], "drafted": stats["drafted"],
+            "rounds": stats["rounds"]}
 
 
 if __name__ == "__main__":
