@@ -249,16 +249,6 @@ def attention_merge_gpu(q_heads: int, head_dim: int, dtype: str, splits: int) ->
     return attend_merge
 
 
-def one_thread(func: tirx.PrimFunc, block: str) -> tirx.PrimFunc:
-    """A loopless plain kernel (the step's token select, the last token) as one CUDA thread."""
-    sch = s_tir.Schedule(func)
-    sb = sch.get_sblock(block)
-    (loop,) = sch.get_loops(sb)
-    sch.bind(loop, "blockIdx.x")
-    sch.bind(sch.add_unit_loop(sb), "threadIdx.x")
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
-
-
 def _argmax_scan(vocab: int):
     """A macro: block argmax of logits row `row` with ARGMAX_THREADS threads; the index lands in
     idxs[0] (the lowest index among equal maxima, as numpy's)."""
@@ -347,7 +337,8 @@ def rows_argmax_gpu(rows: int, vocab: int) -> tirx.PrimFunc:
 
 
 def thread_per_row(func: tirx.PrimFunc, block: str) -> tirx.PrimFunc:
-    """A plain kernel of one small spatial loop (chain_verify's inputs and output) as one block."""
+    """A plain kernel of one small loop over its block (the draft step's token select and last
+    token: one; chain_verify's inputs and output: its rows) as one CUDA block, a thread a row."""
     sch = s_tir.Schedule(func)
     sb = sch.get_sblock(block)
     (loop,) = sch.get_loops(sb)
@@ -388,10 +379,7 @@ def scheduled_form(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     if "draft_chain_attention_merge" in names:
         _, HQ, P, _ = shape(0)
         return attention_merge_gpu(HQ, shape(1)[2], str(func.params[1].dtype), P)
-    for block in ("draft_chain_select", "draft_chain_last"):
-        if block in names:
-            return one_thread(func, block)
-    for block in ("chain_verify_inputs", "chain_verify_out"):
+    for block in ("draft_chain_select", "draft_chain_last", "chain_verify_inputs", "chain_verify_out"):
         if block in names:
             return thread_per_row(func, block)
     if "chain_verify_argmax" in names:
