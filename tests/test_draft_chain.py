@@ -134,6 +134,23 @@ def test_chain_speculation_gives_the_target_s_greedy_tokens(chain_session, other
         assert stats["accepted"] == stats["drafted"] and stats["rounds"] < n or n <= 1
 
 
+def test_every_chain_object_of_a_library_uses_one_set_of_buffers(chain_session):
+    """A CUDA graph of draft_step or chain_verify keeps the addresses it was captured with: a second
+    DraftChain or ChainVerifier on the same library must reuse the first one's tensors (and its
+    bookkeeping of what they hold), each role its own."""
+    m = chain_session.model
+    a, b = DraftChain(m), DraftChain(m)
+    va, vb = ChainVerifier(m), ChainVerifier(m)
+    assert a._k is b._k and a._v is b._v and a._state is b._state
+    assert va._k is vb._k and va._state is vb._state and va._k is not a._k
+    ids = [4, 44, 144, 244]
+    drafts = a.propose("x", ids, 3)
+    assert b.tokens == ids + drafts[:-1]  # b knows what a left in the cache
+    more = ids + drafts[:2] + [17]
+    assert b.propose("x", more, 3) == greedy(chain_session, more, 3)
+    assert vb.verify("x", more, []) == va.verify("x", more, []) == greedy(chain_session, more, 1)
+
+
 def test_chain_verify_scores_any_drafts_as_decode_would(chain_session):
     """Row by row, chain_verify's greedy tokens are the paged cache's after each prefix, for drafts
     that are right, wrong, after a rejected round and for another request."""

@@ -33,23 +33,58 @@ def has_chain_verify(model: CompiledModel) -> bool:
     return has_draft_chain(model) and model.has_function(VERIFY_ENTRY) and "max_verify" in model.manifest["draft_chain"]
 
 
-class _ChainCache:
-    """A library's own cache (K and V of one sequence), the request whose tokens it holds, and
-    the common-prefix bookkeeping both sides of a round share."""
+class _Slot:
+    """The device buffers of one role's cache on one library, and which tokens they hold."""
 
     def __init__(self, model: CompiledModel, state_len: int):
+        shape = tuple(model.manifest["draft_chain"]["cache_shape"])
+        zeros = np.zeros(shape, dtype=np.float32 if model.dtype == "float32" else np.uint16)  # the bytes of 0.0
+        self.k, self.v = model.upload(zeros, dtype=model.dtype), model.upload(zeros, dtype=model.dtype)
+        self.state = model.upload(np.zeros(state_len, dtype=np.int32))
+        self.owner: str | None = None
+        self.tokens: list[int] = []  # the tokens whose keys and values the cache holds, in order
+
+
+def _slot(model: CompiledModel, role: str, state_len: int) -> _Slot:
+    """One slot per (library, role) for the library's whole life: a CUDA build captures draft_step
+    and chain_verify with their state and caches as fixed inputs, so the graph holds the addresses
+    of the first tensors it ran on, and every later call must pass those same tensors (a second
+    set would leave the graph writing into freed memory)."""
+    slots = model.__dict__.setdefault("_chain_slots", {})
+    if role not in slots:
+        slots[role] = _Slot(model, state_len)
+    return slots[role]
+
+
+class _ChainCache:
+    """A library's own cache (K and V of one sequence), the request whose tokens it holds, and
+    the common-prefix bookkeeping both sides of a round share. Objects of one role on one library
+    share their slot (see _slot)."""
+
+    def __init__(self, model: CompiledModel, state_len: int, role: str):
         info = model.manifest["draft_chain"]
         self.model = model
         self.cache_len: int = info["cache_len"]
-        shape = tuple(info["cache_shape"])
-        zeros = np.zeros(shape, dtype=np.float32 if model.dtype == "float32" else np.uint16)  # the bytes of 0.0
-        self._k, self._v = model.upload(zeros, dtype=model.dtype), model.upload(zeros, dtype=model.dtype)
-        # one tensor for the whole run: a CUDA build's graphs hold its address
-        self._state = model.upload(np.zeros(state_len, dtype=np.int32))
+        self._slot = _slot(model, role, state_len)
+        self._k, self._v, self._state = self._slot.k, self._slot.v, self._slot.state
         self._state_len = state_len
         self._extend = model.function(EXTEND_ENTRY)
-        self.owner: str | None = None
-        self.tokens: list[int] = []  # the tokens whose keys and values the cache holds, in order
+
+    @property
+    def owner(self) -> str | None:
+        return self._slot.owner
+
+    @owner.setter
+    def owner(self, value: str | None) -> None:
+        self._slot.owner = value
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._slot.tokens
+
+    @tokens.setter
+    def tokens(self, value: list[int]) -> None:
+        self._slot.tokens = value
 
     def release(self, request_id: str) -> None:
         if self.owner == request_id:
@@ -82,7 +117,7 @@ class DraftChain(_ChainCache):
 
     def __init__(self, model: CompiledModel):
         info = model.manifest["draft_chain"]
-        super().__init__(model, info["state_len"])
+        super().__init__(model, info["state_len"], "draft")
         self.max_steps: int = info["max_steps"]
         self.max_forced: int = info["max_forced"]
         self._step = model.function(STEP_ENTRY)
@@ -118,7 +153,7 @@ class ChainVerifier(_ChainCache):
 
     def __init__(self, model: CompiledModel):
         info = model.manifest["draft_chain"]
-        super().__init__(model, info["verify_state_len"])
+        super().__init__(model, info["verify_state_len"], "verify")
         self.max_verify: int = info["max_verify"]
         self._verify = model.function(VERIFY_ENTRY)
 
