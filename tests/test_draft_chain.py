@@ -267,3 +267,28 @@ def test_a_cuda_build_has_the_draft_entries(tiny_model_dir, tmp_path):
     assert {"draft_extend", "draft_step"} <= set(manifest["entry_points"])
     assert manifest["build"]["cuda"]["embedded"]["sass"]
     assert "vtool.DraftChain" in manifest["build"]["pipeline"]["schedules"]["default_rules"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vtool_run_speculates_with_both_models_on_their_own_caches(chain_artifact, tiny_model_dir, stream):
+    """A target and a draft both built with --draft-cache-len (here one tiny library as both):
+    `vtool run` takes chain_generate for a greedy prompt, prints the engine's text and says so."""
+    import io
+
+    from rich.console import Console
+
+    from vtool.runtime.run_cmd import RunOptions, run_completion
+
+    def run(spec) -> tuple[str, str]:  # noqa: ANN001
+        out, err = io.StringIO(), io.StringIO()
+        run_completion(chain_artifact, open_checkpoint(tiny_model_dir),
+                       RunOptions(prompt="The quick brown fox", max_tokens=24, repeat=2, stream=stream),
+                       Console(file=out, width=400), Console(file=err, width=400), EngineConfig(speculative=spec))
+        return out.getvalue(), err.getvalue()
+
+    config = parse_speculative_config({"model": str(tiny_model_dir), "num_speculative_tokens": 4})
+    plain, plain_log = run(None)
+    fast, log = run(config.resolved(str(chain_artifact), str(tiny_model_dir)))
+    assert fast == plain and len(plain.strip()) > 0
+    assert "on their own caches" in log and "(100%)" in log and "on their own caches" not in plain_log
+    assert "24 tokens (length)" in log

@@ -13,6 +13,8 @@ that differs earlier (another request) starts over from its common prefix.
 from __future__ import annotations
 
 import ctypes
+from typing import Callable
+
 import numpy as np
 
 from vtool.runtime.artifact.draft_state import (FORCED, MAX_VERIFY, NUM_FORCED, OUT, POSITION, STEP, V_POSITION,
@@ -183,11 +185,13 @@ class ChainVerifier(_ChainCache):
 
 
 def chain_generate(target: ChainVerifier, draft: DraftChain, prompt: list[int], max_tokens: int, k: int,
-                   stop_ids: frozenset[int] = frozenset(), request_id: str = "chain") -> tuple[list[int], dict]:
+                   stop_ids: frozenset[int] = frozenset(), request_id: str = "chain",
+                   on_tokens: Callable[[list[int]], None] | None = None) -> tuple[list[int], dict]:
     """Greedy speculative decoding of one sequence with both caches on the device: each round the
     draft proposes k tokens (k steps queued, one read), the target scores them in one chain_verify
     call and keeps the longest prefix it agrees with plus its own next token. The tokens are the
-    target's greedy decode. Returns (tokens, {"rounds", "drafted", "accepted"})."""
+    target's greedy decode (up to and including a stop id); on_tokens sees each round's.
+    Returns (tokens, {"rounds", "drafted", "accepted"})."""
     ids, out = list(prompt), []
     stats = {"rounds": 0, "drafted": 0, "accepted": 0}
     while len(out) < max_tokens:
@@ -203,9 +207,15 @@ def chain_generate(target: ChainVerifier, draft: DraftChain, prompt: list[int], 
         stats["rounds"] += 1
         stats["drafted"] += len(drafts)
         stats["accepted"] += kept
-        for t in new:
-            out.append(t)
-            ids.append(t)
-            if t in stop_ids or len(out) >= max_tokens:
-                return out, stats
+        done = False
+        for i, t in enumerate(new):
+            if t in stop_ids or len(out) + i + 1 >= max_tokens:
+                new, done = new[:i + 1], True
+                break
+        out.extend(new)
+        ids.extend(new)
+        if on_tokens is not None:
+            on_tokens(new)
+        if done:
+            break
     return out, stats
