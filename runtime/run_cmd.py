@@ -15,6 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 from vtool.runtime.weights.checkpoint import Checkpoint
 from vtool.runtime.engine.draft_chain import ChainVerifier, DraftChain, chain_generate, has_chain_verify
 from vtool.runtime.engine.engine import Engine, EngineConfig
+from vtool.runtime.sampling.device import can_sample_on_device
 from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.session import Session, open_session
 
@@ -73,9 +74,10 @@ def chain_pair(engine: Engine, params: SamplingParams) -> tuple[ChainVerifier, D
     --draft-cache-len, a target built with it too); None: the engine's way."""
     spec = engine.speculator
     chain = getattr(spec.proposer, "chain", None) if spec is not None else None
-    if chain is None or not has_chain_verify(engine.model) or not params.greedy or params.logprobs is not None \
-            or params.structured_outputs or params.stop or params.min_tokens or params.logit_bias \
-            or params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+    # the rows' argmax is all it computes: nothing may edit or read them (as a device draw), and
+    # stop strings, a grammar, prompt logprobs and n > 1 need the engine
+    if chain is None or not has_chain_verify(engine.model) or not params.greedy or not can_sample_on_device(params) \
+            or params.structured_outputs or params.stop or params.prompt_logprobs is not None or params.n != 1:
         return None
     target = ChainVerifier(engine.model)
     return target, chain, min(spec.config.num_speculative_tokens, target.max_verify - 1)
@@ -91,14 +93,15 @@ def run_chain_once(session: Session, pair: tuple[ChainVerifier, DraftChain, int]
     if max_tokens < 1 or not target.fits(len(prompt_ids) + max_tokens - 1, 0) \
             or not draft.fits(len(prompt_ids) + max_tokens - 1, 1):
         return None
-    stops = frozenset(() if params.ignore_eos else session.stop_ids)
+    stops = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else session.stop_ids)
     tokens: list[int] = []
     shown = ""
 
     def show(new: list[int]) -> None:
         nonlocal shown
         tokens.extend(new)
-        text = session.tokenizer.decode(tokens[:-1] if tokens[-1] in stops else tokens)
+        text = session.tokenizer.decode(tokens[:-1] if tokens[-1] in stops else tokens,
+                                        skip_special_tokens=params.skip_special_tokens)
         if on_text and text != shown and text.startswith(shown):
             on_text(text[len(shown):])
         shown = text
@@ -156,8 +159,7 @@ def run_completion(artifact: Path, checkpoint: Checkpoint, opts: RunOptions, out
     prompt_ids = session.encode_prompt(opts.prompt, chat=opts.chat)
     # both models on their own caches when the libraries have them (docs/USAGE.md, speculative decoding)
     pair = chain_pair(engine, params)
-    chain_total: dict = {}
-    chain_first: dict = {}
+    chain_warm = {"rounds": 0, "drafted": 0, "accepted": 0}  # runs 2.. through the two caches
     repeat = 1 if opts.stream else opts.repeat  # as vllm-cli: streaming runs once
     rates = []
     for i in range(repeat):
@@ -169,7 +171,8 @@ def run_completion(artifact: Path, checkpoint: Checkpoint, opts: RunOptions, out
                                  on_text if opts.stream else None) if pair is not None else None
         if chained is not None:
             text, stats, chain_stats = chained
-            chain_total = {key: chain_total[key] + chain_stats[key] for key in chain_total} if i else dict(chain_stats)
+            if i:
+                chain_warm = {key: chain_warm[key] + chain_stats[key] for key in chain_warm}
         else:
             text, stats = run_once(engine, f"run-{i}", prompt_ids, params, on_text if opts.stream else None)
         if opts.stream:
@@ -183,11 +186,8 @@ def run_completion(artifact: Path, checkpoint: Checkpoint, opts: RunOptions, out
         err.print(f"[dim]run {i + 1}: prompt {stats.prompt_tokens} tokens, first token {stats.ttft_seconds * 1e3:.0f} ms; "
                   f"{stats.tokens} tokens ({stats.finish_reason}), decode {stats.decode_tokens_per_second:.1f} tok/s"
                   f"{accepted}[/]", highlight=False)
-        if i == 0 and chained is not None:
-            chain_first = dict(chained[2])
     if repeat > 1:
         warm = rates[1:]
-        overall = (_chain_acceptance({key: chain_total[key] - chain_first[key] for key in chain_total})
-                   if chained is not None else _acceptance(first_done, engine.stats()))
+        overall = _chain_acceptance(chain_warm) if chained is not None else _acceptance(first_done, engine.stats())
         err.print(f"warm decode: {sum(warm) / len(warm):.1f} tok/s (mean of runs 2..{repeat}){overall}",
                   highlight=False)
