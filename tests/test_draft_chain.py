@@ -103,12 +103,12 @@ def test_a_model_that_rotates_its_own_keys_drafts_its_greedy_tokens(tiny_shape_d
 
 
 @pytest.fixture(scope="module")
-def other_draft(tiny_model_dir, tmp_path_factory):
-    """Another tiny model of the same vocabulary (another seed): its drafts are mostly wrong."""
+def other_draft_build(tiny_model_dir, tmp_path_factory):
+    """Another tiny model of the same vocabulary (another seed), built with the cache: its folder
+    and artifact. Its drafts are mostly wrong."""
     import sys
     from pathlib import Path
 
-    from vtool.runtime.artifact.library import CompiledModel
     from vtool.runtime.weights.default_model import default_model_path
     from vtool.toolchain.build import build_artifact
 
@@ -116,7 +116,15 @@ def other_draft(tiny_model_dir, tmp_path_factory):
     from tiny_models import make_tiny_chat_model
 
     folder = make_tiny_chat_model(tmp_path_factory.mktemp("otherdraft"), default_model_path(), seed=5)
-    return CompiledModel(build_artifact(folder, "host", draft_cache_len=CACHE_LEN), open_checkpoint(folder))
+    return folder, build_artifact(folder, "host", draft_cache_len=CACHE_LEN)
+
+
+@pytest.fixture(scope="module")
+def other_draft(other_draft_build):
+    from vtool.runtime.artifact.library import CompiledModel
+
+    folder, artifact = other_draft_build
+    return CompiledModel(artifact, open_checkpoint(folder))
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -292,3 +300,139 @@ def test_vtool_run_speculates_with_both_models_on_their_own_caches(chain_artifac
     assert fast == plain and len(plain.strip()) > 0
     assert "on their own caches" in log and "(100%)" in log and "on their own caches" not in plain_log
     assert "24 tokens (length)" in log
+
+
+# -- the engine: a greedy request alone over both caches (runtime/engine/lone_chain.py) --------------
+
+def drive(engine: Engine, arrivals: list[tuple[int, list[int], SamplingParams]]) -> dict[str, list[int]]:
+    """Step the engine, adding request i at the step its arrival names; the tokens of each."""
+    out: dict[str, list[int]] = {}
+    pending = sorted(enumerate(arrivals), key=lambda item: item[1][0])
+    step = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][1][0] <= step:
+            i, (_, ids, params) = pending.pop(0)
+            engine.add_request(f"r{i}", ids, params)
+            out[f"r{i}"] = []
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+        step += 1
+    return out
+
+
+def chain_engine(session, folder, artifact, k: int) -> Engine:
+    config = parse_speculative_config({"model": str(folder), "num_speculative_tokens": k})
+    engine = Engine(session, EngineConfig(speculative=config.resolved(str(artifact), str(folder))))
+    assert engine.lone_chain is not None
+    return engine
+
+
+def idle(engine: Engine) -> bool:
+    return engine.kv.in_sync() and engine.kv_usage() == 0.0 and engine._alone is None \
+        and not engine.scheduler.has_work()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(st.tuples(st.integers(0, 12), st.lists(st.integers(1, 400), min_size=1, max_size=20),
+                                   st.integers(1, 20)), min_size=1, max_size=3),
+       k=st.integers(1, 7), own=st.booleans())
+def test_requests_alone_speculate_on_both_caches_and_keep_the_engine_s_tokens(chain_session, chain_artifact,
+                                                                               tiny_model_dir, other_draft_build,
+                                                                               requests, k, own):
+    """Requests arriving at any step: while one is alone it runs over both caches, when another
+    comes it rejoins the scheduler (recomputed), and every request's tokens are the engine's
+    greedy tokens without speculation; the paged cache ends idle."""
+    arrivals = [(at, ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) for at, ids, n in requests]
+    baseline = drive(Engine(chain_session, EngineConfig()), arrivals)
+    folder, artifact = (tiny_model_dir, chain_artifact) if own else other_draft_build
+    engine = chain_engine(chain_session, folder, artifact, k)
+    assert drive(engine, arrivals) == baseline
+    assert idle(engine)
+    if len(requests) == 1:
+        assert engine.stats()["lone_chain_rounds"] > 0
+
+
+def test_a_request_alone_leaves_the_scheduler_and_rejoins_it_when_another_arrives(chain_session, chain_artifact,
+                                                                                  tiny_model_dir):
+    prompts = [chain_session.tokenizer.encode(p) for p in PROMPTS[:2]]
+    long, short = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 6))
+    baseline = drive(Engine(chain_session, EngineConfig()), [(0, prompts[0], long), (3, prompts[1], short)])
+    engine = chain_engine(chain_session, tiny_model_dir, chain_artifact, 4)
+    got = {"r0": [], "r1": []}
+
+    def step() -> None:
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+
+    a = engine.add_request("r0", prompts[0], long)
+    step()
+    assert got["r0"] == baseline["r0"][:1]  # the first round: the prompt, the first token alone
+    step()
+    step()
+    assert engine._alone is a and a not in engine.scheduler.running and a.seq_id is None
+    s = engine.stats()
+    assert s["lone_chain_rounds"] == 3 and s["num_running"] == 1 and s["spec_num_accepted_tokens"] == 8
+    assert len(got["r0"]) == 1 + 2 * 5  # its own drafts: every one kept
+    engine.add_request("r1", prompts[1], short)
+    step()  # both through the scheduler: r0 recomputed beside r1's prompt
+    assert engine._alone is None and a in engine.scheduler.running
+    assert engine.stats()["lone_chain_rounds"] == 3
+    while "r1" in engine.requests:
+        step()
+    rounds = engine.stats()["lone_chain_rounds"]
+    step()  # alone again
+    assert engine._alone is a and engine.stats()["lone_chain_rounds"] == rounds + 1
+    while engine.has_unfinished():
+        step()
+    assert got == baseline and idle(engine)
+
+
+@pytest.mark.parametrize("params, rounds", [
+    (SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True), 0),
+    (SamplingParams(temperature=0, logprobs=2, max_tokens=8, ignore_eos=True), 0),
+    (SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=8, ignore_eos=True), 0),
+    (SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=8, ignore_eos=True), 0),
+    (SamplingParams(temperature=0, max_tokens=12, min_tokens=4), 1),  # rounds once 4 tokens are out
+])
+def test_requests_that_read_or_edit_the_rows_take_the_engine_s_way(chain_session, chain_artifact, tiny_model_dir,
+                                                                   params, rounds):
+    engine = chain_engine(chain_session, tiny_model_dir, chain_artifact, 4)
+    ids = chain_session.tokenizer.encode(PROMPTS[0])
+    engine.add_request("r0", ids, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert (engine.stats()["lone_chain_rounds"] > 0) == bool(rounds) and idle(engine)
+
+
+def test_an_aborted_or_stopped_lone_request_ends_cleanly_and_the_next_reuses_the_caches(chain_session,
+                                                                                        chain_artifact,
+                                                                                        tiny_model_dir):
+    """An abort mid-way frees everything; a stop string (found by the text stage after a round
+    that overshot it) ends the text where the engine without speculation ends it; a later request
+    sharing the prompt starts from what the two caches still hold."""
+    ids = chain_session.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = Engine(chain_session, EngineConfig())
+    want = drive(plain, [(0, ids, params)])["r0"]
+    text = chain_session.tokenizer.decode(want)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    engine = chain_engine(chain_session, tiny_model_dir, chain_artifact, 4)
+    engine.add_request("a", ids, params)
+    engine.step()
+    engine.step()
+    assert engine.abort("a") and not engine.has_unfinished() and idle(engine)
+    verifier = engine.lone_chain.verifier
+    assert verifier.tokens[:len(ids)] == ids and verifier.owner is None  # kept for the next request
+
+    def finished_text(e: Engine) -> tuple[str, str | None]:
+        e.add_request("s", ids, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))
+        out, reason = "", None
+        while e.has_unfinished():
+            for o in e.step():
+                out += o.new_text
+                reason = o.finish_reason or reason
+        return out, reason
+
+    assert finished_text(engine) == finished_text(plain)
+    assert engine.stats()["lone_chain_rounds"] > 2 and idle(engine)
+    assert drive(engine, [(0, ids, params)])["r0"] == want

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from vtool.runtime.artifact.draft_state import (FORCED, MAX_VERIFY, NUM_FORCED, OUT, POSITION, STEP, V_POSITION,
+from vtool.runtime.artifact.draft_state import (FORCED, NUM_FORCED, OUT, POSITION, STEP, V_POSITION,
                                                 V_TOKENS)
 from vtool.runtime.artifact.library import CompiledModel
 from vtool.runtime.artifact.tvm_runtime import global_func
@@ -89,23 +89,28 @@ class _ChainCache:
         self._slot.tokens = value
 
     def release(self, request_id: str) -> None:
+        """The request is done. What the cache holds stays: the next request reuses the prefix it
+        shares (a chat's earlier turns, a common system prompt)."""
         if self.owner == request_id:
-            self.owner, self.tokens = None, []
+            self.owner = None
 
     def _sync(self, request_id: str, ids: list[int], keep_last: int) -> int:
         """Bring the cache to hold ids[:common] with common >= len(ids) - keep_last: the tokens it
-        lacks beyond the last keep_last go in through draft_extend. Returns common."""
-        if self.owner != request_id:
-            self.owner, self.tokens = request_id, []
+        lacks beyond the last keep_last go in through draft_extend. Returns common. Any request
+        starts from the prefix it shares with what the cache holds, whoever put it there."""
+        self.owner = request_id
         m = len(ids)
         common, limit = 0, min(len(self.tokens), m - 1)
         while common < limit and self.tokens[common] == ids[common]:
             common += 1
+        # what the calls below write over is no longer held, should one of them fail
+        self.tokens = self.tokens[:common]
         if m - common > keep_last:  # a prompt, or a longer gap: its keys and values in one call
             m_ = self.model
             self._extend(m_.upload(np.asarray(ids[common:m - keep_last], dtype=np.int32)),
                          m_.upload(np.asarray([common], dtype=np.int32)), self._k, self._v, m_.params)
             common = m - keep_last
+            self.tokens = list(ids[:common])
         return common
 
     def _write_state(self, state: np.ndarray) -> None:
@@ -184,29 +189,35 @@ class ChainVerifier(_ChainCache):
         return [int(t) for t in out[m - 1 - common:m - common + k]]
 
 
+def chain_round(target: ChainVerifier, draft: DraftChain, request_id: str, ids: list[int],
+                k: int) -> tuple[list[int], int]:
+    """One round of greedy speculation after `ids`: the draft proposes up to k tokens (none when
+    k is 0 or its cache cannot take them), the target scores them in one chain_verify call and
+    keeps the longest prefix it agrees with plus its own next token. Returns (the new tokens,
+    the number of drafts proposed); len(new) - 1 of them were accepted."""
+    drafts = draft.propose(request_id, ids, k) if k > 0 and draft.fits(len(ids), k) else []
+    if not target.fits(len(ids), len(drafts)):
+        raise ValueError(f"the chain caches cannot take {len(ids)} tokens and {len(drafts)} drafts")
+    greedy = target.verify(request_id, ids, drafts)
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == greedy[kept]:
+        kept += 1
+    return drafts[:kept] + [greedy[kept]], len(drafts)
+
+
 def chain_generate(target: ChainVerifier, draft: DraftChain, prompt: list[int], max_tokens: int, k: int,
                    stop_ids: frozenset[int] = frozenset(), request_id: str = "chain",
                    on_tokens: Callable[[list[int]], None] | None = None) -> tuple[list[int], dict]:
-    """Greedy speculative decoding of one sequence with both caches on the device: each round the
-    draft proposes k tokens (k steps queued, one read), the target scores them in one chain_verify
-    call and keeps the longest prefix it agrees with plus its own next token. The tokens are the
-    target's greedy decode (up to and including a stop id); on_tokens sees each round's.
-    Returns (tokens, {"rounds", "drafted", "accepted"})."""
+    """Greedy speculative decoding of one sequence with both caches on the device, chain_round
+    after chain_round. The tokens are the target's greedy decode (up to and including a stop id);
+    on_tokens sees each round's. Returns (tokens, {"rounds", "drafted", "accepted"})."""
     ids, out = list(prompt), []
     stats = {"rounds": 0, "drafted": 0, "accepted": 0}
     while len(out) < max_tokens:
-        room = min(k, max_tokens - len(out) - 1)
-        drafts = draft.propose(request_id, ids, room) if room > 0 and draft.fits(len(ids), room) else []
-        if not target.fits(len(ids), len(drafts)):
-            raise ValueError(f"the chain caches cannot take {len(ids)} tokens and {len(drafts)} drafts")
-        greedy = target.verify(request_id, ids, drafts)
-        kept = 0
-        while kept < len(drafts) and drafts[kept] == greedy[kept]:
-            kept += 1
-        new = drafts[:kept] + [greedy[kept]]
+        new, drafted = chain_round(target, draft, request_id, ids, min(k, max_tokens - len(out) - 1))
         stats["rounds"] += 1
-        stats["drafted"] += len(drafts)
-        stats["accepted"] += kept
+        stats["drafted"] += drafted
+        stats["accepted"] += len(new) - 1
         done = False
         for i, t in enumerate(new):
             if t in stop_ids or len(out) + i + 1 >= max_tokens:

@@ -24,6 +24,7 @@ from vtool.runtime.engine.grammar_stage import GrammarStage
 from vtool.runtime.engine.kv_blocks import blocks_for_window
 from vtool.runtime.engine.kv_cache import (PagedKVCache, cache_layers, frees_window, frees_window_by_default,
                                           sliding_window, window_kept)
+from vtool.runtime.engine.lone_chain import LoneChain
 from vtool.runtime.engine.output_processor import OutputProcessor
 from vtool.runtime.engine.prefix_cache import PrefixCache
 from vtool.runtime.engine.request import CoreOutput, FinishedRequestStats, Request, Status, StepOutput
@@ -34,7 +35,7 @@ from vtool.runtime.engine.speculator import Speculator
 from vtool.runtime.engine.step_types import ScheduledSequence
 from vtool.runtime.engine.text_stage import TextStage
 from vtool.runtime.engine.validation import RequestError, RequestLimits
-from vtool.runtime.sampling.host import SequenceSampler, prompt_logprobs
+from vtool.runtime.sampling.host import SampleResult, SequenceSampler, prompt_logprobs
 from vtool.runtime.sampling.logits_processors import LogitsProcessor
 from vtool.runtime.sampling.params import SamplingParams
 
@@ -149,6 +150,8 @@ class EngineCounters:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
     propose_seconds: float = 0.0
+    # Rounds a greedy request alone ran with both models on their own caches (lone_chain.py).
+    lone_chain_rounds: int = 0
     # Steps queued behind the one before, their tokens read on the device (chained_steps.py).
     chained_steps: int = 0
 
@@ -194,6 +197,10 @@ class Engine:
         # Before the KV cache: on a GPU the cache takes a share of what memory is free, and a
         # draft model's weights and cache must be in place by then.
         self.speculator = Speculator.create(config.speculative, self) if config.speculative else None
+        # A greedy request alone speculates over the two libraries' own caches when both have
+        # them (engine/lone_chain.py); it is then held here, outside the scheduler.
+        self.lone_chain = LoneChain.open(self) if self.speculator is not None else None
+        self._alone: Request | None = None
         # Every layer windowed: the cache that frees what the window passed (by default where its
         # kernels are fast), unless speculative decoding must take rejected drafts back
         # (kv_cache.py sliding_window).
@@ -342,7 +349,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None or self.grammar.has_pending \
-            or bool(self._failed)
+            or bool(self._failed) or self._alone is not None
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -379,6 +386,8 @@ class Engine:
             collected.append(self._collect(launched))
         if chained is not None:
             self._in_flight = chained
+        elif (alone := self._lone_request()) is not None:
+            collected.append(self._lone_round(alone))
         elif (launched := self._launch()) is not None:
             if self._overlap:
                 self._in_flight = launched
@@ -394,6 +403,66 @@ class Engine:
         if not collected and self.grammar.has_pending and not self.scheduler.has_work():
             self.grammar.wait(0.005)  # only grammars compiling: do not spin beside them
         return outputs
+
+    def _lone_request(self) -> Request | None:
+        """The request a round over the two caches serves now (engine/lone_chain.py): one alone
+        in the engine that the chain takes. A held request that is no longer alone (or no longer
+        fits) goes back to the scheduler; None: the scheduler's step."""
+        chain, scheduler = self.lone_chain, self.scheduler
+        if chain is None:
+            return None
+        others = len(scheduler.running) + len(scheduler.waiting) + self.grammar.num_pending
+        held = self._alone
+        if held is not None:
+            if others == 0 and chain.takes(held):
+                return held
+            self._alone = None
+            scheduler.requeue(held)
+            return None
+        if others != 1 or not (scheduler.running or scheduler.waiting):
+            return None
+        request = (scheduler.running or scheduler.waiting)[0]
+        if not chain.takes(request):
+            return None
+        scheduler.detach(request)
+        self._alone = request
+        return request
+
+    def _lone_round(self, request: Request) -> tuple[list[tuple[Request, Any, str | None, int | None, float | None,
+                                                                 list[int]]], float]:
+        """One round of the lone request over the two caches, its tokens taken as _collect takes
+        a step's (stop ids and length limits end it there)."""
+        started = time.perf_counter()
+        request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
+        first = not request.output_ids
+        new, drafted = self.lone_chain.round(request, self.output_processor.room(request))
+        c = self.counters
+        c.steps += 1
+        c.lone_chain_rounds += 1
+        if drafted:
+            self._count_drafts(drafted, len(new) - 1)
+        t0 = time.perf_counter()
+        if self.observer is not None:
+            self.observer.observe_step("prefill" if first else "decode", t0 - max(started, self._collected_at))
+        self._collected_at = t0
+        now = time.monotonic()
+        last = request.last_token_time
+        if request.first_token_time is None:
+            self._count_prompt_sources(request)
+            c.computed_prefill_tokens += len(request.prompt_ids) if request.num_preemptions == 0 else 0
+        sampled: list[SampleResult] = []
+        finish, stop_reason = None, None
+        for token in new:
+            request.sampler.append_token(token)
+            sampled.append(SampleResult(token_id=token, logprob=None))
+            finish, stop_reason = self.output_processor.update(request, sampled[-1], now)
+            if finish is not None:
+                break
+        c.generation_tokens += len(sampled)
+        if finish is not None:
+            self._finish(request, finish, stop_reason)
+        c.output_seconds += time.perf_counter() - t0
+        return [(request, sampled, finish, stop_reason, last, [])], now
 
     def _launch(self) -> _Launched | None:
         if self.speculator is not None:
@@ -522,6 +591,10 @@ class Engine:
         k = len(sequence.draft_ids)
         request.num_computed += 1 + accepted
         self.kv.pop(request.seq_id, k - accepted)
+        self._count_drafts(k, accepted)
+
+    def _count_drafts(self, k: int, accepted: int) -> None:
+        """vLLM's spec_decode counts for one sequence's k drafts, the first `accepted` kept."""
         c = self.counters
         c.spec_num_drafts += 1
         c.spec_num_draft_tokens += k
@@ -547,6 +620,10 @@ class Engine:
         self.grammar.discard(request.request_id)
         if self.speculator is not None:
             self.speculator.release(request)
+        if self.lone_chain is not None:
+            self.lone_chain.release(request)
+            if self._alone is request:
+                self._alone = None
         self.requests.pop(request.request_id, None)
         if reason == "abort" and not reported:
             self.texts.pop(request.request_id, None)
@@ -592,7 +669,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting) + self.grammar.num_pending,
+            "num_running": len(self.scheduler.running) + (self._alone is not None), "num_waiting": len(self.scheduler.waiting) + self.grammar.num_pending,
             "num_waiting_deferred": self.grammar.num_pending,  # vLLM's reason: waiting for a grammar
             "kv_cache_usage": self.kv_usage(), "num_blocks": self.kv.blocks.num_blocks,
             "block_size": self.kv.block_size, "num_preemptions": self.scheduler.num_preemptions,

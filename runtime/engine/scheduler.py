@@ -58,6 +58,20 @@ class Scheduler:
             self.waiting.remove(request)
         self._drop_sequence(request, keep_cached)
 
+    def detach(self, request: Request) -> None:
+        """Hand a request to a way of running outside the paged cache (engine/lone_chain.py): off
+        the queues, its sequence to the prefix cache, nothing of it computed here any more."""
+        self.release(request)
+        request.num_computed = 0
+        request.status = Status.RUNNING
+
+    def requeue(self, request: Request) -> None:
+        """Take a detached request back: first in the queue, as a preempted one, so the next
+        step recomputes its tokens (from the prefix cache where it still holds them)."""
+        request.status = Status.WAITING
+        self.waiting.insert(0, request)
+        self._order(self.waiting)
+
     def _drop_sequence(self, request: Request, keep_cached: bool) -> None:
         if request.seq_id is None:
             return

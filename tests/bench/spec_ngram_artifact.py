@@ -9,14 +9,13 @@ write-new-code one (`write`), through the model's chat template unless --raw.
 
 The report counts the verification steps that took the argmax of every row on the device, and
 gives the host seconds of the target's and the draft's model runners (launch / wait-and-sample)
-over all runs. With a draft model each k runs twice: `k4` as the engine runs it (through the draft
-library's own cache, runtime/engine/draft_chain.py, when the library was built with
---draft-cache-len; `chain_rounds` counts them), `k4-engine` with that cache off (each draft token an
-engine step of the draft, its logits row scanned on the host), and, when the target library was built
-with --draft-cache-len too, `k4-chain`: runtime/engine/draft_chain.py's chain_generate, both models
-over their own caches (the target's verification one captured chain_verify call a round), outside
-the engine (timed after the first token, as the others). --profile N prints the N most costly
-functions (cProfile, cumulative) of one speculative run.
+over all runs. With a draft model each k runs up to three times: `k4` as the engine runs it (when both
+libraries were built with --draft-cache-len, the request alone runs over both models' own caches,
+runtime/engine/lone_chain.py, `lone_rounds` counts those rounds; a draft library with the cache alone
+drafts through it, runtime/engine/draft_chain.py, `chain_rounds`), `k4-paged` with the target's own
+cache off (verification through the paged cache; only when the target has one), and `k4-engine` with
+the draft's off too (each draft token an engine step of the draft, its logits row scanned on the
+host). --profile N prints the N most costly functions (cProfile, cumulative) of one speculative run.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ from pathlib import Path
 from spec_ngram_cpu import PROMPT
 from spec_oracle import decode_rate, step_times
 
-from vtool.runtime.engine.draft_chain import ChainVerifier, DraftChain, chain_generate, has_chain_verify
+from vtool.runtime.engine.draft_chain import has_chain_verify
 from vtool.runtime.engine.engine import Engine, EngineConfig
 from vtool.runtime.engine.spec_config import parse_speculative_config
 from vtool.runtime.session import open_session
@@ -97,12 +96,15 @@ def main() -> None:
         else:
             config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k,
                                                "prompt_lookup_min": lo, "prompt_lookup_max": hi})
-        for variant in ("", "-engine") if a.draft_artifact else ("",):
+        variants = ("", "-paged", "-engine") if has_chain_verify(session.model) else ("", "-engine")
+        for variant in variants if a.draft_artifact else ("",):
             engine = Engine(session, EngineConfig(max_num_seqs=4, speculative=config))
             draft_runner = getattr(engine.speculator.proposer, "runner", None)
             if draft_runner is not None and "draft_step_ms" not in report:
                 proposer = engine.speculator.proposer
                 report["draft_step_ms"] = step_times(SimpleNamespace(model=proposer.model, kv=proposer.kv), 1)
+            if variant in ("-paged", "-engine"):
+                engine.lone_chain = None
             if variant == "-engine":
                 engine.speculator.proposer.chain = None
             calls = count_device_verifies(engine)
@@ -120,7 +122,8 @@ def main() -> None:
                 "target_runner_s": {n: round(v, 3) for n, v in engine.runner.seconds.items()},
                 "draft_runner_s": ({n: round(v, 3) for n, v in draft_runner.seconds.items()}
                                    if draft_runner is not None else None),
-                "chain_rounds": getattr(engine.speculator.proposer, "chain_rounds", 0), **calls}
+                "chain_rounds": getattr(engine.speculator.proposer, "chain_rounds", 0),
+                "lone_rounds": s["lone_chain_rounds"], **calls}
             if a.profile and variant == "":
                 prof = cProfile.Profile()
                 prof.enable()
@@ -129,30 +132,8 @@ def main() -> None:
                 out = io.StringIO()
                 pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(a.profile)
                 print(f"== profile k={k}\n{out.getvalue()}", file=sys.stderr)
-            if variant == "" and a.draft_artifact and has_chain_verify(session.model) \
-                    and getattr(engine.speculator.proposer, "chain", None) is not None:
-                chain = chain_rate(session.model, engine.speculator.proposer.chain, prompt, a.tokens, k, reference)
-                report[f"k{k}-chain"] = {**chain, "speedup": chain["tok_s"] / report["no_spec_tok_s"]}
             del engine
     print(json.dumps(report))
-
-
-def chain_rate(target_model, draft: DraftChain, prompt: list[int], tokens: int, k: int,
-               reference: list[int]) -> dict:
-    """chain_generate's decode tok/s after the first token, best of 3 after a warm-up."""
-    target = ChainVerifier(target_model)
-    best, same, stats = 0.0, True, {}
-    for run in range(4):
-        request = f"chain{run}"
-        first = target.verify(request, list(prompt), [])[0]  # the prompt into the target's cache
-        t0 = time.perf_counter()
-        out, stats = chain_generate(target, draft, list(prompt) + [first], tokens - 1, k, request_id=request)
-        rate = (tokens - 1) / (time.perf_counter() - t0)
-        if run:
-            best = max(best, rate)
-            same = same and [first] + out == list(reference)[:tokens]
-    return {"tok_s": best, "same_tokens": same, "kept": stats["accepted"], "drafted": stats["drafted"],
-            "rounds": stats["rounds"]}
 
 
 if __name__ == "__main__":
