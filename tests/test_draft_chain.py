@@ -436,3 +436,52 @@ def test_an_aborted_or_stopped_lone_request_ends_cleanly_and_the_next_reuses_the
     assert finished_text(engine) == finished_text(plain)
     assert engine.stats()["lone_chain_rounds"] > 2 and idle(engine)
     assert drive(engine, [(0, ids, params)])["r0"] == want
+
+
+@pytest.fixture(scope="module")
+def chain_server(chain_artifact, tiny_model_dir, tmp_path_factory):
+    """`vtool serve` of the tiny library built with the cache, itself as the draft (prebuilt)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_engine_core import Server
+
+    spec = {"model": str(tiny_model_dir), "artifact": str(chain_artifact), "num_speculative_tokens": 4}
+    s = Server(tiny_model_dir, tmp_path_factory.mktemp("chainserve") / "server.log", "--artifact",
+               str(chain_artifact), "--speculative-config", json.dumps(spec))
+    yield s
+    s.stop()
+
+
+def test_a_server_runs_a_lone_greedy_request_on_both_caches_and_two_at_once_as_without(chain_server, chain_session):
+    """Through the openai client: one request at a time goes over the two caches (counted in
+    vtool:spec_decode_own_cache_rounds), two at once share the engine's steps; every text is the
+    engine's without speculation, streamed or not, and the paged cache ends idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from test_engine_core import MODEL
+
+    prompts = [chain_session.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = drive(Engine(chain_session, EngineConfig()), [(0, ids, params) for ids in prompts])
+    texts = [chain_session.tokenizer.decode(want[f"r{i}"]) for i in range(len(prompts))]
+    client = openai.OpenAI(base_url=f"{chain_server.url}/v1", api_key="x", max_retries=0)
+
+    def complete(i: int, stream: bool = False) -> str:
+        done = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=24, temperature=0, stream=stream,
+                                         extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in done if c.choices) if stream else done.choices[0].text
+
+    assert [complete(i) for i in range(len(prompts))] == texts
+    assert complete(0, stream=True) == texts[0]
+    rounds = chain_server.metric("vtool:spec_decode_own_cache_rounds_total")
+    assert rounds > 0
+    assert chain_server.metric("vllm:spec_decode_num_accepted_tokens_total") == \
+        chain_server.metric("vllm:spec_decode_num_draft_tokens_total") > 0
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(complete, [0, 1, 0, 1])) == [texts[0], texts[1], texts[0], texts[1]]
+    assert chain_server.metric("vllm:kv_cache_usage_perc") == 0.0
+    assert chain_server.metric("vllm:num_requests_running") == 0

@@ -125,6 +125,10 @@ class ServerMetrics:
         self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self.spec_accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                              "Accepted tokens per draft position.", ("position",))
+        self.spec_own_cache_rounds = counter(
+            "vtool:spec_decode_own_cache_rounds",
+            "Speculation rounds of a greedy request alone with both models on their own caches "
+            "(engine/lone_chain.py); they also count in vllm:spec_decode_* and vtool:engine_steps.")
         self.engine_steps = counter("vtool:engine_steps", "Engine steps run.")
         self.step_seconds = histogram(
             "vtool:engine_step_seconds",
@@ -321,6 +325,7 @@ class ServerMetrics:
         for key, counter, labels in (("steps", self.engine_steps, ()), ("spec_num_drafts", self.spec_drafts, ()),
                                      ("spec_num_draft_tokens", self.spec_draft_tokens, ()),
                                      ("spec_num_accepted_tokens", self.spec_accepted_tokens, ()),
+                                     ("lone_chain_rounds", self.spec_own_cache_rounds, ()),
                                      ("prompt_tokens_computed", self.prompt_tokens_by_source, ("local_compute",)),
                                      ("prompt_tokens_cache_hit", self.prompt_tokens_by_source, ("local_cache_hit",)),
                                      ("prompt_tokens_cached", self.prompt_tokens_cached, ()),
