@@ -206,7 +206,8 @@ def test_a_draft_with_the_cache_drafts_through_it_alone_and_changes_nothing(chai
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [tiny_session.tokenizer.encode(p) for p in PROMPTS]
     baseline = run(Engine(tiny_session, EngineConfig()), prompts, params)
-    config = parse_speculative_config({"model": str(tiny_model_dir), "num_speculative_tokens": 4})
+    config = parse_speculative_config({"model": str(tiny_model_dir), "num_speculative_tokens": 4,
+                                      "own_caches": True})  # on the CPU too
     engine = Engine(tiny_session, EngineConfig(speculative=config.resolved(str(chain_artifact), str(tiny_model_dir))))
     draft = engine.speculator.proposer
     assert draft.chain is not None
@@ -294,7 +295,7 @@ def test_vtool_run_speculates_with_both_models_on_their_own_caches(chain_artifac
                        Console(file=out, width=400), Console(file=err, width=400), EngineConfig(speculative=spec))
         return out.getvalue(), err.getvalue()
 
-    config = parse_speculative_config({"model": str(tiny_model_dir), "num_speculative_tokens": 4})
+    config = parse_speculative_config({"model": str(tiny_model_dir), "num_speculative_tokens": 4, "own_caches": True})
     plain, plain_log = run(None)
     fast, log = run(config.resolved(str(chain_artifact), str(tiny_model_dir)))
     assert fast == plain and len(plain.strip()) > 0
@@ -321,7 +322,7 @@ def drive(engine: Engine, arrivals: list[tuple[int, list[int], SamplingParams]])
 
 
 def chain_engine(session, folder, artifact, k: int) -> Engine:
-    config = parse_speculative_config({"model": str(folder), "num_speculative_tokens": k})
+    config = parse_speculative_config({"model": str(folder), "num_speculative_tokens": k, "own_caches": True})
     engine = Engine(session, EngineConfig(speculative=config.resolved(str(artifact), str(folder))))
     assert engine.lone_chain is not None
     return engine
@@ -387,6 +388,34 @@ def test_a_request_alone_leaves_the_scheduler_and_rejoins_it_when_another_arrive
     assert got == baseline and idle(engine)
 
 
+@pytest.mark.parametrize("own, on_cpu", [(None, False), ("auto", False), (True, True), (False, False)])
+def test_own_caches_are_used_on_a_gpu_by_default_and_on_the_cpu_when_asked(chain_session, chain_artifact,
+                                                                         tiny_model_dir, own, on_cpu):
+    """On the CPU the engine's way measured faster (docs/BENCHMARKS.md), so auto leaves the caches
+    alone there; "own_caches" in --speculative-config decides either way."""
+    from vtool.runtime.engine.spec_config import uses_own_caches
+
+    raw = {"model": str(tiny_model_dir), "num_speculative_tokens": 4}
+    if own is not None:
+        raw["own_caches"] = own
+    config = parse_speculative_config(raw)
+    engine = Engine(chain_session, EngineConfig(speculative=config.resolved(str(chain_artifact), str(tiny_model_dir))))
+    assert (engine.lone_chain is not None) == (engine.speculator.proposer.chain is not None) == on_cpu
+    gpu = type("GpuModel", (), {"on_gpu": True})()
+    assert uses_own_caches(config, gpu) == (own is not False)
+
+
+@pytest.mark.parametrize("raw, says", [
+    ({"own_caches": "yes"}, "own_caches must be true, false or \"auto\""),
+    ({"own_caches": 1}, "own_caches must be"),
+    ({"method": "ngram", "own_caches": True, "model": None}, "own_caches belongs to a draft model"),
+])
+def test_a_bad_own_caches_key_is_refused_by_name(raw, says):
+    base = {"model": "d", "num_speculative_tokens": 2}
+    with pytest.raises(VtoolError, match=says.replace("(", r"\(")):
+        parse_speculative_config({k: v for k, v in {**base, **raw}.items() if v is not None})
+
+
 @pytest.mark.parametrize("params, rounds", [
     (SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True), 0),
     (SamplingParams(temperature=0, logprobs=2, max_tokens=8, ignore_eos=True), 0),
@@ -447,7 +476,8 @@ def chain_server(chain_artifact, tiny_model_dir, tmp_path_factory):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_engine_core import Server
 
-    spec = {"model": str(tiny_model_dir), "artifact": str(chain_artifact), "num_speculative_tokens": 4}
+    spec = {"model": str(tiny_model_dir), "artifact": str(chain_artifact), "num_speculative_tokens": 4,
+            "own_caches": True}
     s = Server(tiny_model_dir, tmp_path_factory.mktemp("chainserve") / "server.log", "--artifact",
                str(chain_artifact), "--speculative-config", json.dumps(spec))
     yield s

@@ -17,6 +17,7 @@ request alone: runtime/engine/draft_chain.py drafts its k tokens through the lib
 with no host work between them (on CUDA one graph launch a token: 1.34x against 1.02x for the
 engine's way on the Qwen2.5-Coder pair on an H100, docs/BENCHMARKS.md, session 37). Other rounds
 take the engine's way above; the two caches are kept apart, each in step with the requests it served.
+By default only on a GPU (spec_config.uses_own_caches: on the CPU the engine's way measured faster).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from vtool.runtime.engine.draft_chain import DraftChain, has_draft_chain
 from vtool.runtime.engine.kv_cache import PagedKVCache
 from vtool.runtime.engine.request import Request
 from vtool.runtime.engine.runner import ModelRunner
-from vtool.runtime.engine.spec_config import SpeculativeConfig
+from vtool.runtime.engine.spec_config import SpeculativeConfig, uses_own_caches
 from vtool.runtime.engine.step_types import ScheduledSequence, SchedulerOutput
 from vtool.runtime.sampling.host import draw_index, make_generator, scratch_buffers, target_probs
 
@@ -72,7 +73,8 @@ class DraftModelProposer:
         self._seqs: OrderedDict[str, _DraftSequence] = OrderedDict()  # least recently used first
         self._next_id = 0
         # the library's own draft cache (built with --draft-cache-len), for one greedy request alone
-        self.chain: DraftChain | None = DraftChain(self.model) if has_draft_chain(self.model) else None
+        self.chain: DraftChain | None = DraftChain(self.model) \
+            if has_draft_chain(self.model) and uses_own_caches(config, self.model) else None
         self.chain_rounds = 0  # rounds drafted through it
 
     @classmethod

@@ -6,7 +6,10 @@ cache (draft_step, k steps queued without a wait) and the target scores them in 
 call over its own (runtime/engine/draft_chain.py). On an H100 that round gave the Qwen2.5-Coder
 pair 1.59x against 1.34x for the engine's verification through the paged cache
 (docs/BENCHMARKS.md, session 37). Those caches hold one sequence each, so the engine takes this
-way only for a request alone: nothing else running, waiting or compiling a grammar.
+way only for a request alone: nothing else running, waiting or compiling a grammar; and by default
+only on a GPU (spec_config.uses_own_caches: on the CPU chain_verify's eight rows and its serial
+attention cost more than the engine's verification; "own_caches": true in --speculative-config
+takes this way there too).
 
 The rule, in the engine (engine.py step_core): a request alone that asks for nothing the rows'
 argmax cannot give (greedy; no logprobs, penalties, logit bias, min_tokens still pending, grammar
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from vtool.runtime.engine.draft_chain import ChainVerifier, DraftChain, chain_round, has_chain_verify
 from vtool.runtime.engine.request import Request
+from vtool.runtime.engine.spec_config import uses_own_caches
 from vtool.runtime.sampling.device import can_sample_on_device
 
 if TYPE_CHECKING:
@@ -43,7 +47,7 @@ class LoneChain:
         target's library has chain_verify."""
         spec = engine.speculator
         draft = getattr(spec.proposer, "chain", None) if spec is not None else None
-        if draft is None or not has_chain_verify(engine.model):
+        if draft is None or not has_chain_verify(engine.model) or not uses_own_caches(spec.config, engine.model):
             return None
         return cls(ChainVerifier(engine.model), draft, spec.config.num_speculative_tokens)
 

@@ -28,8 +28,9 @@ _HEAD_METHODS = {
     "medusa": "Medusa heads",
     "mlp_speculator": "an MLP speculator head",
 }
-# "artifact" is vtool's own key: the draft's prebuilt artifact, for installs without the compiler.
-_KEYS = {"artifact", "method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+# vtool's own keys: "artifact", the draft's prebuilt artifact, for installs without the compiler;
+# "own_caches", whether a greedy round may run on the libraries' own caches (uses_own_caches).
+_KEYS = {"artifact", "own_caches", "method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size", "quantization", "dtype", "revision", "draft_tensor_parallel_size",
          "max_model_len"}
 _DRAFT_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -52,9 +53,23 @@ class SpeculativeConfig:
     # its weights' path, so an engine in another process opens it without compiling.
     draft_artifact: str | None = None
     draft_path: str | None = None
+    # Libraries built with --draft-cache-len: None (auto) uses their own caches on a GPU only,
+    # True on any device, False never (uses_own_caches).
+    own_caches: bool | None = None
 
     def resolved(self, draft_artifact: str, draft_path: str) -> SpeculativeConfig:
         return dataclasses.replace(self, draft_artifact=draft_artifact, draft_path=draft_path)
+
+
+def uses_own_caches(config: SpeculativeConfig, model: Any) -> bool:
+    """Whether speculation may draft (and, with a target built alike, verify) through a library's
+    own cache (engine/draft_chain.py, engine/lone_chain.py). Auto: on a GPU, where one captured
+    call a token beats an engine step (1.34x / 1.59x against 1.02x on an H100); not on the CPU,
+    where the engine's way measured faster (the Qwen2.5-Coder pair on a 2-core Xeon: 0.98x through
+    the engine, 0.68x drafting through the draft's cache, 0.33x with the target's too:
+    chain_verify's eight rows and its serial attention cost 4-7 decode steps there;
+    docs/BENCHMARKS.md)."""
+    return config.own_caches if config.own_caches is not None else bool(getattr(model, "on_gpu", False))
 
 
 def _int(value: Any, key: str, low: int, high: int | None = None) -> int:
@@ -107,7 +122,7 @@ def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeCon
     max_len = raw.get("max_model_len")
     max_len = None if max_len is None else _int(max_len, "max_model_len", 1)
     if method == "ngram":
-        for key in ("model", "quantization", "dtype", "revision"):
+        for key in ("model", "quantization", "dtype", "revision", "artifact", "own_caches"):
             if raw.get(key) is not None:
                 raise VtoolError(f"--speculative-config: {key} belongs to a draft model, not method \"ngram\"")
         lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
@@ -138,6 +153,11 @@ def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeCon
     artifact = raw.get("artifact")
     if artifact is not None and not isinstance(artifact, str):
         raise VtoolError(f"--speculative-config: artifact must be a path, got {artifact!r}")
+    own = raw.get("own_caches")
+    if own == "auto":
+        own = None
+    if own is not None and not isinstance(own, bool):
+        raise VtoolError(f"--speculative-config: own_caches must be true, false or \"auto\", got {own!r}")
     return SpeculativeConfig("draft_model", k, model=model, revision=revision, dtype=dtype,
                              quantization=quantization, disable_by_batch_size=disable, max_model_len=max_len,
-                             draft_artifact=artifact)
+                             draft_artifact=artifact, own_caches=own)

@@ -10,7 +10,8 @@ write-new-code one (`write`), through the model's chat template unless --raw.
 The report counts the verification steps that took the argmax of every row on the device, and
 gives the host seconds of the target's and the draft's model runners (launch / wait-and-sample)
 over all runs. With a draft model each k runs up to three times: `k4` as the engine runs it (when both
-libraries were built with --draft-cache-len, the request alone runs over both models' own caches,
+libraries were built with --draft-cache-len, the request alone runs over both models' own caches
+("own_caches": true, also on the CPU),
 runtime/engine/lone_chain.py, `lone_rounds` counts those rounds; a draft library with the cache alone
 drafts through it, runtime/engine/draft_chain.py, `chain_rounds`), `k4-paged` with the target's own
 cache off (verification through the paged cache; only when the target has one), and `k4-engine` with
@@ -20,6 +21,7 @@ host). --profile N prints the N most costly functions (cProfile, cumulative) of 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import cProfile
 import io
 import json
@@ -91,22 +93,22 @@ def main() -> None:
     del base
     for k in ks:
         if a.draft_artifact:
-            config = parse_speculative_config({"model": str(a.draft_model), "num_speculative_tokens": k}) \
+            config = parse_speculative_config({"model": str(a.draft_model), "num_speculative_tokens": k,
+                                               "own_caches": True}) \
                 .resolved(str(a.draft_artifact), str(a.draft_model))
         else:
             config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": k,
                                                "prompt_lookup_min": lo, "prompt_lookup_max": hi})
         variants = ("", "-paged", "-engine") if has_chain_verify(session.model) else ("", "-engine")
         for variant in variants if a.draft_artifact else ("",):
-            engine = Engine(session, EngineConfig(max_num_seqs=4, speculative=config))
+            own = dataclasses.replace(config, own_caches=variant != "-engine") if a.draft_artifact else config
+            engine = Engine(session, EngineConfig(max_num_seqs=4, speculative=own))
             draft_runner = getattr(engine.speculator.proposer, "runner", None)
             if draft_runner is not None and "draft_step_ms" not in report:
                 proposer = engine.speculator.proposer
                 report["draft_step_ms"] = step_times(SimpleNamespace(model=proposer.model, kv=proposer.kv), 1)
-            if variant in ("-paged", "-engine"):
+            if variant == "-paged":  # the draft's own cache, the target's verification through the paged one
                 engine.lone_chain = None
-            if variant == "-engine":
-                engine.speculator.proposer.chain = None
             calls = count_device_verifies(engine)
             decode_rate(engine, prompt, 16)
             t0 = time.perf_counter()
