@@ -17,6 +17,7 @@ import click
 from rich.console import Console
 
 from vtool import VtoolError, __version__
+from vtool.runtime.engine.spec_config import pair_cache_len
 
 # No emoji codes: rich would print a completion's "arr[1:x:2]" as "arr[1❌2]" (even with markup off),
 # and its 1 MiB emoji table would load on the first print (issue 16: `vtool run`'s peak memory).
@@ -49,7 +50,7 @@ def main() -> None:
 
 class ArtifactBuilder(Protocol):
     def __call__(self, model_path: Path, target: str, dtype: str, *, quantization: str = "auto",
-                 activations: str = "auto", hf_overrides: str = "") -> Path: ...
+                 activations: str = "auto", hf_overrides: str = "", draft_cache_len: int = 0) -> Path: ...
 
 
 _builder: ArtifactBuilder | None = None
@@ -80,7 +81,8 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
 
 
 def artifact_for(model_path: Path, artifact: str | None, target: str, dtype: str,
-                 quantization: str = "auto", activations: str = "auto", hf_overrides: str | None = None) -> Path:
+                 quantization: str = "auto", activations: str = "auto", hf_overrides: str | None = None,
+                 draft_cache_len: int = 0) -> Path:
     """The prebuilt artifact when given (a folder, or a release archive verified and unpacked
     into the cache; nothing is compiled, so no compiler is needed), else the cached or fresh
     build when this install has the compiler. hf_overrides: --hf-overrides (a prebuilt
@@ -101,8 +103,9 @@ def artifact_for(model_path: Path, artifact: str | None, target: str, dtype: str
     if _builder is None:
         raise VtoolError("this vtool is the runtime only (no compiler): pass --artifact with a folder made by "
                          "`vtool build` or an archive made by `vtool dist archive`")
+    extra = {"draft_cache_len": draft_cache_len} if draft_cache_len else {}
     return _builder(model_path, target, dtype, quantization=quantization, activations=activations,
-                    hf_overrides=hf_overrides or "")
+                    hf_overrides=hf_overrides or "", **extra)
 
 
 # --- options shared with the compiler's commands ----------------------------------------------------
@@ -191,7 +194,8 @@ def _speculative(raw: str | None, target: str, dtype: str) -> Any:
 
     config = parse_speculative_config(raw)
     build = None if _builder is None else \
-        (lambda path, draft_dtype, quantization: artifact_for(path, None, target, draft_dtype, quantization))
+        (lambda path, draft_dtype, quantization: artifact_for(path, None, target, draft_dtype, quantization,
+                                                              draft_cache_len=pair_cache_len(config)))
     return with_draft_built(config, dtype, build)
 
 
@@ -262,7 +266,8 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
     model_path = resolve_model(model, revision)
     checkpoint = open_checkpoint(model_path)
     spec = _speculative(speculative_config, target, dtype)
-    artifact_dir = artifact_for(model_path, artifact, target, dtype, quantization, activations, hf_overrides)
+    artifact_dir = artifact_for(model_path, artifact, target, dtype, quantization, activations, hf_overrides,
+                                pair_cache_len(spec))
     options = RunOptions(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                          seed=seed, stream=stream, repeat=repeat, chat=chat, tokenizer_config=tokenizer_config,
                          max_model_len=max_model_len,
@@ -374,7 +379,8 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
     parse_hf_overrides(hf_overrides)  # bad JSON refused before the model is fetched or opened
     model_path = resolve_model(model, revision)
     checkpoint = open_checkpoint(model_path)
-    run_server(artifact_for(model_path, artifact, target, dtype, quantization, activations, hf_overrides), checkpoint,
+    run_server(artifact_for(model_path, artifact, target, dtype, quantization, activations, hf_overrides,
+                            pair_cache_len(engine_config.speculative)), checkpoint,
                engine_config, opts,
                console)
 
@@ -468,12 +474,12 @@ def bench(model: str | None, revision: str | None, url: str | None, endpoint: st
         bench_main(opts, None, out)
         return
     model_path = resolve_model(model, revision)
-    # built here, with progress, before the server starts
-    artifact_dir = artifact_for(model_path, artifact, target, dtype, quantization, activations, hf_overrides)
+    # checked, and the draft built, before the server starts; then the target, with progress
+    spec = _speculative(speculative_config, target, dtype) if speculative_config is not None else None
+    artifact_dir = artifact_for(model_path, artifact, target, dtype, quantization, activations, hf_overrides,
+                                pair_cache_len(spec))
     limited = [x for x in levels if x > 0]
     seqs = max_num_seqs or (max(limited) if limited else 32)
-    if speculative_config is not None:
-        _speculative(speculative_config, target, dtype)  # checked, and a draft built, before the server starts
     with local_server(model_path, artifact_dir, max_num_seqs=seqs, max_num_batched_tokens=max_num_batched_tokens,
                       num_blocks=num_blocks, console=console,
                       extra_args=["--speculative-config", speculative_config] if speculative_config else []

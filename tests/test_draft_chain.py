@@ -255,6 +255,30 @@ def test_sizes_and_targets(tiny_model_dir):
     assert "draft_cache_len" not in a and b["draft_cache_len"] == 64
 
 
+def test_a_speculative_pair_gets_its_own_caches_on_cuda_by_default(tiny_model_dir, tiny_shape_dir):
+    """DRAFT_CACHE_AUTO (what run/serve/bench/LLM build a draft-model pair with): a CUDA target gets
+    up to 4096 positions within the context, the CPU none (the engine's way is faster there), a
+    model the cache cannot serve none, saying why, instead of a refusal."""
+    from vtool.runtime.engine.spec_config import PAIR_DRAFT_CACHE, pair_cache_len
+    from vtool.toolchain.plan import DRAFT_CACHE_AUTO, BuildOptions, resolve_plan
+
+    assert PAIR_DRAFT_CACHE == DRAFT_CACHE_AUTO
+    ckpt = open_checkpoint(tiny_model_dir)
+    context = ckpt.config()["max_position_embeddings"]
+    auto = BuildOptions(draft_cache_len=DRAFT_CACHE_AUTO)
+    assert resolve_plan(ckpt, "sm_90a", auto, tools=False).draft_cache_len == min(4096, context)
+    assert resolve_plan(ckpt, "host", auto, tools=False).draft_cache_len == 0
+    heard: list[str] = []
+    window = open_checkpoint(tiny_shape_dir("mistral-window"))
+    assert resolve_plan(window, "sm_90a", auto, notice=heard.append, tools=False).draft_cache_len == 0
+    assert any("without the model's own cache" in h and "sliding window" in h for h in heard)
+    draft = parse_speculative_config({"model": "d", "num_speculative_tokens": 3})
+    assert pair_cache_len(draft) == DRAFT_CACHE_AUTO and pair_cache_len(None) == 0
+    assert pair_cache_len(parse_speculative_config({"model": "d", "num_speculative_tokens": 3,
+                                                    "own_caches": False})) == 0
+    assert pair_cache_len(parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3})) == 0
+
+
 def test_the_cuda_attention_refuses_what_it_cannot_lay_out():
     from vtool.schedules.cuda.draft_chain import attention_layout, attention_part_gpu
 

@@ -41,9 +41,9 @@ def build_with_progress(model_path: Path, target: str, dtype: str, output: str |
 
 
 def _builder(model_path: Path, target: str, dtype: str, *, quantization: str = "auto",
-             activations: str = "auto", hf_overrides: str = "") -> Path:
+             activations: str = "auto", hf_overrides: str = "", draft_cache_len: int = 0) -> Path:
     return build_with_progress(model_path, target, dtype, quantization=quantization, activations=activations,
-                               hf_overrides=hf_overrides)
+                               hf_overrides=hf_overrides, draft_cache_len=draft_cache_len)
 
 
 register_builder(_builder)

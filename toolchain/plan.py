@@ -84,7 +84,8 @@ class BuildOptions:
     records: bool = True  # apply the tuning records found for the target (tuning_logs/<target>/)
     cuda_graph_sizes: str = "auto"  # "auto", "none" or comma-separated batch sizes (CUDA_GRAPH_SIZES_NONE above)
     hf_overrides: str = ""  # --hf-overrides: a JSON object of config.json fields (runtime/weights/hf_overrides.py)
-    draft_cache_len: int = 0  # --draft-cache-len: draft_extend/draft_step over a cache of this many positions; 0: none
+    draft_cache_len: int = 0  # --draft-cache-len: draft_extend/draft_step over a cache of this many positions; 0: none;
+    # DRAFT_CACHE_AUTO: what a speculative pair gets by default (resolve_draft_cache_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +295,7 @@ def resolve_plan(checkpoint: Checkpoint, target: str | TargetSpec, options: Buil
     digest = _records_digest(spec) if options.records else ""
     toolchain = family.toolchain(spec) if tools else None
     graph_sizes = resolve_cuda_graph_sizes(options.cuda_graph_sizes, spec)
-    draft_len = resolve_draft_cache_len(options.draft_cache_len, cfg, spec, options.dtype)
+    draft_len = resolve_draft_cache_len(options.draft_cache_len, cfg, spec, options.dtype, notice=notice)
     return BuildPlan(
         target=spec, config=cfg, source_config=MappingProxyType(source_config(raw)), source_format=checkpoint.format,
         dtype=options.dtype, quantization=quantization, kept=MappingProxyType(dict(kept)),
@@ -305,11 +306,31 @@ def resolve_plan(checkpoint: Checkpoint, target: str | TargetSpec, options: Buil
         draft_cache_len=draft_len)
 
 
-def resolve_draft_cache_len(requested: int, cfg: ModelConfig, target_spec: TargetSpec, dtype: str) -> int:
+DRAFT_CACHE_AUTO = -1
+DEFAULT_DRAFT_CACHE_LEN = 4096
+
+
+def resolve_draft_cache_len(requested: int, cfg: ModelConfig, target_spec: TargetSpec, dtype: str,
+                            notice: Callable[[str], None] | None = None) -> int:
     """--draft-cache-len: 0, or the positions of the draft cache (models/draft_chain.py) when this
-    model and target can have one; what cannot work is refused by name. Never on by itself: a draft
-    model built for --speculative-config gets none, as measured on an H100 (session 36,
-    docs/BENCHMARKS.md) the step through it is still slower than the engine's draft step."""
+    model and target can have one; what cannot work is refused by name.
+
+    DRAFT_CACHE_AUTO (what run/serve/bench ask for the target and the draft of a --speculative-config
+    draft model): DEFAULT_DRAFT_CACHE_LEN positions (at most the model's context) on a CUDA target,
+    where speculating through the two caches measured fastest (1.59x against 1.34x through the
+    paged cache on an H100, docs/BENCHMARKS.md session 37); none elsewhere (on the CPU the engine's
+    way measured faster, runtime/engine/spec_config.py uses_own_caches) or where the model cannot
+    have one (said by `notice`)."""
+    if requested == DRAFT_CACHE_AUTO:
+        if family_of(target_spec).name != "cuda":
+            return 0
+        try:
+            return resolve_draft_cache_len(min(DEFAULT_DRAFT_CACHE_LEN, cfg.max_position_embeddings), cfg,
+                                           target_spec, dtype)
+        except VtoolError as e:
+            if notice:
+                notice(f"speculation without the model's own cache: {e}")
+            return 0
     if not requested:
         return 0
     # only now: the model rooms import TVM, which a `vtool run` finding its build cached never loads

@@ -72,6 +72,20 @@ def uses_own_caches(config: SpeculativeConfig, model: Any) -> bool:
     return config.own_caches if config.own_caches is not None else bool(getattr(model, "on_gpu", False))
 
 
+# toolchain/plan.py DRAFT_CACHE_AUTO (not imported: the runtime never loads the compiler): the
+# target and the draft of a draft-model pair are built with their own caches where those pay
+PAIR_DRAFT_CACHE = -1
+
+
+def pair_cache_len(config: SpeculativeConfig | None) -> int:
+    """The draft_cache_len a speculative pair's libraries are built with (by run, serve, bench and
+    LLM): PAIR_DRAFT_CACHE (CUDA targets get caches, toolchain/plan.py) for a draft model whose
+    "own_caches" is not false; 0 otherwise."""
+    if config is None or config.method != "draft_model" or config.own_caches is False:
+        return 0
+    return PAIR_DRAFT_CACHE
+
+
 def _int(value: Any, key: str, low: int, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise VtoolError(f"--speculative-config: {key} must be an integer, got {value!r}")
