@@ -440,6 +440,23 @@ def test_a_bad_own_caches_key_is_refused_by_name(raw, says):
         parse_speculative_config({k: v for k, v in {**base, **raw}.items() if v is not None})
 
 
+def test_a_request_that_outgrows_the_caches_finishes_the_engine_s_way(chain_session, chain_artifact, tiny_model_dir):
+    """A prompt of 70 tokens and 40 more: past the caches' 96 positions the request goes back to
+    the scheduler (recomputed into the paged cache) and ends with the tokens it would have had."""
+    ids = [int(t) for t in np.random.default_rng(4).integers(1, 400, size=70)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = drive(Engine(chain_session, EngineConfig()), [(0, ids, params)])
+    engine = chain_engine(chain_session, tiny_model_dir, chain_artifact, 4)
+    engine.add_request("r0", ids, params)
+    got, held = [], []
+    while engine.has_unfinished():
+        for o in engine.step():
+            got.extend(o.new_token_ids)
+        held.append(engine._alone is not None)
+    assert got == want["r0"] and idle(engine)
+    assert held[0] and not held[-1] and engine.stats()["lone_chain_rounds"] > 1
+
+
 @pytest.mark.parametrize("params, rounds", [
     (SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True), 0),
     (SamplingParams(temperature=0, logprobs=2, max_tokens=8, ignore_eos=True), 0),

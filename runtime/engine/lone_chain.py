@@ -55,9 +55,11 @@ class LoneChain:
         """Whether a round of this request's can go through the two caches: its next token is the
         rows' argmax, nothing reads or edits the rows, and the target's cache has room for it."""
         p = request.params
+        # past the draft's cache a round would only decode, slower than the engine's captured step
+        drafts_fit = not request.output_ids or self.draft.fits(request.num_tokens, 1)
         return (p.greedy and not request.sampler.logits_processors and p.prompt_logprobs is None
                 and can_sample_on_device(p, len(request.output_ids))
-                and self.verifier.fits(request.num_tokens, 0))
+                and self.verifier.fits(request.num_tokens, 0) and drafts_fit)
 
     def round(self, request: Request, room: int) -> tuple[list[int], int]:
         """The request's next tokens (at most room) and the number of drafts scored: none in the
