@@ -16,7 +16,9 @@ runtime/engine/lone_chain.py, `lone_rounds` counts those rounds; a draft library
 drafts through it, runtime/engine/draft_chain.py, `chain_rounds`), `k4-paged` with the target's own
 cache off (verification through the paged cache; only when the target has one), and `k4-engine` with
 the draft's off too (each draft token an engine step of the draft, its logits row scanned on the
-host). --profile N prints the N most costly functions (cProfile, cumulative) of one speculative run.
+host). Each row also gives the time to the first token of a prompt no cache holds (first_token_ms:
+a request alone on the own caches prefills through draft_extend, not the paged prefill).
+--profile N prints the N most costly functions (cProfile, cumulative) of one speculative run.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from spec_oracle import decode_rate, step_times
 from vtool.runtime.engine.draft_chain import has_chain_verify
 from vtool.runtime.engine.engine import Engine, EngineConfig
 from vtool.runtime.engine.spec_config import parse_speculative_config
+from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.session import open_session
 from vtool.runtime.weights.checkpoint import open_checkpoint
 
@@ -57,6 +60,23 @@ def count_device_verifies(engine: Engine) -> dict[str, int]:
 
     engine.runner._finish_greedy_rows = counted_rows
     return calls
+
+
+def first_token_ms(engine: Engine, prompt: list[int], runs: int = 3) -> float:
+    """Milliseconds from admission to the first token, best of `runs`, for prompts no cache holds
+    any of (the first token changed each run: the paged prefix cache and the own caches alike
+    would otherwise hand the prompt back)."""
+    best = float("inf")
+    for run in range(runs):
+        ids = [(prompt[0] + 1 + run) % engine.vocab_size] + list(prompt[1:])
+        engine.add_request(f"ttft{run}", ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        t0, first = time.perf_counter(), None
+        while engine.has_unfinished():
+            if any(o.new_token_ids for o in engine.step()) and first is None:
+                first = time.perf_counter()
+        best = min(best, (first - t0) * 1e3)
+    engine.reset_prefix_cache()
+    return round(best, 2)
 
 
 def main() -> None:
@@ -87,6 +107,7 @@ def main() -> None:
     decode_rate(base, prompt, 16)
     rates = [decode_rate(base, prompt, a.tokens) for _ in range(3)]
     report["no_spec_tok_s"] = max(r for r, _ in rates)
+    report["no_spec_first_token_ms"] = first_token_ms(base, prompt)
     reference = rates[0][1]
     ks = [int(x) for x in a.k.split(",")]
     report["target_step_ms"] = step_times(base, max(ks))  # the model alone, logits copied back
@@ -126,6 +147,7 @@ def main() -> None:
                                    if draft_runner is not None else None),
                 "chain_rounds": getattr(engine.speculator.proposer, "chain_rounds", 0),
                 "lone_rounds": s["lone_chain_rounds"], **calls}
+            report[f"k{k}{variant}"]["first_token_ms"] = first_token_ms(engine, prompt)
             if a.profile and variant == "":
                 prof = cProfile.Profile()
                 prof.enable()
