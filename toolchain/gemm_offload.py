@@ -28,7 +28,7 @@ GEMM_CHOICES = ("auto", "tir", "cublas")
 EXTERN_SYMBOL = "vtool_cublas_gemm_nt"
 FP8_SYMBOL = "vtool_cublaslt_fp8_gemm_nt"  # e4m3 x e4m3 on cuBLASLt (models/fp8_linear.py's W8A8 matmuls)
 FP8_DTYPE = "float8_e4m3fn"
-OFFLOADED_FUNCTIONS = ("prefill", "batch_prefill", "batch_decode", "batch_verify", "chain_verify")
+OFFLOADED_FUNCTIONS = ("prefill", "batch_prefill", "batch_decode", "batch_verify", "chain_verify", "draft_extend")
 SOURCE = Path(__file__).with_name("native") / "cublas_gemm.cc"
 _OFFLOADED_DTYPES = ("bfloat16", "float16", "float32")
 
