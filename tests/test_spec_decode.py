@@ -17,7 +17,8 @@ from vtool import VtoolError
 from vtool.runtime.engine.decode_buckets import CAPTURED_VERIFY_ENTRY
 from vtool.runtime.engine.engine import Engine, EngineConfig
 from vtool.runtime.engine.ngram_proposer import NgramProposer, ngram_drafts
-from vtool.runtime.engine.spec_config import DEFAULT_DISABLE_BY_BATCH_SIZE, parse_speculative_config
+from vtool.runtime.engine.spec_config import (DEFAULT_DISABLE_BY_BATCH_SIZE, GPU_DRAFT_DISABLE_BY_BATCH_SIZE,
+                                             batch_size_limit, parse_speculative_config)
 from vtool.runtime.session import with_draft_built
 from vtool.runtime.sampling.host import SequenceSampler
 from vtool.runtime.sampling.params import SamplingParams
@@ -30,7 +31,27 @@ def test_ngram_config_takes_vllms_defaults():
     assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 3, 5, 5)
     c = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
-    assert c.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    assert c.disable_by_batch_size is None  # the device decides (batch_size_limit)
+
+
+@pytest.mark.parametrize("raw,on_gpu,limit", [
+    ({"method": "ngram", "num_speculative_tokens": 2}, False, DEFAULT_DISABLE_BY_BATCH_SIZE),
+    ({"method": "ngram", "num_speculative_tokens": 2}, True, DEFAULT_DISABLE_BY_BATCH_SIZE),
+    ({"model": "d", "num_speculative_tokens": 2}, False, DEFAULT_DISABLE_BY_BATCH_SIZE),
+    ({"model": "d", "num_speculative_tokens": 2}, True, GPU_DRAFT_DISABLE_BY_BATCH_SIZE),
+    ({"model": "d", "num_speculative_tokens": 2, "disable_by_batch_size": 6}, True, 6),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 3}, False, 3),
+])
+def test_the_batch_size_rule_depends_on_the_device_unless_given(raw, on_gpu, limit):
+    # a draft model on a GPU pays for a request alone only (measured on an H100); the model's
+    # device is all the rule reads (a real library answers on_gpu from its device)
+    class Library:
+        pass
+
+    library = Library()
+    library.on_gpu = on_gpu
+    assert GPU_DRAFT_DISABLE_BY_BATCH_SIZE == 2 < DEFAULT_DISABLE_BY_BATCH_SIZE
+    assert batch_size_limit(parse_speculative_config(raw), library) == limit
 
 
 def test_a_model_alone_means_a_draft_model():
@@ -321,6 +342,8 @@ def test_the_tiny_model_as_its_own_draft_accepts_everything_and_changes_nothing(
     assert s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"] > 0
     assert s["spec_accepted_per_pos"][0] == s["spec_num_drafts"]
     draft = engine.speculator.proposer
+    # on the CPU a draft model keeps speculating up to 8 running sequences
+    assert engine.speculator.config.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
     assert engine.kv.in_sync() and draft.kv.in_sync() and engine.kv_usage() == 0.0
     assert draft.kv.blocks.num_free_blocks == draft.kv.blocks.num_blocks  # released with their requests
     # sampling with a seed: the same tokens twice

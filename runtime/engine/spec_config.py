@@ -19,6 +19,11 @@ NGRAM_DEFAULT_LOOKUP = 5
 # sequences the batch itself keeps the device busy and rejected drafts are wasted work
 # (vLLM's disable_by_batch_size, which vLLM leaves unset; measured in docs/BENCHMARKS.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# A draft model on a GPU speculates for a request alone only: with two or more running, each
+# draft token is an engine step of the draft and the target verifies over the paged cache,
+# which lost to plain decode on an H100 (the Qwen2.5-Coder pair served to 4 and 8 users: 0.77x
+# and 0.85x of no speculation), while a request alone ran 1.73x (session 39, docs/BENCHMARKS.md).
+GPU_DRAFT_DISABLE_BY_BATCH_SIZE = 2
 
 _HEAD_METHODS = {
     "eagle": "an EAGLE draft head",
@@ -47,7 +52,7 @@ class SpeculativeConfig:
     revision: str | None = None
     dtype: str = "auto"  # the draft's; auto: the target's
     quantization: str = "auto"
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = None  # None: batch_size_limit's rule
     max_model_len: int | None = None
     # Filled by whoever builds the draft (the CLI / LLM): the compiled draft's folder and
     # its weights' path, so an engine in another process opens it without compiling.
@@ -70,6 +75,17 @@ def uses_own_caches(config: SpeculativeConfig, model: Any) -> bool:
     chain_verify's eight rows and its serial attention cost 4-7 decode steps there;
     docs/BENCHMARKS.md)."""
     return config.own_caches if config.own_caches is not None else bool(getattr(model, "on_gpu", False))
+
+
+def batch_size_limit(config: SpeculativeConfig, model: Any) -> int:
+    """The running batch at which steps go without drafts: what the config says, else 2 for a
+    draft model on a GPU (only a request alone pays there) and 8 otherwise (n-gram lookup, and
+    a draft model on the CPU, where the draft's step costs a fraction of the target's)."""
+    if config.disable_by_batch_size is not None:
+        return config.disable_by_batch_size
+    if config.method == "draft_model" and getattr(model, "on_gpu", False):
+        return GPU_DRAFT_DISABLE_BY_BATCH_SIZE
+    return DEFAULT_DISABLE_BY_BATCH_SIZE
 
 
 # toolchain/plan.py DRAFT_CACHE_AUTO (not imported: the runtime never loads the compiler): the
@@ -132,7 +148,7 @@ def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeCon
     if tp is not None and _int(tp, "draft_tensor_parallel_size", 1) != 1:
         raise VtoolError("--speculative-config: draft_tensor_parallel_size must be 1 (vtool runs one device)")
     disable = raw.get("disable_by_batch_size")
-    disable = DEFAULT_DISABLE_BY_BATCH_SIZE if disable is None else _int(disable, "disable_by_batch_size", 1)
+    disable = None if disable is None else _int(disable, "disable_by_batch_size", 1)
     max_len = raw.get("max_model_len")
     max_len = None if max_len is None else _int(max_len, "max_model_len", 1)
     if method == "ngram":
