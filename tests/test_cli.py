@@ -76,3 +76,15 @@ def test_bad_input_is_one_clear_line_and_exit_2(args, message):
     assert done.returncode == 2
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_build_keeps_why_an_auto_choice_fell_back_on_the_terminal(tiny_model_dir, tmp_path):
+    # the plan's notices went to the transient status line and were lost; each is a "note:" on
+    # stderr now, cached build or not, and stdout stays the artifact's path alone
+    for _ in range(2):  # built, then found in the cache: the plan (and its notices) comes first
+        done = vtool("build", "--model", str(tiny_model_dir), "--target", "host", "--dtype", "float16",
+                     "--output", str(tmp_path / "f16"))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == str(tmp_path / "f16")
+        flat = " ".join(done.stderr.split())  # rich wraps long lines
+        assert "note: --dtype float16 on a CPU target" in flat, done.stderr

@@ -273,7 +273,7 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
                    checkpoint: Checkpoint | None = None, force: bool = False, gemm: str = "auto",
                    quantization: str = "auto", attention: str = "auto", activations: str = "auto",
                    records: bool = True, cuda_graph_sizes: str = "auto", hf_overrides: str = "",
-                   draft_cache_len: int = 0) -> Path:
+                   draft_cache_len: int = 0, notice: Progress | None = None) -> Path:
     """Build (or find in the cache) the artifact for one checkpoint, target and dtype: the
     options (BuildOptions: plan.py says what each value does) are resolved into a BuildPlan,
     refused there by name when they cannot work, and the plan is built.
@@ -299,7 +299,10 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
     records it and the runtime applies it to the checkpoint's config too.
 
     draft_cache_len: positions of the speculative draft cache (models/draft_chain.py): the library
-    gets draft_extend / draft_step, which a draft model drafts through (0: none)."""
+    gets draft_extend / draft_step, which a draft model drafts through (0: none).
+
+    notice: hears why an "auto" choice fell back (dequantized GGUF blocks, TIR attention, no draft
+    cache) or what a dtype costs, for the user to read; default: progress."""
     progress = progress or (lambda _msg: None)
     options = BuildOptions(dtype=dtype, quantization=quantization, activations=activations, gemm=gemm,
                            attention=attention, records=records, cuda_graph_sizes=cuda_graph_sizes,
@@ -312,7 +315,7 @@ def build_artifact(model_path: str | Path, target_name: str = "host", dtype: str
         del requested["draft_cache_len"]
     target_spec = check_request(target_name, options)  # refused before the checkpoint is read
     ckpt = checkpoint or open_checkpoint(model_path)
-    plan = resolve_plan(ckpt, target_spec, options, notice=progress)
+    plan = resolve_plan(ckpt, target_spec, options, notice=notice or progress)
     return build_from_plan(plan, ckpt, output, progress, force, requested)
 
 

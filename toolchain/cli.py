@@ -34,10 +34,13 @@ def build_with_progress(model_path: Path, target: str, dtype: str, output: str |
                 if msg.startswith(("built", "using cached", "tuning")):  # "tuning ...": records used / ignored
                     terminal.print(f"[dim]{msg}[/]", highlight=False)
 
+            def note(msg: str) -> None:  # why an auto choice fell back: kept on the terminal, not a status line
+                terminal.print(Text.assemble(("note: ", "yellow"), msg), highlight=False)
+
             return build_artifact(model_path, target, dtype, output=output, progress=report, force=force, gemm=gemm,
                                   quantization=quantization, attention=attention, activations=activations,
                                   cuda_graph_sizes=cuda_graph_sizes, hf_overrides=hf_overrides,
-                                  draft_cache_len=draft_cache_len)
+                                  draft_cache_len=draft_cache_len, notice=note)
 
 
 def _builder(model_path: Path, target: str, dtype: str, *, quantization: str = "auto",
