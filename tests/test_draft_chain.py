@@ -556,3 +556,28 @@ def test_a_server_runs_a_lone_greedy_request_on_both_caches_and_two_at_once_as_w
         assert list(pool.map(complete, [0, 1, 0, 1])) == [texts[0], texts[1], texts[0], texts[1]]
     assert chain_server.metric("vllm:kv_cache_usage_perc") == 0.0
     assert chain_server.metric("vllm:num_requests_running") == 0
+
+
+@pytest.mark.parametrize("variant", ["q4_k", "q4_1"])
+def test_a_library_keeping_gguf_blocks_speculates_on_its_caches_as_its_decode(variant, tmp_path):
+    """What a GGUF pair gets by default (a CUDA bf16 build keeps Q4_K/Q6_K or Q4_1/Q8_0 files in
+    their blocks): draft_extend, draft_step and chain_verify over quantized matmuls, here on the
+    CPU's kernels, give the library's own greedy decode, its drafts all kept."""
+    from quant_gguf import VARIANTS, write_tiny_gguf
+
+    from vtool.runtime.artifact.library import CompiledModel
+    from vtool.toolchain.build import build_artifact
+
+    qtype_of, tie, kept, shape = VARIANTS[variant]
+    path = write_tiny_gguf(tmp_path / "m.gguf", qtype_of, tie=tie, shape=shape)
+    ckpt = open_checkpoint(path)
+    artifact = build_artifact(path, "host", "float32", checkpoint=ckpt, quantization="gguf", draft_cache_len=CACHE_LEN)
+    model = CompiledModel(artifact, ckpt)
+    assert model.manifest["quantization"] == "gguf" and has_chain_verify(model)
+    gen = Generator(model, 256)
+    prompt = [1, 17, 42, 99, 7, 3, 250, 11, 64, 5, 200, 31]
+    for k in (1, 4, 7):
+        expected = list(gen.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)).token_ids)
+        tokens, stats = chain_generate(ChainVerifier(model), DraftChain(model), list(prompt), 20, k)
+        assert tokens == expected, k
+        assert stats["accepted"] == stats["drafted"] > 0
