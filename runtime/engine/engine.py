@@ -30,7 +30,7 @@ from vtool.runtime.engine.prefix_cache import PrefixCache
 from vtool.runtime.engine.request import CoreOutput, FinishedRequestStats, Request, Status, StepOutput
 from vtool.runtime.engine.runner import InFlightStep, ModelRunner
 from vtool.runtime.engine.scheduler import POLICIES, Scheduler, SchedulerConfig
-from vtool.runtime.engine.spec_config import SpeculativeConfig, batch_size_limit
+from vtool.runtime.engine.spec_config import SpeculativeConfig
 from vtool.runtime.engine.speculator import Speculator
 from vtool.runtime.engine.step_types import ScheduledSequence
 from vtool.runtime.engine.text_stage import TextStage
@@ -196,10 +196,7 @@ class Engine:
         self.output_processor = OutputProcessor(self.max_model_len)
         # Before the KV cache: on a GPU the cache takes a share of what memory is free, and a
         # draft model's weights and cache must be in place by then.
-        # (the batch-size rule resolved for this device: engine/spec_config.py batch_size_limit)
-        self.speculator = Speculator.create(dataclasses.replace(
-            config.speculative, disable_by_batch_size=batch_size_limit(config.speculative, self.model)), self) \
-            if config.speculative else None
+        self.speculator = Speculator.create(config.speculative, self) if config.speculative else None
         # A greedy request alone speculates over the two libraries' own caches when both have
         # them (engine/lone_chain.py); it is then held here, outside the scheduler.
         self.lone_chain = LoneChain.open(self) if self.speculator is not None else None

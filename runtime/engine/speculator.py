@@ -8,11 +8,12 @@ Requests asking for prompt logprobs are still in their prompt and get none.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
 from vtool.runtime.engine.ngram_proposer import NgramProposer
 from vtool.runtime.engine.request import Request
-from vtool.runtime.engine.spec_config import SpeculativeConfig
+from vtool.runtime.engine.spec_config import SpeculativeConfig, batch_size_limit
 
 if TYPE_CHECKING:
     from vtool.runtime.engine.engine import Engine
@@ -45,6 +46,8 @@ class Speculator:
 
     @classmethod
     def create(cls, config: SpeculativeConfig, engine: Engine) -> Speculator:
+        # the batch-size rule as this device resolves it (spec_config.batch_size_limit)
+        config = dataclasses.replace(config, disable_by_batch_size=batch_size_limit(config, engine.model))
         if config.method == "ngram":
             return cls(config, NgramBatch(config), engine)
         from vtool.runtime.engine.draft_proposer import DraftModelProposer
