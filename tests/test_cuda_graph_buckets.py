@@ -107,7 +107,7 @@ class FakeKV:
         self.blocks.remove(seq_id)
         self.log.append(("remove", seq_id))
 
-    def begin_forward(self, seq_ids, lengths) -> None:
+    def begin_forward(self, seq_ids, lengths, queued_early: bool = False) -> None:
         assert self.in_forward is None and len(seq_ids) == len(set(seq_ids)) <= self.max_num_seqs
         for s, n in zip(seq_ids, lengths):
             self.blocks.append(s, n)

@@ -76,3 +76,12 @@ def test_a_request_aborted_while_its_step_is_in_flight_frees_its_blocks(tiny_ses
     assert "r1" not in ends and len(got["r1"]) < requests[1][2].max_tokens
     assert {k: v for k, v in got.items() if k != "r1"} == alone[0]
     assert engine.counters.finished.get("abort") == 1
+
+
+
+def test_the_cpu_engine_has_no_model_thread_and_does_not_chain(tiny_session):
+    """On the CPU a model call is the computation (Python beside it would take a core from TVM's
+    thread pool) and steps do not chain (the draw is on the host): the defaults ask for both."""
+    engine = Engine(tiny_session, EngineConfig())
+    assert engine.config.chain_steps is None and engine.config.overlap_model_calls
+    assert engine.model_thread is None and engine.runner.model_thread is None and not engine._chains

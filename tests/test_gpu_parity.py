@@ -422,14 +422,16 @@ def test_smollm2_engine_samples_on_the_gpu_like_the_host(smollm2):
         assert ours == theirs, f"{kind}: device {ours} vs host {theirs}"
 
 
-def _scripted_engine_run(session, chain: bool, script: dict[int, list[tuple[str, Any]]],
-                         max_num_seqs: int = 8) -> tuple[dict[str, list[int]], dict[str, str], Any]:
+def _scripted_engine_run(session, chain: bool | None, script: dict[int, list[tuple[str, Any]]],
+                         max_num_seqs: int = 8, overlap: bool = True) -> tuple[dict[str, list[int]], dict[str, str], Any]:
     """Step an engine, doing script[k] (("add", (rid, ids, params)) or ("abort", rid)) before call k;
-    the tokens and finish reason of each request, and the engine (its blocks checked after)."""
+    the tokens and finish reason of each request, and the engine (its blocks checked after).
+    overlap: model calls on the model thread beside the host work (engine/model_thread.py)."""
     from vtool.runtime.engine.engine import Engine, EngineConfig
 
     engine = Engine(session, EngineConfig(max_num_seqs=max_num_seqs, enable_prefix_caching=False,
-                                          gpu_memory_utilization=0.3, chain_steps=chain))
+                                          gpu_memory_utilization=0.3, chain_steps=chain,
+                                          overlap_model_calls=overlap))
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     for call in range(20 * STEPS):
@@ -474,18 +476,63 @@ def test_smollm2_chained_steps_change_no_token(smollm2):
               7: [("add", ("r4", prompts[1][:9], params(4, lengths[4])))],
               11: [("abort", "r2")],
               19: [("add", ("r5", prompts[2], params(5, lengths[5])))]}
-    waited, waited_reasons, plain = _scripted_engine_run(session, False, script)
-    chained, chained_reasons, engine = _scripted_engine_run(session, True, script)
+    waited, waited_reasons, plain = _scripted_engine_run(session, False, script, overlap=False)
+    chained, chained_reasons, engine = _scripted_engine_run(session, True, script, overlap=False)
     print(f"[chained steps] {engine.counters.chained_steps} of {engine.counters.steps} steps chained; "
           f"{plain.counters.steps} steps without")
-    assert plain.counters.chained_steps == 0
+    assert plain.counters.chained_steps == 0 and plain.model_thread is None
     assert engine.counters.chained_steps >= STEPS // 2, "hardly any step was chained"
+    # and chained with the model thread (engine/model_thread.py), step N collected while step N+1's
+    # call queues it: the default (chain_steps None: steps of 2+ sequences) and every step (True)
+    for chain in (None, True):
+        threaded, threaded_reasons, beside = _scripted_engine_run(session, chain, script)
+        calls = beside.model_thread.overlapped_calls
+        print(f"[model thread, chain_steps={chain}] {calls} of {beside.counters.steps} steps' model calls beside "
+              f"host work, {beside.counters.chained_steps} chained")
+        assert calls >= STEPS // 2, "hardly any model call ran beside the host work"
+        assert threaded_reasons == waited_reasons
+        assert threaded == waited, f"model thread (chain={chain}): {threaded} vs waiting {waited}"
     assert chained_reasons == waited_reasons
     for rid in waited:
         assert chained[rid] == waited[rid], f"{rid}: chained {chained[rid]} vs waiting {waited[rid]}"
         if rid != "r2":
             assert len(chained[rid]) == lengths[int(rid[1:])]
     assert 0 < len(chained["r2"]) < lengths[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_smollm2_steps_whose_draw_reports_logprobs_do_not_chain(smollm2):
+    """A draw that reports logprobs leaves its step's logits rows for the host to copy when the step
+    is collected; a chained next step (captured at the same size: the same logits buffer) would
+    write them first. So while such a request runs, steps wait: its logprobs and everyone's tokens
+    equal the run that never chains, and steps chain again once it has ended."""
+    from vtool.runtime.engine.engine import Engine, EngineConfig
+
+    session, _, prompts, _ = smollm2
+
+    def run(chain: bool | None) -> tuple[dict[str, list], Any]:
+        engine = Engine(session, EngineConfig(max_num_seqs=4, enable_prefix_caching=False,
+                                              gpu_memory_utilization=0.3, chain_steps=chain))
+        engine.add_request("plain", prompts[0], SamplingParams(max_tokens=STEPS, ignore_eos=True, temperature=0.0),
+                           with_text=False)
+        engine.add_request("logprobs", prompts[1], SamplingParams(max_tokens=STEPS // 2, ignore_eos=True,
+                                                                  temperature=0.8, seed=5, logprobs=3),
+                           with_text=False)
+        got: dict[str, list] = {"plain": [], "logprobs": []}
+        while engine.has_unfinished():
+            for out in engine.step_core():
+                got[out.request_id].extend(zip(out.new_token_ids, out.new_logprobs or [None] * len(out.new_token_ids)))
+        return got, engine
+
+    waited, _ = run(False)
+    chained, engine = run(None)
+    assert chained == waited
+    assert all(lp is not None and len(lp) >= 3 for _, lp in chained["logprobs"])
+    # chained only after the logprobs request ended: the plain one then runs alone (one sequence does
+    # not chain by default), so no step chains at all here; with two plain requests some would
+    print(f"[logprobs and chaining] {engine.counters.chained_steps} of {engine.counters.steps} steps chained")
+    assert engine.counters.chained_steps == 0
 
 
 @pytest.mark.gpu
@@ -500,12 +547,12 @@ def test_smollm2_a_stop_token_ends_a_chained_request_where_it_should(smollm2):
     stop = free["r0"][STEPS // 2]
     first = free["r0"].index(stop)
     stopping = SamplingParams(max_tokens=STEPS, temperature=0.0, stop_token_ids=[stop])
-    for chain in (False, True):
+    for chain in (False, True, None):  # None, the default: one sequence alone does not chain
         tokens, reasons, engine = _scripted_engine_run(session, chain,
                                                        {0: [("add", ("r0", prompts[0], stopping))]})
         assert tokens["r0"] == free["r0"][: first + 1], f"chain={chain}"
         assert reasons == {"r0": "stop"}
-        assert (engine.counters.chained_steps > 0) == chain
+        assert (engine.counters.chained_steps > 0) == (chain is True)
 
 
 # -- (c) FlashInfer attention (`vtool build --attention flashinfer`) ----------------------------

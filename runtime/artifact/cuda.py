@@ -134,6 +134,11 @@ class CudaRuntime:
         self._check(self._lib.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)), "cudaMemGetInfo")
         return free.value, total.value
 
+    def set_device(self, index: int) -> None:
+        """Make the GPU's primary context current on the calling thread (a thread that launches
+        TVM's kernels, which use the driver API, needs one)."""
+        self._check(self._lib.cudaSetDevice(index), "cudaSetDevice")
+
     def event_create(self) -> ctypes.c_void_p:
         """A CUDA event without timing (the cheap kind), for ordering host work after the device's."""
         event = ctypes.c_void_p()

@@ -19,14 +19,21 @@ What that changes, and what it does not:
   and the write the queued step makes to them comes before any later use, in stream order.
 - New requests are admitted by the scheduler: when one could be, the engine waits for step
   N as before.
+- A step whose draw reports logprobs does not chain: collecting it copies those rows of its
+  logits to the host, and a next step captured at the same batch size writes the same logits
+  buffer (a CUDA graph's static output) before that copy would run.
 - TVM's KV cache copies each step's page tables on a non-blocking stream of its own, so the
   next step's copy must not start under a running step: PagedKVCache.fence_steps makes each
   begin_forward wait for the previous step's model work (its logits), which leaves only the
   previous step's draw overlapped with this step's queueing.
 
-Off by default (EngineConfig.chain_steps, VTOOL_CHAINED_STEPS=1): on the H200 with an 8B-shape
-model at 64 sequences the waiting engine's step already equals the model step plus its draw, so
-chaining measured no faster (docs/BENCHMARKS.md, "Chained decode steps").
+On by default where the model thread runs the chained step's entry call (engine/model_thread.py)
+and the step has at least two sequences (EngineConfig.chain_steps None): step N is then collected
+and its outputs built while step N+1's call queues it, on another thread. Chaining alone measured
+no faster (on the H200 with an 8B-shape model at 64 sequences the waiting engine's step already
+equals the model step plus its draw; on an H100 with the SmolLM2 shape the host work simply moved),
+nor did either way for one sequence (docs/BENCHMARKS.md, "Chained decode steps", "The model
+thread"); VTOOL_CHAINED_STEPS=1 chains every step that can, thread or not, =0 none.
 """
 from __future__ import annotations
 

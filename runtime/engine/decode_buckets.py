@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any, Sequence
 
 import numpy as np
@@ -132,11 +133,14 @@ class DecodeBuckets:
         free = blocks.num_free_blocks - sum(blocks.blocks_needed(s, 1) for s in seq_ids)
         return plan_padding(len(seq_ids), self.sizes, free)
 
-    def forward(self, step: Any, device_tokens: DeviceTokens | None = None) -> Any | None:
+    def forward(self, step: Any, device_tokens: DeviceTokens | None = None,
+                call: Callable[..., Any] | None = None) -> Any | None:
         """Run an all-decode SchedulerOutput padded: the logits of its own rows ([n, 1, V]
         float32, a view on the device), or None when this step runs unpadded instead (then
         nothing was done). device_tokens: the rows' input tokens are on the device, drawn by
-        the step before (a chained step, engine/chained_steps.py)."""
+        the step before (a chained step, engine/chained_steps.py). call: how the entry point is
+        called, call(graph key, function, *args) (the model runner's call_entry, which may run
+        it on the model thread); None calls it here."""
         sequences = step.sequences
         seq_ids = [s.seq_id for s in sequences]
         plan = self.plan(seq_ids)
@@ -152,10 +156,12 @@ class DecodeBuckets:
             for pad in plan.pad_ids:
                 kv.add(pad)
                 added.append(pad)
-            kv.begin_forward(seq_ids + list(plan.pad_ids), [1] * plan.size)
+            kv.begin_forward(seq_ids + list(plan.pad_ids), [1] * plan.size, queued_early=device_tokens is not None)
             try:
                 embeds = self._create_view(flat, m.ffi.Shape([plan.size, 1, m.hidden_size]), m.dtype, 0)
-                logits, _ = self.entry(embeds, kv.tvm, m.params)
+                args = (embeds, kv.tvm, m.params)
+                logits, _ = call((CAPTURED_ENTRY, plan.size), self.entry, *args) if call is not None \
+                    else self.entry(*args)
             finally:
                 kv.end_forward()
         finally:

@@ -25,6 +25,7 @@ from vtool.runtime.engine.kv_blocks import blocks_for_window
 from vtool.runtime.engine.kv_cache import (PagedKVCache, cache_layers, frees_window, frees_window_by_default,
                                           sliding_window, window_kept)
 from vtool.runtime.engine.lone_chain import LoneChain
+from vtool.runtime.engine.model_thread import Beside, model_thread_for
 from vtool.runtime.engine.output_processor import OutputProcessor
 from vtool.runtime.engine.prefix_cache import PrefixCache
 from vtool.runtime.engine.request import CoreOutput, FinishedRequestStats, Request, Status, StepOutput
@@ -32,7 +33,7 @@ from vtool.runtime.engine.runner import InFlightStep, ModelRunner
 from vtool.runtime.engine.scheduler import POLICIES, Scheduler, SchedulerConfig
 from vtool.runtime.engine.spec_config import SpeculativeConfig
 from vtool.runtime.engine.speculator import Speculator
-from vtool.runtime.engine.step_types import ScheduledSequence
+from vtool.runtime.engine.step_types import ScheduledSequence, SchedulerOutput
 from vtool.runtime.engine.text_stage import TextStage
 from vtool.runtime.engine.validation import RequestError, RequestLimits
 from vtool.runtime.sampling.host import SampleResult, SequenceSampler, prompt_logprobs
@@ -47,6 +48,16 @@ log = logging.getLogger("vtool.engine")
 DEFAULT_KV_MEMORY_BYTES = 1 << 30  # CPU default budget for K/V when --num-blocks is not given
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 CHAINED_STEPS_ENV = "VTOOL_CHAINED_STEPS"
+OVERLAP_MODEL_CALLS_ENV = "VTOOL_OVERLAP_MODEL_CALLS"
+# Chained steps by default (EngineConfig.chain_steps None) only for this many sequences or more:
+# one sequence's step lost 6-10% chained, with or without the model thread (BENCHMARKS.md).
+CHAIN_MIN_ROWS = 2
+
+
+def _env_switch(name: str) -> bool | None:
+    """An on/off environment setting: None when unset or empty, False for 0, True otherwise."""
+    value = os.environ.get(name, "")
+    return None if value == "" else value != "0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +82,19 @@ class EngineConfig:
     # False runs one step at a time. The CPU always does (its launches are the computation).
     async_scheduling: bool = True
     # With async_scheduling on a GPU, queue a plain decode step before the previous step's tokens
-    # are back, its input tokens read on the device (chained_steps.py). Off by default
-    # (VTOOL_CHAINED_STEPS=1 turns it on): correct, but on the H200 it measured no faster than
-    # waiting for the tokens (docs/BENCHMARKS.md, "Chained decode steps").
-    chain_steps: bool = dataclasses.field(
-        default_factory=lambda: os.environ.get(CHAINED_STEPS_ENV, "") not in ("", "0"))
+    # are back, its input tokens read on the device (chained_steps.py). None (the default): when
+    # the model thread runs the chained step's call (overlap_model_calls), for steps of at least
+    # CHAIN_MIN_ROWS sequences: the previous step is then collected beside that call, 4-21% faster
+    # steps at 4-64 sequences on an H100; chaining alone, or one sequence, measured no faster
+    # (docs/BENCHMARKS.md, "The model thread"). True: every step that can chain does, thread or not;
+    # False: none. VTOOL_CHAINED_STEPS=1 / 0 sets True / False.
+    chain_steps: bool | None = dataclasses.field(default_factory=lambda: _env_switch(CHAINED_STEPS_ENV))
+    # With async_scheduling on a GPU, run a chained step's entry-point call on a thread of its own
+    # while this thread takes the previous step's tokens and builds its outputs (model_thread.py):
+    # a small model's step is bound by the host, and TVM's VM releases the GIL while it queues the
+    # step. VTOOL_OVERLAP_MODEL_CALLS=0 turns it off.
+    overlap_model_calls: bool = dataclasses.field(
+        default_factory=lambda: _env_switch(OVERLAP_MODEL_CALLS_ENV) is not False)
     # Structured output: append the tokens a grammar forces without a decode step each
     # (engine/grammar_stage.py); False decodes them one step at a time.
     grammar_jump_forward: bool = True
@@ -264,9 +283,14 @@ class Engine:
         self._overlap = config.async_scheduling and self.runner.queues_work
         # Chained steps (chained_steps.py): the next step queued before the last one's tokens are
         # back, when the device draws them; not with speculation (drafts need the tokens on the
-        # host) nor the window-freeing cache (CPU only).
-        self._chains = self._overlap and config.chain_steps and self.speculator is None and not self.kv.frees \
-            and self.runner.device_sampler is not None
+        # host) nor the window-freeing cache (CPU only). By default only with the model thread
+        # (model_thread.py), which runs the chained step's call while the last step is collected.
+        can_chain = self._overlap and config.chain_steps is not False and self.speculator is None \
+            and not self.kv.frees and self.runner.device_sampler is not None
+        self.model_thread = model_thread_for(self.model) if can_chain and config.overlap_model_calls else None
+        self.runner.model_thread = self.model_thread
+        self._chains = can_chain and (config.chain_steps is True or self.model_thread is not None)
+        self._chain_min_rows = 1 if config.chain_steps is True else CHAIN_MIN_ROWS
         if self._chains:
             from vtool.runtime.artifact.tvm_runtime import cuda_runtime
 
@@ -376,14 +400,30 @@ class Engine:
         admit), it is launched first, chained to the device's draw, so the device never waits
         for the host between the two (chained_steps.py). Outputs therefore come one call
         later; has_unfinished() stays true until the last launched step has been collected."""
-        collected = []
+        collected: list[tuple[list[tuple[Request, Any, str | None, int | None, float | None, list[int]]], float]] = []
+        outputs: list[CoreOutput] = []
+
+        def emit() -> None:  # the outputs of what was collected so far
+            t0 = time.perf_counter()
+            outputs.extend(out for taken, now in collected for out in self._emit(taken, now))
+            collected.clear()
+            self.counters.output_seconds += time.perf_counter() - t0
+
         if self.grammar.has_pending:
             self._admit_compiled()
         chained = None
         if self._in_flight is not None:
-            launched, self._in_flight = self._in_flight, None
-            chained = self._launch_chained(launched)  # before the wait, when the next step is known
-            collected.append(self._collect(launched))
+            flying, self._in_flight = self._in_flight, None
+
+            def collect_and_emit() -> None:
+                collected.append(self._collect(flying))
+                emit()
+
+            # before the wait, when the next step is known; the flying step is collected beside
+            # the chained step's model call when a model thread runs it (model_thread.py)
+            chained = self._launch_chained(flying, collect_and_emit)
+            if chained is None or not chained.flight.beside_ran:
+                collected.append(self._collect(flying))
         if chained is not None:
             self._in_flight = chained
         elif (alone := self._lone_request()) is not None:
@@ -393,9 +433,7 @@ class Engine:
                 self._in_flight = launched
             else:
                 collected.append(self._collect(launched))
-        t0 = time.perf_counter()
-        outputs = [out for taken, now in collected for out in self._emit(taken, now)]
-        self.counters.output_seconds += time.perf_counter() - t0
+        emit()
         if self._in_flight is not None:
             self.runner.queue_draw(self._in_flight.flight)  # a grammar step's draw, its mask filled meanwhile
         if self._failed:
@@ -483,7 +521,16 @@ class Engine:
         launched_at = time.perf_counter()
         return _Launched(requests, self.runner.launch(scheduled), launched_at)
 
-    def _launch_chained(self, launched: _Launched) -> _Launched | None:
+    def _launch_beside(self, step: SchedulerOutput, device_tokens: DeviceTokens, beside: Beside | None) -> InFlightStep:
+        """runner.launch of a chained step, `beside` run while its model call queues it when the
+        model thread takes the call, the KV cache's removals held meanwhile (requests the host
+        work ends free their blocks after the call)."""
+        if beside is None or self.model_thread is None:
+            return self.runner.launch(step, device_tokens)
+        with self.kv.holding_removals():
+            return self.runner.launch(step, device_tokens, beside)
+
+    def _launch_chained(self, launched: _Launched, beside: Beside | None = None) -> _Launched | None:
         """Queue the next step right behind a launched one, its input tokens read on the device
         from the launched step's draw (engine/chained_steps.py), when that step is known without
         them; None: the next step needs the scheduler, after the launched step is collected."""
@@ -492,12 +539,16 @@ class Engine:
         t0 = time.perf_counter()
         flight, scheduler = launched.flight, self.scheduler
         running = scheduler.running
+        # Not behind a draw that reports logprobs: the host copies those rows of the step's logits
+        # when it collects it, and a captured next step writes the same logits buffer first.
         rows = chain_rows(launched.requests, flight.step,
-                          flight.on_device and flight.draw is not None and flight.pending_draw is None,
+                          flight.on_device and flight.draw is not None and flight.pending_draw is None
+                          and not flight.draw.logprob_rows,
                           running, bool(scheduler.waiting) and len(running) < self.config.max_num_seqs,
                           self.config.max_num_batched_tokens, self.output_processor.room)
         blocks = self.kv.blocks
-        if rows is None or sum(blocks.blocks_needed(r.seq_id, 1) for r in running) > blocks.num_free_blocks:
+        if rows is None or len(rows) < self._chain_min_rows \
+                or sum(blocks.blocks_needed(r.seq_id, 1) for r in running) > blocks.num_free_blocks:
             self.counters.schedule_seconds += time.perf_counter() - t0
             return None  # the scheduler evicts cached prefixes or preempts for blocks; not here
         requests = [launched.requests[i] for i in rows]
@@ -507,7 +558,8 @@ class Engine:
         self.counters.steps += 1
         self.counters.chained_steps += 1
         launched_at = time.perf_counter()
-        return _Launched(requests, self.runner.launch(step, DeviceTokens(flight.draw.tokens, tuple(rows))), launched_at)
+        return _Launched(requests, self._launch_beside(step, DeviceTokens(flight.draw.tokens, tuple(rows)), beside),
+                         launched_at)
 
     def _collect(self, launched: _Launched) -> tuple[list[tuple[Request, Any, str | None, int | None, float | None,
                                                                 list[int]]], float]:

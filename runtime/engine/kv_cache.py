@@ -1,7 +1,8 @@
 """TVM's paged KV cache and its Python block mirror, changed together in one place."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 from vtool import VtoolError
 from vtool.runtime.artifact.library import CompiledModel
@@ -97,6 +98,7 @@ class PagedKVCache:
         self._begin, self._end = self._f["kv_state_begin_forward"], self._f["kv_state_end_forward"]
         self._last_key: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # begin_forward's
         self._last_shapes: tuple[Any, Any] = ()
+        self._held: list[int] | None = None  # holding_removals' sequences, while it holds
         self._cuda: Any = None  # fence_steps
         self._recorded = False
         self.max_num_seqs = max_num_seqs  # TVM sizes a step's arrays by it: no step may run more rows
@@ -121,8 +123,26 @@ class PagedKVCache:
         self._f["kv_state_fork_sequence"](self.handle, parent, child, fork_pos)
 
     def remove(self, seq_id: int) -> None:
+        if self._held is not None:
+            self._held.append(seq_id)
+            return
         self.blocks.remove(seq_id)
         self._f["kv_state_remove_sequence"](self.handle, seq_id)
+
+    @contextlib.contextmanager
+    def holding_removals(self) -> Iterator[None]:
+        """Hold every remove() made inside until the end (mirror and TVM's cache alike): host
+        work run beside a model call on another thread (engine/model_thread.py) may end requests,
+        and TVM's cache must not change while that call runs its attention."""
+        if self._held is not None:
+            raise VtoolError("PagedKVCache.holding_removals does not nest")
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            for seq_id in held:
+                self.remove(seq_id)
 
     def pop(self, seq_id: int, num_tokens: int) -> None:
         """Take back the sequence's last num_tokens (speculative tokens the target rejected)."""
@@ -146,19 +166,22 @@ class PagedKVCache:
         records an event behind the step's model work, and the next begin_forward waits for it:
         at most until the previous step's logits are computed, so its draw and the rest of this
         step's queueing still overlap. When the previous step was collected first (every step
-        that is not chained), the event has fired long before."""
+        that is not chained), the event has fired long before, and begin_forward does not wait on it."""
         self._cuda = cuda
         self._model_done = cuda.event_create()
         self._recorded = False
 
-    def begin_forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
+    def begin_forward(self, seq_ids: Sequence[int], lengths: Sequence[int], queued_early: bool = False) -> None:
+        """queued_early: the step is queued before the previous one was collected (a chained step):
+        with fence_steps, wait for the previous step's model work first. A step queued after the
+        previous was collected skips the wait (that work is long done) and its ctypes call."""
         for seq_id, n in zip(seq_ids, lengths):
             self.blocks.append(seq_id, n)
         # The last step's Shapes when the batch is the same (decode steps of the same sequences).
         key = (tuple(seq_ids), tuple(lengths))
         if key != self._last_key:
             self._last_key, self._last_shapes = key, (self._shape(list(key[0])), self._shape(list(key[1])))
-        if self._recorded:
+        if queued_early and self._recorded:
             self._cuda.event_synchronize(self._model_done)  # the previous step no longer reads TVM's buffers
         self._begin(self.handle, *self._last_shapes)
 

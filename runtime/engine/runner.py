@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from vtool.runtime.engine.block_decode import prompt_path_rows, tensor_core_batc
 from vtool.runtime.engine.chained_steps import DeviceTokens, fill_token_ids
 from vtool.runtime.engine.decode_buckets import CAPTURED_VERIFY_ENTRY, DecodeBuckets, captured_verify_tokens
 from vtool.runtime.engine.kv_cache import PagedKVCache
+from vtool.runtime.engine.model_thread import Beside, ModelThread
 from vtool.runtime.engine.step_types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SequenceResult
 from vtool.runtime.sampling.bitmask_batch import prefill_grammars
 from vtool.runtime.sampling.device import ARGMAX, DeviceSampler, PreparedDraw
@@ -100,13 +102,21 @@ class InFlightStep:
     argmax_rows: Any = None
     # a draw whose grammar mask is still being filled: queue_draw() queues it (finish() at the latest)
     pending_draw: PreparedDraw | None = None
+    # the host work launch() was given ran beside the model's call (engine/model_thread.py)
+    beside_ran: bool = False
 
 
 class ModelRunner:
-    def __init__(self, model: Any, kv: PagedKVCache, device_sampling: bool = True, continuations: bool = False):
+    def __init__(self, model: Any, kv: PagedKVCache, device_sampling: bool = True, continuations: bool = False,
+                 model_thread: ModelThread | None = None):
         """continuations: every multi-token step holds tokens already decided elsewhere (a
-        draft model catching up with its target), so it runs with decode's numerics too."""
+        draft model catching up with its target), so it runs with decode's numerics too.
+        model_thread: where an entry-point call runs beside the host work launch() is given
+        (engine/model_thread.py); None: every call runs on the caller's thread."""
         self.model = model
+        self.model_thread = model_thread
+        self._beside: Beside | None = None  # launch()'s host work, until an entry call takes it
+        self._beside_seconds = 0.0
         self.continuations = continuations
         self.kv = kv
         self.vocab_size = model.vocab_size
@@ -149,12 +159,16 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         return self.finish(self.launch(step))
 
-    def launch(self, step: SchedulerOutput, device_tokens: DeviceTokens | None = None) -> InFlightStep:
+    def launch(self, step: SchedulerOutput, device_tokens: DeviceTokens | None = None,
+               beside: Beside | None = None) -> InFlightStep:
         """Queue the step: the model, and the draw when the device samples every row that
         samples (its inputs, grammar masks included, uploaded first: a host-to-device copy
         waits for the queued work). device_tokens: an all-decode step whose input tokens the
-        step before drew on the device (engine/chained_steps.py)."""
+        step before drew on the device (engine/chained_steps.py). beside: host work to run
+        while the model's call queues the step (engine/model_thread.py); the result's
+        beside_ran says whether it ran (if not, the caller runs it)."""
         t0 = time.perf_counter()
+        self._beside, self._beside_seconds = beside, 0.0
         sequences = step.sequences
         to_sample = [i for i, s in enumerate(sequences) if s.sample]
         samplers = [sequences[i].sampler for i in to_sample]
@@ -163,7 +177,10 @@ class ModelRunner:
                 and self.device_sampler.can_sample(samplers)):
             # a grammar mask is filled on a worker while the model step is queued
             prepared = self.device_sampler.prepare_batch(samplers, defer_mask=True)
-        logits = self._forward(step, device_tokens)
+        try:
+            logits = self._forward(step, device_tokens)
+        finally:
+            beside_ran, self._beside = self._beside is None and beside is not None, None
         draw = pending = None
         if prepared is not None and prepared.mask_job is not None:
             pending = prepared  # queue_draw: after the caller's host work, while the model step runs
@@ -172,8 +189,29 @@ class ModelRunner:
         argmax_rows = None
         if prepared is None and to_sample and self._greedy_rows_on_device(step, logits, samplers):
             argmax_rows = self.device_sampler.launch(logits.tensor, PreparedDraw(logits.num_rows, ARGMAX, ()))
-        self.seconds["forward"] += time.perf_counter() - t0
-        return InFlightStep(step, logits, to_sample, samplers, prepared is not None, draw, argmax_rows, pending)
+        self.seconds["forward"] += time.perf_counter() - t0 - self._beside_seconds
+        return InFlightStep(step, logits, to_sample, samplers, prepared is not None, draw, argmax_rows, pending,
+                            beside_ran)
+
+    def call_entry(self, key: Hashable, fn: Any, *args: Any) -> Any:
+        """A decode entry-point call of a step being launched, beside the launch's host work when
+        there is a model thread (the work runs once per launch, at its first such call);
+        `key` names the call's CUDA graphs (model_thread.py: unseen ones run alone). Only
+        all-decode steps come here (the only ones chained), so the keys seen stay few: one per
+        batch size. Multi-token steps call their entry directly."""
+        beside = self._beside
+        if self.model_thread is None or beside is None or not self.model_thread.knows(key):
+            return self.model_thread.call(key, fn, args, None) if self.model_thread is not None else fn(*args)
+        self._beside = None  # taken: launch() reports it ran
+        t0 = time.perf_counter()
+
+        def timed() -> None:
+            try:
+                beside()
+            finally:
+                self._beside_seconds += time.perf_counter() - t0
+
+        return self.model_thread.call(key, fn, args, timed)
 
     def queue_draw(self, flight: InFlightStep) -> None:
         """Queue a launched step's draw if it waits for a grammar mask (launch() left it
@@ -310,7 +348,7 @@ class ModelRunner:
             raise VtoolError("a step whose tokens are on the device must be all decode")
         if all_decode and self.decode_buckets is not None and not (len(sequences) == 1 and self.single_on_decode):
             # CUDA graphs, padded (decode_buckets.py)
-            padded = self.decode_buckets.forward(step, device_tokens)
+            padded = self.decode_buckets.forward(step, device_tokens, self.call_entry)
             if padded is not None:
                 owners = [i if s.num_logit_rows else -1 for i, s in enumerate(sequences)]
                 return StepLogits(m, padded, self.vocab_size, owners)
@@ -324,14 +362,15 @@ class ModelRunner:
         ids = m.upload_ints(tokens, "ids") if device_tokens is None else \
             fill_token_ids(m, tokens, device_tokens, self._create_view)
         flat = m.function("embed")(ids, m.params)
-        self.kv.begin_forward(seq_ids, lengths)
+        self.kv.begin_forward(seq_ids, lengths, queued_early=device_tokens is not None)
         try:
             if all_decode:
                 embeds = self._create_view(flat, self._shape(len(sequences), 1, m.hidden_size), m.dtype, 0)
                 # One sequence takes the static-shape `decode`: on CUDA it is a captured graph
                 # of GEMV kernels, where batch_decode's symbolic batch runs uncaptured matmuls.
                 entry = "decode" if len(sequences) == 1 else "batch_decode"
-                logits = self._first(m.function(entry)(embeds, self.kv.tvm, m.params), 0)
+                logits = self._first(self.call_entry((entry, len(sequences)), m.function(entry),
+                                                     embeds, self.kv.tvm, m.params), 0)
                 owners = [i if s.num_logit_rows else -1 for i, s in enumerate(sequences)]
                 return StepLogits(m, logits, self.vocab_size, owners)
             positions: list[int] = []
