@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,9 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0",
                     help="comma list: every run at each (0: greedy, the bench's default, as vLLM's)")
     ap.add_argument("--top-p", type=float, help="sent with every request (default: none, the server's)")
+    ap.add_argument("--envs", help="semicolon-separated, one per artifact: environment settings its server starts "
+                                   "with, e.g. 'VTOOL_OVERLAP_MODEL_CALLS=0;VTOOL_OVERLAP_MODEL_CALLS=1' (the same "
+                                   "artifact twice, two engine settings)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     a.temperatures = [float(t) for t in a.temperatures.split(",")]
@@ -118,17 +122,30 @@ def main() -> None:
     labels = a.labels.split(",") if a.labels else [p.name for p in a.artifacts]
     if len(labels) != len(a.artifacts):
         raise SystemExit(f"--labels names {len(labels)} artifacts, {len(a.artifacts)} given")
+    envs = [dict(kv.split("=", 1) for kv in part.split()) for part in a.envs.split(";")] if a.envs \
+        else [{} for _ in a.artifacts]
+    if len(envs) != len(a.artifacts):
+        raise SystemExit(f"--envs gives {len(envs)} settings, {len(a.artifacts)} artifacts given")
     results = []
     console = Console(stderr=True)
     for round_index in range(a.rounds):
-        order = list(zip(labels, a.artifacts))
+        order = list(zip(labels, a.artifacts, envs))
         if round_index % 2:
             order.reverse()  # alternate who goes first
-        for label, artifact in order:
-            # the runtime's own `vtool serve --artifact` on a free port, stopped before the next
-            with local_server(a.model, artifact, a.max_num_seqs, a.max_num_batched_tokens, None, console,
-                              ["--max-model-len", str(a.max_model_len)]) as (url, _tokenizer):
-                results += measure(label, url, a, runs, round_index)
+        for label, artifact, env in order:
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)  # the server process inherits them
+            try:
+                # the runtime's own `vtool serve --artifact` on a free port, stopped before the next
+                with local_server(a.model, artifact, a.max_num_seqs, a.max_num_batched_tokens, None, console,
+                                  ["--max-model-len", str(a.max_model_len)]) as (url, _tokenizer):
+                    results += measure(label, url, a, runs, round_index)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
     if a.out:
         a.out.write_text(json.dumps(results, indent=1))
 
