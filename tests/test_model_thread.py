@@ -163,3 +163,45 @@ def test_the_runner_queues_a_seen_step_on_the_model_thread_with_the_same_result(
         assert threaded.runner.model_thread.overlapped_calls == 3
     finally:
         threaded.runner.model_thread.close()
+
+
+class RecordingEvents:
+    """Stands in for the CUDA event calls fence_steps makes (no GPU here): what was called."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def event_create(self) -> str:
+        return "event"
+
+    def event_record(self, event: str) -> None:
+        self.calls.append("record")
+
+    def event_synchronize(self, event: str) -> None:
+        self.calls.append("wait")
+
+
+def test_the_fence_records_only_behind_steps_a_chained_step_may_follow(tiny_session):
+    """Steps of fewer sequences than the engine chains record no event (a served one-sequence
+    step paid for the record); a step queued early waits for the last step's event, and one
+    queued early behind a step that recorded none is refused by name."""
+    from vtool.runtime.engine.kv_cache import PagedKVCache
+
+    kv = PagedKVCache(tiny_session.model, 8, 16, 4, 64)
+    events = RecordingEvents()
+    kv.fence_steps(events, min_rows=2)
+    for seq in (0, 1):
+        kv.add(seq)
+    kv.begin_forward([0], [3])
+    kv.end_forward()
+    assert events.calls == []  # one sequence: nothing may chain behind it
+    with pytest.raises(VtoolError, match="recorded no fence"):
+        kv.begin_forward([0], [1], queued_early=True)
+    assert kv.blocks.length(0) == 3  # refused before anything changed
+    kv.begin_forward([0, 1], [1, 4])
+    kv.end_forward()
+    kv.begin_forward([0, 1], [1, 1])  # queued after the last step was collected: no wait
+    kv.end_forward()
+    kv.begin_forward([0, 1], [1, 1], queued_early=True)
+    kv.end_forward()
+    assert events.calls == ["record", "record", "wait", "record"]

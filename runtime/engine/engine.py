@@ -294,7 +294,7 @@ class Engine:
         if self._chains:
             from vtool.runtime.artifact.tvm_runtime import cuda_runtime
 
-            self.kv.fence_steps(cuda_runtime())
+            self.kv.fence_steps(cuda_runtime(), self._chain_min_rows)
         self._in_flight: _Launched | None = None
         self._failed: list[CoreOutput] = []  # requests ended outside a step, reported by the next
 

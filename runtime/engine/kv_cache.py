@@ -101,6 +101,7 @@ class PagedKVCache:
         self._held: list[int] | None = None  # holding_removals' sequences, while it holds
         self._cuda: Any = None  # fence_steps
         self._recorded = False
+        self._fence_rows, self._rows = 1, 0  # fence_steps' min_rows; the rows of the step begun last
         self.max_num_seqs = max_num_seqs  # TVM sizes a step's arrays by it: no step may run more rows
         # TVM may round the page count up; the mirror starts from what TVM reports.
         self.blocks = KVBlockManager(self.tvm_free_blocks(), block_size)
@@ -154,7 +155,7 @@ class PagedKVCache:
             self.blocks.pop(seq_id, num_tokens)
             self._f["kv_state_popn"](self.handle, seq_id, num_tokens)
 
-    def fence_steps(self, cuda: Any) -> None:
+    def fence_steps(self, cuda: Any, min_rows: int = 1) -> None:
         """Let a step be queued before the one before it has run (chained steps, on a GPU).
 
         TVM's cache copies a step's page tables and positions into one device buffer at the step's
@@ -166,30 +167,40 @@ class PagedKVCache:
         records an event behind the step's model work, and the next begin_forward waits for it:
         at most until the previous step's logits are computed, so its draw and the rest of this
         step's queueing still overlap. When the previous step was collected first (every step
-        that is not chained), the event has fired long before, and begin_forward does not wait on it."""
+        that is not chained), the event has fired long before, and begin_forward does not wait on it.
+        min_rows: only steps of this many sequences or more record the event (a step queued early
+        behind a smaller one is never made: the engine chains no step of fewer sequences; on an
+        H100 the record cost a served one-sequence step ~0.2 ms of queueing, BENCHMARKS.md)."""
         self._cuda = cuda
         self._model_done = cuda.event_create()
         self._recorded = False
+        self._fence_rows = min_rows
 
     def begin_forward(self, seq_ids: Sequence[int], lengths: Sequence[int], queued_early: bool = False) -> None:
         """queued_early: the step is queued before the previous one was collected (a chained step):
         with fence_steps, wait for the previous step's model work first. A step queued after the
         previous was collected skips the wait (that work is long done) and its ctypes call."""
+        fenced = queued_early and self._cuda is not None
+        if fenced and not self._recorded:
+            raise VtoolError(f"a step queued before the previous one was collected, behind a step of fewer than "
+                             f"{self._fence_rows} sequences that recorded no fence: that step may not be chained")
         for seq_id, n in zip(seq_ids, lengths):
             self.blocks.append(seq_id, n)
         # The last step's Shapes when the batch is the same (decode steps of the same sequences).
         key = (tuple(seq_ids), tuple(lengths))
         if key != self._last_key:
             self._last_key, self._last_shapes = key, (self._shape(list(key[0])), self._shape(list(key[1])))
-        if queued_early and self._recorded:
+        if fenced:
             self._cuda.event_synchronize(self._model_done)  # the previous step no longer reads TVM's buffers
+        self._rows = len(seq_ids)
         self._begin(self.handle, *self._last_shapes)
 
     def end_forward(self) -> None:
         self._end(self.handle)
         if self._cuda is not None:
-            self._cuda.event_record(self._model_done)
-            self._recorded = True
+            self._recorded = self._rows >= self._fence_rows
+            if self._recorded:
+                self._cuda.event_record(self._model_done)
 
     def in_sync(self) -> bool:
         """Whether the mirror agrees with TVM's own count (checked by the tests)."""
