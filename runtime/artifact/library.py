@@ -245,6 +245,15 @@ class CompiledModel:
         view.view(np.uint8)[:nbytes] = array.reshape(-1).view(np.uint8)
         return global_func("runtime.TVMTensorCreateView")(tensor, self.ffi.Shape(list(array.shape)), dtype, 0)
 
+    def scratch(self, slot: str, shape: tuple[int, ...], dtype: str) -> Any:
+        """A device tensor of this shape for per-step results the runtime writes itself (a view
+        of the slot's buffer, kept and grown as upload's staging: its previous contents must be
+        dead by the next call with the same slot)."""
+        size = 1
+        for d in shape:
+            size *= int(d)
+        return self._staged(slot, tuple(shape), dtype, size)
+
     def _staged(self, slot: str, shape: tuple[int, ...], dtype: str, size: int) -> Any:
         buffer, capacity = self._staging.get((slot, dtype), (None, 0))
         if buffer is None or capacity < size:

@@ -102,6 +102,7 @@ class PagedKVCache:
         self._cuda: Any = None  # fence_steps
         self._recorded = False
         self._fence_rows, self._rows = 1, 0  # fence_steps' min_rows; the rows of the step begun last
+        self._step_rows = 0  # one_step's: the rows of a step run as several forwards
         self.max_num_seqs = max_num_seqs  # TVM sizes a step's arrays by it: no step may run more rows
         # TVM may round the page count up; the mirror starts from what TVM reports.
         self.blocks = KVBlockManager(self.tvm_free_blocks(), block_size)
@@ -158,6 +159,9 @@ class PagedKVCache:
     def fence_steps(self, cuda: Any, min_rows: int = 1) -> None:
         """Let a step be queued before the one before it has run (chained steps, on a GPU).
 
+        Also between the two calls of a mixed step run split (mixed_steps.py): the second waits for
+        the first (on an H200 the 8B shape's split steps died with an illegal address without it).
+
         TVM's cache copies a step's page tables and positions into one device buffer at the step's
         first attention call, from one page-locked host buffer, on a copy stream of its own that
         TVM creates non-blocking: the copy does not wait for the kernels already queued on the
@@ -171,9 +175,10 @@ class PagedKVCache:
         min_rows: only steps of this many sequences or more record the event (a step queued early
         behind a smaller one is never made: the engine chains no step of fewer sequences; on an
         H100 the record cost a served one-sequence step ~0.2 ms of queueing, BENCHMARKS.md)."""
-        self._cuda = cuda
-        self._model_done = cuda.event_create()
-        self._recorded = False
+        if self._cuda is None:  # once: the runner (split mixed steps) and the engine (chained ones) both ask
+            self._cuda = cuda
+            self._model_done = cuda.event_create()
+            self._recorded = False
         self._fence_rows = min_rows
 
     def begin_forward(self, seq_ids: Sequence[int], lengths: Sequence[int], queued_early: bool = False) -> None:
@@ -198,9 +203,20 @@ class PagedKVCache:
     def end_forward(self) -> None:
         self._end(self.handle)
         if self._cuda is not None:
-            self._recorded = self._rows >= self._fence_rows
+            self._recorded = (self._step_rows or self._rows) >= self._fence_rows
             if self._recorded:
                 self._cuda.event_record(self._model_done)
+
+    @contextlib.contextmanager
+    def one_step(self, rows: int) -> Iterator[None]:
+        """Forwards inside make one step of `rows` sequences (a mixed step run as two calls,
+        mixed_steps.py): the fence's rule looks at the whole step, whose rows a chained step may
+        follow, not at each forward's share."""
+        self._step_rows = rows
+        try:
+            yield
+        finally:
+            self._step_rows = 0
 
     def in_sync(self) -> bool:
         """Whether the mirror agrees with TVM's own count (checked by the tests)."""

@@ -23,6 +23,7 @@ from vtool.runtime.engine.block_decode import prompt_path_rows, tensor_core_batc
 from vtool.runtime.engine.chained_steps import DeviceTokens, fill_token_ids
 from vtool.runtime.engine.decode_buckets import CAPTURED_VERIFY_ENTRY, DecodeBuckets, captured_verify_tokens
 from vtool.runtime.engine.kv_cache import PagedKVCache
+from vtool.runtime.engine.mixed_steps import gather_rows, row_sources, split_rows, splits_mixed_steps
 from vtool.runtime.engine.model_thread import Beside, ModelThread
 from vtool.runtime.engine.step_types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SequenceResult
 from vtool.runtime.sampling.bitmask_batch import prefill_grammars
@@ -137,6 +138,16 @@ class ModelRunner:
         # batch_decode over blocks on the tensor cores costs about 1.6x the block GEMV of
         # `decode` for one sequence (block_decode.py): a lone sequence takes `decode`
         self.single_on_decode = tensor_core_batches(model)
+        # a step of prompt chunks beside decodes runs as two calls (mixed_steps.py; opt-in)
+        self.split_mixed = splits_mixed_steps()
+        self.split_steps = 0  # mixed steps run as two calls
+        self._second_part = False  # _forward_split's second call: its begin_forward waits for the first
+        if self.split_mixed and getattr(model, "on_gpu", False):
+            from vtool.runtime.artifact.tvm_runtime import cuda_runtime
+
+            # the second call may not rewrite TVM's page tables under the first (a split step has 2+ rows)
+            kv.fence_steps(cuda_runtime(), min_rows=2)
+        self._copy = global_func("runtime.TVMTensorCopyFromTo")
 
     def _make_device_sampler(self) -> DeviceSampler | None:
         """The library's sampling functions on a GPU (the full logits then stay there), or
@@ -336,6 +347,28 @@ class ModelRunner:
             shape = self._shapes[dims] = self.model.ffi.Shape(list(dims))
         return shape
 
+    def _forward_split(self, step: SchedulerOutput, parts: tuple[list[int], list[int]],
+                       owners: list[int]) -> StepLogits:
+        """A mixed step as an all-decode step and a prompt step, its wanted rows gathered into
+        one device buffer in the step's order (mixed_steps.py)."""
+        sequences = step.sequences
+        self.split_steps += 1
+        done: list[tuple[list[int], StepLogits]] = []
+        with self.kv.one_step(len(sequences)):  # the fence sees the whole step's rows
+            try:
+                for k, indices in enumerate(parts):
+                    # TVM copies each forward's page tables into one device buffer on a copy stream
+                    # that does not wait for queued kernels (kv_cache.py fence_steps): the second
+                    # call's begin_forward waits for the first call's model work
+                    self._second_part = k > 0
+                    done.append((indices, self._forward(SchedulerOutput(tuple(sequences[i] for i in indices)))))
+            finally:
+                self._second_part = False
+        sources = row_sources(owners, [(indices, logits._owner_list) for indices, logits in done])
+        tensor = gather_rows(self.model, self._create_view, self._copy, self.vocab_size, sources,
+                             [logits.tensor for _, logits in done])
+        return StepLogits(self.model, tensor, self.vocab_size, owners)
+
     def _forward(self, step: SchedulerOutput, device_tokens: DeviceTokens | None = None) -> StepLogits:
         """Run the batch; the logits of the rows the sequences want, left on the device."""
         m = self.model
@@ -346,6 +379,10 @@ class ModelRunner:
             all_decode = False  # one token per sequence through batch_verify (block_decode.py)
         if device_tokens is not None and not all_decode:
             raise VtoolError("a step whose tokens are on the device must be all decode")
+        if not all_decode and self.split_mixed and (parts := split_rows(step)) is not None:
+            owners = logit_owners(step)
+            if -1 not in owners:
+                return self._forward_split(step, parts, owners)
         if all_decode and self.decode_buckets is not None and not (len(sequences) == 1 and self.single_on_decode):
             # CUDA graphs, padded (decode_buckets.py)
             padded = self.decode_buckets.forward(step, device_tokens, self.call_entry)
@@ -362,7 +399,7 @@ class ModelRunner:
         ids = m.upload_ints(tokens, "ids") if device_tokens is None else \
             fill_token_ids(m, tokens, device_tokens, self._create_view)
         flat = m.function("embed")(ids, m.params)
-        self.kv.begin_forward(seq_ids, lengths, queued_early=device_tokens is not None)
+        self.kv.begin_forward(seq_ids, lengths, queued_early=device_tokens is not None or self._second_part)
         try:
             if all_decode:
                 embeds = self._create_view(flat, self._shape(len(sequences), 1, m.hidden_size), m.dtype, 0)
