@@ -8,6 +8,8 @@ CPU: the decision, the copy plan, and the gather through the TVM runtime's own t
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -214,3 +216,16 @@ def test_a_step_reading_its_tokens_on_the_device_computes_what_host_tokens_do(ti
             device.tokens[s].append(nxt[s])
         for s, result in zip(live, results):
             np.testing.assert_array_equal(result.logits[-1], want[s], err_msg=f"step {step_index}, sequence {s}")
+
+
+@given(st.text(min_size=1, max_size=8), st.integers(0, 1 << 40), st.integers(-1, 1 << 20), st.integers(0, 1 << 20))
+def test_a_decode_row_is_the_row_init_makes(request_id, seq_id, token, num_computed):
+    """ScheduledSequence.decode_row skips the frozen __init__ for speed: every field, defaults
+    included, must still be what __init__ sets (a field added later fails here)."""
+    sampler = SequenceSampler(SamplingParams())
+    fast = ScheduledSequence.decode_row(request_id, seq_id, token, num_computed, sampler)
+    slow = ScheduledSequence(request_id=request_id, seq_id=seq_id, token_ids=(token,), num_computed=num_computed,
+                             num_logit_rows=1, sample=True, sampler=sampler)
+    assert fast == slow and vars(fast) == vars(slow) and hash(fast.token_ids) == hash(slow.token_ids)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.num_computed = 0

@@ -122,8 +122,6 @@ def chained_step(requests: Sequence[Request], before: Sequence[ScheduledSequence
     """The chained step: each request decodes the token its sequence in the step before drew
     (PENDING_TOKEN here; the runner reads it on the device), at the position after that step's
     tokens (before[i] is requests[i]'s share of that step: a decode, or a prompt's last chunk)."""
-    return SchedulerOutput(tuple(
-        ScheduledSequence(request_id=r.request_id, seq_id=r.seq_id, token_ids=(PENDING_TOKEN,),
-                          num_computed=s.num_computed + s.num_tokens, num_logit_rows=1, sample=True,
-                          sampler=r.sampler)
-        for r, s in zip(requests, before)))
+    row = ScheduledSequence.decode_row
+    return SchedulerOutput(tuple(row(r.request_id, r.seq_id, PENDING_TOKEN, s.num_computed + s.num_tokens, r.sampler)
+                                 for r, s in zip(requests, before)))

@@ -56,6 +56,20 @@ class ScheduledSequence:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @classmethod
+    def decode_row(cls, request_id: str, seq_id: int, token_id: int, num_computed: int,
+                   sampler: "SequenceSampler") -> "ScheduledSequence":
+        """A plain one-token row that samples (a chained step has one per sequence, every step,
+        on the critical path before its model call): the fields __init__ would set, without its
+        frozen per-field setattr (64 rows: 115 -> ~30 us on a Zen 4 core). Such a row passes
+        every __post_init__ check by construction (test_chained_steps.py holds it equal to
+        __init__'s)."""
+        row = object.__new__(cls)
+        row.__dict__.update(request_id=request_id, seq_id=seq_id, token_ids=(token_id,), num_computed=num_computed,
+                            num_logit_rows=1, sample=True, return_logits=False, sampler=sampler,
+                            logits_processors=(), draft_ids=(), draft_probs=None)
+        return row
+
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
