@@ -25,7 +25,7 @@ from vtool.runtime.engine.kv_blocks import blocks_for_window
 from vtool.runtime.engine.kv_cache import (PagedKVCache, cache_layers, frees_window, frees_window_by_default,
                                           sliding_window, window_kept)
 from vtool.runtime.engine.lone_chain import LoneChain
-from vtool.runtime.engine.model_thread import Beside, model_thread_for
+from vtool.runtime.engine.model_thread import Beside, ModelThread, model_thread_for
 from vtool.runtime.engine.output_processor import OutputProcessor
 from vtool.runtime.engine.prefix_cache import PrefixCache
 from vtool.runtime.engine.request import CoreOutput, FinishedRequestStats, Request, Status, StepOutput
@@ -281,22 +281,31 @@ class Engine:
         self.last_step_tokens = 0
         # Overlapped steps (step_core) where a launch returns before the device is done.
         self._overlap = config.async_scheduling and self.runner.queues_work
-        # Chained steps (chained_steps.py): the next step queued before the last one's tokens are
-        # back, when the device draws them; not with speculation (drafts need the tokens on the
-        # host) nor the window-freeing cache (CPU only). By default only with the model thread
-        # (model_thread.py), which runs the chained step's call while the last step is collected.
+        self.model_thread: ModelThread | None = None
+        self._arrange_chains()
+        self._in_flight: _Launched | None = None
+        self._failed: list[CoreOutput] = []  # requests ended outside a step, reported by the next
+
+    def _arrange_chains(self) -> None:
+        """Chained steps (chained_steps.py): the next step queued before the last one's tokens are
+        back, when the device draws them; not with speculation (drafts need the tokens on the
+        host) nor the window-freeing cache (CPU only). By default only with the model thread
+        (model_thread.py), which runs the chained step's call while the last step is collected.
+        Decided from what the runner can do (overlapped launches, a device draw); the CPU tests
+        give a CPU engine both and call this again."""
+        config = self.config
         can_chain = self._overlap and config.chain_steps is not False and self.speculator is None \
             and not self.kv.frees and self.runner.device_sampler is not None
+        if self.model_thread is not None:
+            self.model_thread.close()
         self.model_thread = model_thread_for(self.model) if can_chain and config.overlap_model_calls else None
         self.runner.model_thread = self.model_thread
         self._chains = can_chain and (config.chain_steps is True or self.model_thread is not None)
         self._chain_min_rows = 1 if config.chain_steps is True else CHAIN_MIN_ROWS
-        if self._chains:
+        if self._chains and getattr(self.model, "on_gpu", False):
             from vtool.runtime.artifact.tvm_runtime import cuda_runtime
 
             self.kv.fence_steps(cuda_runtime(), self._chain_min_rows)
-        self._in_flight: _Launched | None = None
-        self._failed: list[CoreOutput] = []  # requests ended outside a step, reported by the next
 
     @property
     def device_sampler(self) -> Any:

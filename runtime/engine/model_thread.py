@@ -73,7 +73,9 @@ class ModelThread:
 
 
 def model_thread_for(model: Any) -> ModelThread:
-    """The model thread of a model loaded on a GPU, bound to that GPU."""
+    """The model thread of a loaded model: bound to its GPU (a CPU model's needs no binding)."""
+    if not getattr(model, "on_gpu", False):
+        return ModelThread(lambda: None)
     from vtool.runtime.artifact.tvm_runtime import cuda_runtime
 
     cuda, index = cuda_runtime(), int(model.device_index)
