@@ -71,11 +71,23 @@ def requests_for(session, seed: int) -> list[tuple[str, list[int], SamplingParam
     return out
 
 
-def run(engine: Engine, requests, arrive_at: dict[str, int], abort_at: dict[str, int] | None = None
-        ) -> tuple[dict[str, list[int]], dict[str, str]]:
-    """Step the engine, adding each request at its step and aborting some; tokens and finish reasons."""
+def run(engine: Engine, requests, arrive_at: dict[str, int], abort_at: dict[str, int] | None = None,
+        early: list[int] | None = None) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Step the engine, adding each request at its step and aborting some; tokens and finish reasons.
+    early: take outputs through step_core's on_outputs too (what it got is counted there)."""
     got: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
+
+    def take(outs) -> None:  # noqa: ANN001
+        for out in outs:
+            got[out.request_id].extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+
+    def take_early(outs) -> None:  # noqa: ANN001
+        early.append(len(outs))
+        take(outs)
+
     for step in range(2000):
         for rid, ids, params in requests:
             if arrive_at[rid] == step:
@@ -87,10 +99,7 @@ def run(engine: Engine, requests, arrive_at: dict[str, int], abort_at: dict[str,
                 reasons[rid] = "abort"
         if step > max(arrive_at.values()) and not engine.has_unfinished():
             break
-        for out in engine.step_core():
-            got[out.request_id].extend(out.new_token_ids)
-            if out.finish_reason is not None:
-                reasons[out.request_id] = out.finish_reason
+        take(engine.step_core(on_outputs=take_early if early is not None else None))
     assert not engine.has_unfinished(), "the engine stopped making progress"
     assert engine._in_flight is None and not engine.requests
     assert engine.kv.in_sync() and engine.kv.blocks.num_free_blocks + (
@@ -146,3 +155,20 @@ def test_one_sequence_does_not_chain_by_default_but_does_when_asked(sampling_ses
         finally:
             engine.model_thread.close()
     assert counts[None] == 0 and counts[True] >= 8
+
+
+def test_outputs_built_beside_the_model_call_can_leave_at_once(sampling_session):
+    """step_core(on_outputs=...) hands over the outputs built beside a chained step's call while it
+    runs (the engine core sends them then); with what step_core returns, they are exactly the
+    outputs of the run without it."""
+    requests = requests_for(sampling_session, 3)
+    arrive_at = {rid: 2 * i for i, (rid, _, _) in enumerate(requests)}
+    engine = gpu_like(Engine(sampling_session, EngineConfig(max_num_seqs=4)))
+    early: list[int] = []
+    try:
+        got = run(engine, requests, arrive_at, early=early)
+    finally:
+        engine.model_thread.close()
+    want = run(Engine(sampling_session, EngineConfig(max_num_seqs=4)), requests, arrive_at)
+    assert got == want
+    assert len(early) >= 5 and all(n > 0 for n in early), early

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -398,7 +398,7 @@ class Engine:
             outputs.append(out)
         return outputs
 
-    def step_core(self) -> list[CoreOutput]:
+    def step_core(self, on_outputs: Callable[[list[CoreOutput]], None] | None = None) -> list[CoreOutput]:
         """One step: schedule, run, sample; token ids out. Requests a stop token or the
         length limit ended are finished (their blocks freed) before this returns.
 
@@ -408,7 +408,11 @@ class Engine:
         next step is known without the collected step's tokens (plain decoding, nobody to
         admit), it is launched first, chained to the device's draw, so the device never waits
         for the host between the two (chained_steps.py). Outputs therefore come one call
-        later; has_unfinished() stays true until the last launched step has been collected."""
+        later; has_unfinished() stays true until the last launched step has been collected.
+
+        on_outputs: takes the outputs built beside a chained step's model call as soon as they are
+        built, while the call still runs (the engine core sends them then: model_thread.py);
+        everything it was not given is returned."""
         collected: list[tuple[list[tuple[Request, Any, str | None, int | None, float | None, list[int]]], float]] = []
         outputs: list[CoreOutput] = []
 
@@ -427,6 +431,9 @@ class Engine:
             def collect_and_emit() -> None:
                 collected.append(self._collect(flying))
                 emit()
+                if on_outputs is not None and outputs:
+                    on_outputs(outputs[:])
+                    outputs.clear()
 
             # before the wait, when the next step is known; the flying step is collected beside
             # the chained step's model call when a model thread runs it (model_thread.py)

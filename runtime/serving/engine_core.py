@@ -81,10 +81,9 @@ class EngineCoreLoop:
             if busy or self.engine.has_unfinished():
                 if busy:
                     self.io_seconds += time.perf_counter() - t0
-                outputs = self.engine.step_core()
-                t1 = time.perf_counter()
-                self._send_outputs(outputs)
-                self.io_seconds += time.perf_counter() - t1
+                # outputs built beside a chained step's model call go out while it runs
+                outputs = self.engine.step_core(on_outputs=self._send_timed)
+                self._send_timed(outputs)
 
     # -- incoming ------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -140,6 +139,11 @@ class EngineCoreLoop:
         self.socket.send_multipart([identity, wire.REPLY, wire.encoder.encode(message)])
 
     # -- outgoing ------------------------------------------------------------------------
+    def _send_timed(self, outputs: list[CoreOutput]) -> None:
+        t0 = time.perf_counter()
+        self._send_outputs(outputs)
+        self.io_seconds += time.perf_counter() - t0
+
     def _send_outputs(self, outputs: list[CoreOutput]) -> None:
         by_client: dict[bytes, list[CoreOutput]] = {}
         owners = self.owners
