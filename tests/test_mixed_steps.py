@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vtool.runtime.engine.mixed_steps import copy_runs, row_sources, split_rows, splits_mixed_steps
+from vtool.runtime.engine.chained_steps import part_runs as copy_runs
+from vtool.runtime.engine.mixed_steps import row_sources, split_rows, splits_mixed_steps
 from vtool.runtime.engine.step_types import ScheduledSequence, SchedulerOutput
 
 

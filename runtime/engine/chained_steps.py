@@ -62,13 +62,20 @@ class DeviceTokens:
 def copy_runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
     """(destination start, source start, length) for each maximal run of the step's sequences
     whose source rows are consecutive: one copy each (a batch that lost one sequence is two)."""
-    runs: list[tuple[int, int, int]] = []
-    for dst, src in enumerate(rows):
-        if runs and runs[-1][1] + runs[-1][2] == src and runs[-1][0] + runs[-1][2] == dst:
-            start, source, length = runs[-1]
-            runs[-1] = (start, source, length + 1)
+    return [(dst, src, n) for _, src, dst, n in part_runs([(0, r) for r in rows])]
+
+
+def part_runs(sources: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """(part, source row, destination row, length) for each maximal run of destination rows
+    (sources[d] = (part, row) feeds destination row d) whose sources are consecutive rows of one
+    part: one device copy each (here one part; a split mixed step's two, mixed_steps.py)."""
+    runs: list[tuple[int, int, int, int]] = []
+    for dst, (part, src) in enumerate(sources):
+        if runs and runs[-1][0] == part and runs[-1][1] + runs[-1][3] == src and runs[-1][2] + runs[-1][3] == dst:
+            p, s, d, n = runs[-1]
+            runs[-1] = (p, s, d, n + 1)
         else:
-            runs.append((dst, src, 1))
+            runs.append((part, src, dst, 1))
     return runs
 
 

@@ -30,6 +30,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from vtool.runtime.engine.chained_steps import part_runs
 from vtool.runtime.engine.step_types import SchedulerOutput
 
 SPLIT_ENV = "VTOOL_SPLIT_MIXED_STEPS"
@@ -65,19 +66,6 @@ def row_sources(owners: Sequence[int], parts: Sequence[tuple[Sequence[int], Sequ
     return [where[o] for o in owners]
 
 
-def copy_runs(sources: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
-    """(part, source row, destination row, length) for each maximal run of destination rows
-    whose sources are consecutive rows of one part: one device copy each."""
-    runs: list[tuple[int, int, int, int]] = []
-    for dst, (part, src) in enumerate(sources):
-        if runs and runs[-1][0] == part and runs[-1][1] + runs[-1][3] == src and runs[-1][2] + runs[-1][3] == dst:
-            p, s, d, n = runs[-1]
-            runs[-1] = (p, s, d, n + 1)
-        else:
-            runs.append((part, src, dst, 1))
-    return runs
-
-
 def gather_rows(model: Any, create_view: Any, copy: Any, vocab: int, sources: Sequence[tuple[int, int]],
                 tensors: Sequence[Any]) -> Any:
     """The step's logits [len(sources), vocab] float32 in one device buffer (the "mixed.logits"
@@ -86,7 +74,7 @@ def gather_rows(model: Any, create_view: Any, copy: Any, vocab: int, sources: Se
     out = model.scratch("mixed.logits", (len(sources), vocab), "float32")
     shape = model.ffi.Shape
     row_bytes = vocab * _FLOAT32_BYTES
-    for part, src, dst, n in copy_runs(sources):
+    for part, src, dst, n in part_runs(sources):
         copy(create_view(tensors[part], shape([n, vocab]), "float32", src * row_bytes),
              create_view(out, shape([n, vocab]), "float32", dst * row_bytes))
     return out
