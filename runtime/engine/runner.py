@@ -141,7 +141,6 @@ class ModelRunner:
         # a step of prompt chunks beside decodes runs as two calls (mixed_steps.py; opt-in)
         self.split_mixed = splits_mixed_steps()
         self.split_steps = 0  # mixed steps run as two calls
-        self._second_part = False  # _forward_split's second call: its begin_forward waits for the first
         if self.split_mixed and getattr(model, "on_gpu", False):
             from vtool.runtime.artifact.tvm_runtime import cuda_runtime
 
@@ -355,22 +354,23 @@ class ModelRunner:
         self.split_steps += 1
         done: list[tuple[list[int], StepLogits]] = []
         with self.kv.one_step(len(sequences)):  # the fence sees the whole step's rows
-            try:
-                for k, indices in enumerate(parts):
-                    # TVM copies each forward's page tables into one device buffer on a copy stream
-                    # that does not wait for queued kernels (kv_cache.py fence_steps): the second
-                    # call's begin_forward waits for the first call's model work
-                    self._second_part = k > 0
-                    done.append((indices, self._forward(SchedulerOutput(tuple(sequences[i] for i in indices)))))
-            finally:
-                self._second_part = False
+            for k, indices in enumerate(parts):
+                # TVM copies each forward's page tables into one device buffer on a copy stream that
+                # does not wait for queued kernels (kv_cache.py fence_steps): the second call's
+                # begin_forward waits for the first call's model work
+                sub = SchedulerOutput(tuple(sequences[i] for i in indices))
+                done.append((indices, self._forward(sub, queued_early=k > 0)))
         sources = row_sources(owners, [(indices, logits._owner_list) for indices, logits in done])
         tensor = gather_rows(self.model, self._create_view, self._copy, self.vocab_size, sources,
                              [logits.tensor for _, logits in done])
         return StepLogits(self.model, tensor, self.vocab_size, owners)
 
-    def _forward(self, step: SchedulerOutput, device_tokens: DeviceTokens | None = None) -> StepLogits:
-        """Run the batch; the logits of the rows the sequences want, left on the device."""
+    def _forward(self, step: SchedulerOutput, device_tokens: DeviceTokens | None = None,
+                 queued_early: bool = False) -> StepLogits:
+        """Run the batch; the logits of the rows the sequences want, left on the device.
+        queued_early: queued behind another forward of the same step (a split mixed step's second
+        call), so its begin_forward waits for that one's model work; a chained step (device_tokens)
+        always is."""
         m = self.model
         sequences = step.sequences
         all_decode = step.all_decode
@@ -399,7 +399,7 @@ class ModelRunner:
         ids = m.upload_ints(tokens, "ids") if device_tokens is None else \
             fill_token_ids(m, tokens, device_tokens, self._create_view)
         flat = m.function("embed")(ids, m.params)
-        self.kv.begin_forward(seq_ids, lengths, queued_early=device_tokens is not None or self._second_part)
+        self.kv.begin_forward(seq_ids, lengths, queued_early=queued_early or device_tokens is not None)
         try:
             if all_decode:
                 embeds = self._create_view(flat, self._shape(len(sequences), 1, m.hidden_size), m.dtype, 0)
