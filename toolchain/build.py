@@ -12,6 +12,7 @@ in a subprocess with a build-time driver stub (toolchain/cuda.py says why).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
@@ -37,6 +38,7 @@ from vtool.toolchain.plan import (ACTIVATIONS, DTYPES, QUANT_TARGET_FAMILIES, QU
                                   resolve_activations, resolve_plan, resolve_quantization)
 from vtool.toolchain.block_mma import block_mma_formats
 from vtool.toolchain.fp8_plan import fp8_tensor_cores
+from vtool.toolchain.prefill_grid import wide_prefill_grid
 from vtool.toolchain.quantize import write_weights
 
 Progress = Callable[[str], None]
@@ -83,7 +85,9 @@ def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Pro
     if draft_cache_len:  # draft_extend / draft_step (models/draft_chain.py)
         model.draft_cache_len = draft_cache_len
     spec = model.get_default_spec()
-    mod, named_params = model.export_tvm(spec=spec)
+    with wide_prefill_grid() if family_of(target_spec).name == "cuda" else contextlib.nullcontext():
+        # TVM's tiled prefill kernels on a grid that fills the GPU (toolchain/prefill_grid.py)
+        mod, named_params = model.export_tvm(spec=spec)
     if draft_cache_len:
         from vtool.models.draft_chain import STEP_ENTRY, VERIFY_ENTRY
 

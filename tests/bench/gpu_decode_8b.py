@@ -24,6 +24,7 @@ Prints one JSON line per measurement and a summary; writes them to $OUT/gpu8b.js
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -296,8 +297,29 @@ def serving_split(model, batch: int = 64, steps: int = 32, tokens: int = 384) ->
         del kv
 
 
+def time_prefills(model, gen, sync, rounds: int = 1) -> None:  # noqa: ANN001
+    """vtool prefill of 128 and 2048 tokens (the generator's chunks), warmed once, the median
+    of `rounds` timings."""
+    for n_prompt in (128, 2048):
+        gen._fresh_sequence(n_prompt + 16)
+        ids = list(range(1000, 1000 + n_prompt))
+        logits = np.asarray(gen.prefill_logits(ids), dtype=np.float32)  # warm
+        times = []
+        for _ in range(rounds):
+            gen._fresh_sequence(n_prompt + 16)
+            sync(model.device, 0)
+            t0 = time.perf_counter()
+            gen.prefill_logits(ids)
+            sync(model.device, 0)
+            times.append(time.perf_counter() - t0)
+        # the last position's logits, to hold builds that must compute alike to the same bits
+        digest = hashlib.sha256(logits.tobytes()).hexdigest()[:16]
+        record(step=f"vtool_prefill_{n_prompt}", ms=round(float(np.median(times)) * 1e3, 2), rounds=rounds,
+               logits_digest=digest, top1=int(logits.reshape(-1).argmax()))
+
+
 def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool = False,
-                split: bool = False) -> None:
+                split: bool = False, prefill_only: bool = False) -> None:
     from vtool.runtime.artifact.library import CompiledModel
     from vtool.runtime.weights.checkpoint import open_checkpoint
     from vtool.runtime.engine.generate import Generator
@@ -309,6 +331,10 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
     record(step="vtool_load", seconds=round(time.perf_counter() - t, 1))
     sync = global_func("runtime.Device_StreamSync")
     gen = Generator(model, max_model_len=4096)
+    if prefill_only:
+        time_prefills(model, gen, sync, rounds=5)
+        del model
+        return
     timed_decode = decode_timer(model, gen)
     timed_decode(8)
     step = timed_decode(steps)
@@ -320,16 +346,7 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
     record(step="vtool_generate_b1_host_sampling", tok_s=round(result.decode_tokens_per_second, 1),
            ms_per_token=round(1e3 / max(result.decode_tokens_per_second, 1e-9), 3))
 
-    for n_prompt in (128, 2048):
-        gen._fresh_sequence(n_prompt + 16)
-        ids = list(range(1000, 1000 + n_prompt))
-        gen.prefill_logits(ids)  # warm
-        gen._fresh_sequence(n_prompt + 16)
-        sync(model.device, 0)
-        t0 = time.perf_counter()
-        gen.prefill_logits(ids)
-        sync(model.device, 0)
-        record(step=f"vtool_prefill_{n_prompt}", ms=round((time.perf_counter() - t0) * 1e3, 2))
+    time_prefills(model, gen, sync)
 
     for batch in (1, 8, 32, 64):
         timed = batch_decode_timer(model, batch)
@@ -351,20 +368,26 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
     del model
 
 
-def bench_transformers(checkpoint_dir: Path, steps: int) -> None:
+def bench_transformers(checkpoint_dir: Path, steps: int, prefill_only: bool = False) -> None:
     import torch
     from transformers import AutoModelForCausalLM, StaticCache
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.bfloat16, device_map="cuda").eval()
+    rounds = 5 if prefill_only else 1
     for n_prompt in (128, 2048):
         ids = torch.arange(1000, 1000 + n_prompt, device="cuda")[None]
+        times = []
         with torch.no_grad():
             model(ids)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            model(ids)
-            torch.cuda.synchronize()
-        record(step=f"hf_eager_prefill_{n_prompt}", ms=round((time.perf_counter() - t0) * 1e3, 2))
+            for _ in range(rounds):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model(ids)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+        record(step=f"hf_eager_prefill_{n_prompt}", ms=round(float(np.median(times)) * 1e3, 2), rounds=rounds)
+    if prefill_only:
+        return
     cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=128 + steps + 32, device="cuda",
                         dtype=torch.bfloat16)
     step_fn = torch.compile(lambda tok, pos: model(tok, position_ids=pos, cache_position=pos[0],
@@ -437,6 +460,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="per-kernel times of 16 decode steps (torch.profiler)")
     ap.add_argument("--serving-split", action="store_true",
                     help="also time batch_decode steps waited for one by one, with and without the device draw")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only the prefill timings (vtool and transformers eager), median of 5")
     ap.add_argument("--logits-check", action="store_true", help="only compare bf16 logits with the float32 truth")
     args = ap.parse_args()
     gguf_file = args.checkpoint if args.checkpoint.suffix == ".gguf" else None  # tests/bench/shape_gguf.py's
@@ -453,17 +478,20 @@ def main() -> None:
         LABEL["artifact"] = f"{artifact.name} ({manifest['dtype']}, quantization {manifest['quantization']})"
         weight_bytes = weight_bytes_per_step(gguf_file) if gguf_file else manifest_weight_bytes(artifact)
         record(step="roofline", weight_gb=round(weight_bytes / 1e9, 2), roofline_ms=round(weight_bytes / bw / 1e6, 3))
-        bench_vtool(artifact, args.checkpoint, args.steps, args.profile, args.serving_split)
+        bench_vtool(artifact, args.checkpoint, args.steps, args.profile, args.serving_split, args.prefill_only)
+        if args.prefill_only:
+            continue
         by = {r["step"]: r for r in RESULTS if r.get("artifact") == LABEL["artifact"]}
         record(step="vtool_decode_b1_model_only_vs_roofline",
                percent_of_copy_bw=round(100 * by["roofline"]["roofline_ms"] / by["vtool_decode_b1_model_only"]
                                         ["ms_per_token"], 1))
     LABEL.clear()
     if not args.skip_hf and gguf_file is None:  # the peers run the bf16 safetensors checkpoint
-        bench_transformers(args.checkpoint, args.steps)
-        ms = next(r["ms_per_token"] for r in RESULTS if r["step"] == "hf_static_compile_decode_b1")
-        record(step="hf_static_compile_decode_b1_vs_roofline",
-               percent_of_copy_bw=round(100 * weight_bytes_per_step() / bw / 1e6 / ms, 1))
+        bench_transformers(args.checkpoint, args.steps, args.prefill_only)
+        if not args.prefill_only:
+            ms = next(r["ms_per_token"] for r in RESULTS if r["step"] == "hf_static_compile_decode_b1")
+            record(step="hf_static_compile_decode_b1_vs_roofline",
+                   percent_of_copy_bw=round(100 * weight_bytes_per_step() / bw / 1e6 / ms, 1))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu8b.json").write_text(json.dumps(RESULTS, indent=1))
 

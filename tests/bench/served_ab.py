@@ -5,7 +5,7 @@ artifacts alternating over rounds (machines of one kind differ by ~8%, runs on o
 
     python tests/bench/served_ab.py --model CKPT ART_A [ART_B ...] [--labels a,b] [--rounds 2]
         [--runs 64x64,64x512,1x8] [--temperatures 0,1] [--top-p 0.9] [--input-len 128] [--output-len 128] [--max-num-seqs 64]
-        [--max-num-batched-tokens 8192] [--max-model-len 1024] [--out results.json]
+        [--max-num-batched-tokens 8192] [--max-model-len 1024] [--envs "A;B"] [--server-args "A;B"] [--out results.json]
 
 Each server is started (runtime/bench/local_server.py: the runtime's own `vtool serve --artifact`
 on a free port, stopped before the next), warmed
@@ -115,6 +115,8 @@ def main() -> None:
     ap.add_argument("--envs", help="semicolon-separated, one per artifact: environment settings its server starts "
                                    "with, e.g. 'VTOOL_OVERLAP_MODEL_CALLS=0;VTOOL_OVERLAP_MODEL_CALLS=1' (the same "
                                    "artifact twice, two engine settings)")
+    ap.add_argument("--server-args", help="semicolon-separated, one per artifact: more `vtool serve` arguments, "
+                                          "e.g. ';--api-server-count 2' (the same artifact with one and two API servers)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     a.temperatures = [float(t) for t in a.temperatures.split(",")]
@@ -126,19 +128,22 @@ def main() -> None:
         else [{} for _ in a.artifacts]
     if len(envs) != len(a.artifacts):
         raise SystemExit(f"--envs gives {len(envs)} settings, {len(a.artifacts)} artifacts given")
+    server_args = [part.split() for part in a.server_args.split(";")] if a.server_args else [[] for _ in a.artifacts]
+    if len(server_args) != len(a.artifacts):
+        raise SystemExit(f"--server-args gives {len(server_args)} settings, {len(a.artifacts)} artifacts given")
     results = []
     console = Console(stderr=True)
     for round_index in range(a.rounds):
-        order = list(zip(labels, a.artifacts, envs))
+        order = list(zip(labels, a.artifacts, envs, server_args))
         if round_index % 2:
             order.reverse()  # alternate who goes first
-        for label, artifact, env in order:
+        for label, artifact, env, extra in order:
             saved = {k: os.environ.get(k) for k in env}
             os.environ.update(env)  # the server process inherits them
             try:
                 # the runtime's own `vtool serve --artifact` on a free port, stopped before the next
                 with local_server(a.model, artifact, a.max_num_seqs, a.max_num_batched_tokens, None, console,
-                                  ["--max-model-len", str(a.max_model_len)]) as (url, _tokenizer):
+                                  ["--max-model-len", str(a.max_model_len), *extra]) as (url, _tokenizer):
                     results += measure(label, url, a, runs, round_index)
             finally:
                 for k, v in saved.items():
