@@ -193,7 +193,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     worker subprocess, or this one when a real driver is installed)."""
     import tvm
 
-    from vtool.toolchain import cuda
+    from vtool.toolchain import cuda, prefill_attention
     from vtool.toolchain.pipeline import build_pipeline, describe, graph_entry_points, pass_context
 
     if not cuda.cuda_runtime_loaded():
@@ -210,6 +210,9 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     target, mod, params, entry_points = model_module(cfg, target_spec, dtype, progress, formats or None,
                                                      attention=attention, activations="none", gemm=gemm,
                                                      draft_cache_len=draft_cache_len)
+    native_prefill = 0
+    if attention == "tir":  # vtool's tensor-core prefill attention where it fits (toolchain/prefill_attention.py)
+        mod, native_prefill = prefill_attention.replace_prefill_attention(mod)
     graph_sizes = tuple(cuda_graph_sizes)
     entry_points = entry_points + graph_entry_points(graph_sizes, entry_points)  # the *_captured copies (pipeline.py)
     t_export = time.perf_counter() - t0
@@ -239,10 +242,12 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     from vtool.toolchain import row_sort
 
     # Objects with kernels of their own (their fatbins sit beside TVM's): the sampler's row sort
-    # for a large vocabulary, the block matmuls where weights stay in blocks.
+    # for a large vocabulary, the block matmuls where weights stay in blocks, the prefill attention.
     linked: list[str] = []
     if row_sort.uses_row_sort(cfg.vocab_size):
         linked.append(str(row_sort.compile_object(target_spec.archs, target_spec.ptx)))
+    if native_prefill:
+        linked.append(str(prefill_attention.compile_object(target_spec.archs, target_spec.ptx)))
     if block_mma_formats(formats, dtype):
         from vtool.toolchain import block_mma
 
@@ -257,6 +262,8 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
         record["attention"] = fi.record
     else:
         info = cuda.check_library(library_path, target_spec.archs, target_spec.ptx, linked)
+        # which kernels attend prompts: vtool's tensor-core ones, or TVM's TIR ones (other shapes)
+        record["prefill_attention"] = "vtool" if native_prefill else "tir"
     record.update({
         "embedded": {"module_formats": info["module_formats"], "sass": info["sass"], "ptx": info["ptx"]},
         "codegen_process": "subprocess (build-time libcuda stub)" if in_subprocess else "in-process (CUDA driver)",
