@@ -18,7 +18,6 @@ bench OUT.so` times the 8B shape's Q4_1 matrices (tests/bench in spirit; one JSO
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_fixtures import NativeLibrary, native_library_path  # noqa: E402
 
 LIB_ENV = "VTOOL_GPU_BLOCK_MMA_LIB"
 ARCHS, PTX = ("sm_90a",), "compute_90"
@@ -220,29 +221,15 @@ def test_a_cuda_build_records_the_formats_batch_decode_multiplies_on_tensor_core
 
 @pytest.fixture(scope="module")
 def kernels():
-    from test_gpu_parity import probe_gpu
-
-    info, reason = probe_gpu()
-    if info is None:
-        pytest.skip(reason)
-    lib = os.environ.get(LIB_ENV)
-    if not lib:
-        pytest.skip(f"{LIB_ENV} is unset (build it with `python tests/test_gpu_block_mma.py prebuild OUT.so`)")
-    return _Kernels(lib)
+    return _Kernels(native_library_path(LIB_ENV, "test_gpu_block_mma.py"))
 
 
-class _Kernels:
+class _Kernels(NativeLibrary):
+    """The library, with one function per format."""
+
     def __init__(self, lib: str):
-        from vtool.runtime.artifact.tvm_runtime import cuda_runtime, ffi, global_func
-
-        cuda_runtime()
-        self.ffi = ffi()
-        module = self.ffi.load_module(lib)
-        self.funcs = {fmt: module[symbol(fmt)] for fmt in FORMATS}
-        self.view = global_func("runtime.TVMTensorCreateView")
-
-    def tensor(self, t, dtype: str):  # noqa: ANN001 - a torch tensor
-        return self.view(self.ffi.from_dlpack(t), self.ffi.Shape(list(t.shape)), dtype, 0)
+        super().__init__(lib)
+        self.funcs = {fmt: self.module[symbol(fmt)] for fmt in FORMATS}
 
     def args(self, fmt: str, x, parts, partial, out, xdtype: str) -> list:  # noqa: ANN001
         import torch

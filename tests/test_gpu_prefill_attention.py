@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_fixtures import NativeLibrary, native_library_path  # noqa: E402
 
 LIB_ENV = "VTOOL_GPU_PREFILL_ATTENTION_LIB"
 ARCHS, PTX = ("sm_90a",), "compute_90"
@@ -165,29 +166,15 @@ def test_fits_only_what_the_kernel_instantiates() -> None:
 
 @pytest.fixture(scope="module")
 def kernels():
-    from test_gpu_parity import probe_gpu
-
-    info, reason = probe_gpu()
-    if info is None:
-        pytest.skip(reason)
-    lib = os.environ.get(LIB_ENV)
-    if not lib:
-        pytest.skip(f"{LIB_ENV} is unset (build it with `python tests/test_gpu_prefill_attention.py prebuild OUT.so`)")
-    return _Kernels(lib)
+    return _Kernels(native_library_path(LIB_ENV, "test_gpu_prefill_attention.py"))
 
 
-class _Kernels:
+class _Kernels(NativeLibrary):
+    """The library, with its two functions."""
+
     def __init__(self, lib: str):
-        from vtool.runtime.artifact.tvm_runtime import cuda_runtime, ffi, global_func
-
-        cuda_runtime()
-        self.ffi = ffi()
-        module = self.ffi.load_module(lib)
-        self.ragged, self.paged = module[RAGGED], module[PAGED]
-        self.view = global_func("runtime.TVMTensorCreateView")
-
-    def tensor(self, t, dtype: str):  # noqa: ANN001 - a torch tensor
-        return self.view(self.ffi.from_dlpack(t), self.ffi.Shape(list(t.shape)), dtype, 0)
+        super().__init__(lib)
+        self.ragged, self.paged = self.module[RAGGED], self.module[PAGED]
 
 
 def _gpu(x: np.ndarray, dtype: str):  # noqa: ANN202

@@ -128,13 +128,18 @@ def profile(work: Workload, steps: int) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def engine_arguments(ap: argparse.ArgumentParser) -> None:
+    """The arguments make_engine reads (wave_admission.py takes them too)."""
     ap.add_argument("--artifact", required=True, type=Path)
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--tokenizer", type=Path, help="a folder with tokenizer.json (for a GGUF file without a vocabulary)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    engine_arguments(ap)
     ap.add_argument("--context", type=int, default=512, help="tokens each request may decode (never reached)")
     ap.add_argument("--steps", type=int, default=160)
     ap.add_argument("--arrive-every", type=int, default=4)

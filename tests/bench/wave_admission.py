@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mixed_steps import make_engine
+from mixed_steps import engine_arguments, make_engine
 
 
 def admit_wave(engine, rng: np.random.Generator, a: argparse.Namespace, round_no: int) -> dict:  # noqa: ANN001
@@ -100,11 +100,7 @@ def profiled_admission(engine, rng: np.random.Generator, a: argparse.Namespace) 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--artifact", required=True, type=Path)
-    ap.add_argument("--model", required=True, type=Path)
-    ap.add_argument("--tokenizer", type=Path, help="a folder with tokenizer.json (for a GGUF file without a vocabulary)")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=128)
+    engine_arguments(ap)
     ap.add_argument("--group", type=int, default=16, help="prompts arriving before each admission step")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode", type=int, default=32, help="full-batch decode steps after each admission")

@@ -3,6 +3,8 @@
 Import them into a test module (`from gpu_fixtures import cuda_buildable, exact_float32, sm90_gpu`)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -41,3 +43,33 @@ def exact_float32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def native_library_path(env: str, test_file: str) -> str:
+    """The prebuilt native kernel library `env` names (made on the GPU-less machine by
+    `python tests/<test_file> prebuild OUT.so`); skips without a usable GPU or without it."""
+    from test_gpu_parity import probe_gpu
+
+    info, reason = probe_gpu()
+    if info is None:
+        pytest.skip(reason)
+    path = os.environ.get(env)
+    if not path:
+        pytest.skip(f"{env} is unset (build it with `python tests/{test_file} prebuild OUT.so`)")
+    return path
+
+
+class NativeLibrary:
+    """One of vtool's native kernel libraries (a toolchain/native source linked alone) loaded
+    through the TVM runtime; torch tensors go to its functions as TVM views of a given dtype."""
+
+    def __init__(self, path: str):
+        from vtool.runtime.artifact.tvm_runtime import cuda_runtime, ffi, global_func
+
+        cuda_runtime()
+        self.ffi = ffi()
+        self.module = self.ffi.load_module(path)
+        self.view = global_func("runtime.TVMTensorCreateView")
+
+    def tensor(self, t, dtype: str):  # noqa: ANN001, ANN201 - a torch tensor
+        return self.view(self.ffi.from_dlpack(t), self.ffi.Shape(list(t.shape)), dtype, 0)
