@@ -13,8 +13,10 @@ up with one run of the first --runs entry, then measured at every `CONCURRENCYxP
 (fresh prompts of exactly --input-len tokens, ignore_eos). Besides the bench's figures, each
 run reports the server's own step durations by kind, which `vtool bench --url` reads from
 /metrics (vtool:engine_step_seconds: decode steps, and the mixed and prefill steps that admit
-prompts), so a slower run says whether its decode steps or its admissions were slower. One JSON line per run on stdout; --out writes
-them all.
+prompts), so a slower run says whether its decode steps or its admissions were slower, and the
+server's own mean time to first token and queue time (vLLM's histograms, from the API server's
+hand-off to the engine core: set against the bench's TTFT they say whether a late first token
+waited in the engine or outside it). One JSON line per run on stdout; --out writes them all.
 """
 from __future__ import annotations
 
@@ -55,8 +57,15 @@ def bench(url: str, a: argparse.Namespace, concurrency: int, prompts: int, seed:
     return bench_main(opts, console=Console(file=io.StringIO(), width=160))["runs"][0]
 
 
+# The server's own request latencies (vLLM's histograms, from the API server's hand-off to the
+# engine core): against the bench's TTFT they say whether a slow first token waited in the engine
+# or before it (HTTP, tokenizing, the API server's loop) or on its way back to the client.
+SERVER_LATENCIES = {"vllm:time_to_first_token_seconds": "server_ttft_ms", "vllm:request_queue_time_seconds": "server_queue_ms"}
+
+
 def phase_totals(url: str) -> dict[str, float]:
-    """The engine core's host seconds per step phase and its step count, from /metrics."""
+    """The engine core's host seconds per step phase and its step count, and the sums and counts
+    of SERVER_LATENCIES, from /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -67,6 +76,10 @@ def phase_totals(url: str) -> dict[str, float]:
                 totals[sample.labels["phase"]] = sample.value
             elif sample.name == "vtool:engine_steps_total":
                 totals["steps"] = sample.value
+            elif sample.name.removesuffix("_sum") in SERVER_LATENCIES and sample.name.endswith("_sum"):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+            elif sample.name.removesuffix("_count") in SERVER_LATENCIES and sample.name.endswith("_count"):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
 
 
@@ -74,7 +87,17 @@ def phases_between(before: dict[str, float], after: dict[str, float]) -> dict[st
     """Milliseconds per engine step of each phase over a run (schedule, forward, sample, output, io)."""
     steps = after.get("steps", 0) - before.get("steps", 0)
     return {k: round(1e3 * (after[k] - before.get(k, 0)) / steps, 3) for k in after
-            if k != "steps" and steps > 0}
+            if k != "steps" and not k.startswith("vllm:") and steps > 0}
+
+
+def latencies_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean milliseconds of each SERVER_LATENCIES histogram over a run's requests."""
+    out: dict[str, float | None] = {}
+    for metric, key in SERVER_LATENCIES.items():
+        count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
+        seconds = after.get(f"{metric}_sum", 0.0) - before.get(f"{metric}_sum", 0.0)
+        out[key] = round(1e3 * seconds / count, 2) if count > 0 else None
+    return out
 
 
 def measure(label: str, url: str, a: argparse.Namespace, runs: list[tuple[int, int]], round_index: int) -> list[dict]:
@@ -90,7 +113,8 @@ def measure(label: str, url: str, a: argparse.Namespace, runs: list[tuple[int, i
                       "prompts": prompts,
                       **{k: (round(run[k], 2) if isinstance(run.get(k), float) else run.get(k)) for k in KEYS},
                       "server_steps": run["server_steps"],  # the bench's scrape of vtool:engine_step_seconds
-                      "phase_ms_per_step": phases_between(before, phase_totals(url))}
+                      **latencies_between(before, after := phase_totals(url)),
+                      "phase_ms_per_step": phases_between(before, after)}
             print(json.dumps(result), flush=True)
             results.append(result)
     return results
