@@ -33,7 +33,7 @@ from gpu_fixtures import NativeLibrary, native_library_path  # noqa: E402
 
 LIB_ENV = "VTOOL_GPU_PREFILL_ATTENTION_LIB"
 ARCHS, PTX = ("sm_90a",), "compute_90"
-RAGGED, PAGED = "vtool_prefill_ragged", "vtool_prefill_paged"  # held equal to toolchain/prefill_attention.py
+RAGGED, PAGED = "vtool_prefill_ragged", "vtool_prefill_paged"  # held equal to schedules/cuda/prefill_attention.py
 PAGE = 16
 EMPTY_LSE = -5e4  # TVM's value for a row that sees no key
 
@@ -88,7 +88,7 @@ def test_the_kernel_compiles_and_exports_both_functions_for_the_dispatchers(tmp_
     from gpu_fixtures import cuda_buildable
 
     cuda_buildable()
-    from vtool.toolchain.prefill_attention import NATIVE_PAGED, NATIVE_RAGGED
+    from vtool.schedules.cuda.prefill_attention import NATIVE_PAGED, NATIVE_RAGGED
 
     assert (NATIVE_RAGGED, NATIVE_PAGED) == (RAGGED, PAGED)
     lib = build_library(tmp_path / "prefill.so")
@@ -124,7 +124,7 @@ def _symbols(mod) -> dict[str, str]:  # noqa: ANN001
 def test_the_dispatchers_replace_tvms_prefill_kernels_and_keep_them_for_rope_inside_attention() -> None:
     pytest.importorskip("tvm")
     from vtool.schedules.cuda.short_prefill_attention import short_prefill_attention_pass
-    from vtool.toolchain.prefill_attention import replace_prefill_attention
+    from vtool.schedules.cuda.prefill_attention import replace_prefill_attention
 
     mod, replaced = replace_prefill_attention(_smollm2_module("bfloat16"))
     assert replaced == 2
@@ -146,7 +146,7 @@ def test_the_dispatchers_replace_tvms_prefill_kernels_and_keep_them_for_rope_ins
                                               ("bfloat16", {"hidden_size": 2304})])
 def test_float32_and_head_dims_without_a_kernel_keep_tvms(dtype: str, overrides: dict) -> None:
     pytest.importorskip("tvm")
-    from vtool.toolchain.prefill_attention import replace_prefill_attention
+    from vtool.schedules.cuda.prefill_attention import replace_prefill_attention
 
     # head_dim 32 (288 / 9) and 256 (2304 / 9): no instantiation
     mod, replaced = replace_prefill_attention(_smollm2_module(dtype, **overrides))
@@ -155,7 +155,7 @@ def test_float32_and_head_dims_without_a_kernel_keep_tvms(dtype: str, overrides:
 
 def test_fits_only_what_the_kernel_instantiates() -> None:
     pytest.importorskip("tvm")
-    from vtool.toolchain.prefill_attention import fits
+    from vtool.schedules.cuda.prefill_attention import fits
 
     assert fits(64, "bfloat16") and fits(128, "float16")
     assert not fits(128, "float32") and not fits(96, "bfloat16") and not fits(256, "bfloat16")

@@ -1,4 +1,4 @@
-"""TVM's tiled prefill attention kernels on a grid that fills the GPU (toolchain/prefill_grid.py).
+"""TVM's tiled prefill attention kernels on a grid that fills the GPU (schedules/cuda/prefill_grid.py).
 
 Nothing here runs a kernel (no GPU in CI): the build's kernels are read back from the module
 a CUDA build compiles, and the wide kernel is held to TVM's own, text for text, but for the grid.
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vtool.toolchain.prefill_grid import (BLOCKS_PER_GPU, TVM_BLOCKS_PER_KV_HEAD, blocks_per_kv_head,
-                                          wide_prefill_grid)
+from vtool.schedules.cuda.prefill_grid import (BLOCKS_PER_GPU, TVM_BLOCKS_PER_KV_HEAD, blocks_per_kv_head,
+                                               wide_prefill_grid)
 
 PREFILL_KERNELS = ("batch_prefill_ragged_kv", "batch_prefill_paged_kv")
 GRID = re.compile(r'T\.thread_binding\((\d+), thread="blockIdx\.x"\)')

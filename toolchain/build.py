@@ -38,7 +38,6 @@ from vtool.toolchain.plan import (ACTIVATIONS, DTYPES, QUANT_TARGET_FAMILIES, QU
                                   resolve_activations, resolve_plan, resolve_quantization)
 from vtool.toolchain.block_mma import block_mma_formats
 from vtool.toolchain.fp8_plan import fp8_tensor_cores
-from vtool.toolchain.prefill_grid import wide_prefill_grid
 from vtool.toolchain.quantize import write_weights
 
 Progress = Callable[[str], None]
@@ -85,8 +84,12 @@ def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Pro
     if draft_cache_len:  # draft_extend / draft_step (models/draft_chain.py)
         model.draft_cache_len = draft_cache_len
     spec = model.get_default_spec()
-    with wide_prefill_grid() if family_of(target_spec).name == "cuda" else contextlib.nullcontext():
-        # TVM's tiled prefill kernels on a grid that fills the GPU (toolchain/prefill_grid.py)
+    grid = contextlib.nullcontext()
+    if family_of(target_spec).name == "cuda":  # TVM's tiled prefill kernels on a grid that fills the GPU
+        from vtool.schedules.cuda.prefill_grid import wide_prefill_grid
+
+        grid = wide_prefill_grid()
+    with grid:
         mod, named_params = model.export_tvm(spec=spec)
     if draft_cache_len:
         from vtool.models.draft_chain import STEP_ENTRY, VERIFY_ENTRY
@@ -193,6 +196,7 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
     worker subprocess, or this one when a real driver is installed)."""
     import tvm
 
+    from vtool.schedules.cuda.prefill_attention import replace_prefill_attention
     from vtool.toolchain import cuda, prefill_attention
     from vtool.toolchain.pipeline import build_pipeline, describe, graph_entry_points, pass_context
 
@@ -211,8 +215,8 @@ def compile_cuda_here(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, lib
                                                      attention=attention, activations="none", gemm=gemm,
                                                      draft_cache_len=draft_cache_len)
     native_prefill = 0
-    if attention == "tir":  # vtool's tensor-core prefill attention where it fits (toolchain/prefill_attention.py)
-        mod, native_prefill = prefill_attention.replace_prefill_attention(mod)
+    if attention == "tir":  # vtool's tensor-core prefill attention where it fits (schedules/cuda/prefill_attention.py)
+        mod, native_prefill = replace_prefill_attention(mod)
     graph_sizes = tuple(cuda_graph_sizes)
     entry_points = entry_points + graph_entry_points(graph_sizes, entry_points)  # the *_captured copies (pipeline.py)
     t_export = time.perf_counter() - t0

@@ -66,7 +66,7 @@ _COMPILER_SOURCES = ("models", "schedules", "targets", "toolchain/pipeline.py", 
                      "toolchain/flashinfer_attention.py", "toolchain/quantize.py", "toolchain/fp8_plan.py",
                      "toolchain/block_mma.py", "toolchain/native/block_mma.cu",
                      "toolchain/row_sort.py", "toolchain/native/row_sort.cu",
-                     "toolchain/prefill_grid.py", "toolchain/prefill_attention.py",
+                     "toolchain/prefill_attention.py",
                      "toolchain/native/prefill_attention.cu",
                      "runtime/weights/ggml_blocks.py",  # the block layout the kernels are compiled for
                      "runtime/weights/fp8_layout.py",  # and the FP8 one

@@ -417,7 +417,7 @@ void PrefillPaged(tvm::ffi::TensorView q, tvm::ffi::TensorView q_indptr, tvm::ff
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_prefill_ragged, PrefillRagged);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_prefill_paged, PrefillPaged);
 
-// The TIR dispatchers (toolchain/prefill_attention.py) reach these through T.call_cpacked, which
+// The TIR dispatchers (schedules/cuda/prefill_attention.py) reach these through T.call_cpacked, which
 // calls a symbol outside the module by its plain name with the packed calling convention.
 extern "C" {
 TVM_FFI_DLL_EXPORT int vtool_prefill_ragged(void* self, const TVMFFIAny* args, int32_t num_args, TVMFFIAny* result) {

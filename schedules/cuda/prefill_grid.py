@@ -14,8 +14,10 @@ The tile walk does not depend on the grid's size (a block past the last tile fin
 ends), so the fix is the grid alone: while a CUDA build's KV cache is made, TVM's prefill
 kernel generator is given a config whose block count is about `BLOCKS_PER_GPU` in all, split
 over the KV heads. Everything else about the kernels (tiles, warps, loads, the schedule) is
-TVM's. `tests/test_prefill_grid.py` holds the kernels' output to the narrow grid's on the CPU
-path of the same TIR (no GPU here) and the build's kernels to the wide grid.
+TVM's: `tests/test_prefill_grid.py` holds the wide kernel's TIR equal to TVM's but for the grid's
+extent and the walk's stride, and a CUDA build's kernels to the wide grid; on a GPU the output was
+bit-identical (docs/BENCHMARKS.md, session 41). toolchain/build.py applies it around the model's
+export for CUDA targets.
 """
 from __future__ import annotations
 
