@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from vtool.runtime.engine.chain_rule import OneSequenceChains
 from vtool.runtime.engine.engine import Engine, EngineConfig
 from vtool.runtime.sampling.params import SamplingParams
 
@@ -144,7 +145,10 @@ def test_a_request_aborted_inside_a_chain_frees_its_blocks(sampling_session):
 
 
 def test_one_sequence_does_not_chain_by_default_but_does_when_asked(sampling_session):
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    """On the CPU a launch computes the step, so the host never waits for a device: the engine's
+    timings of its one-sequence steps (chain_rule.py) call them host-bound, and they never chain
+    unless asked to."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ids = sampling_session.tokenizer.encode("Hello there")
     counts = {}
     for chain in (None, True):
@@ -152,9 +156,50 @@ def test_one_sequence_does_not_chain_by_default_but_does_when_asked(sampling_ses
         try:
             run(engine, [("r0", ids, params)], {"r0": 0})
             counts[chain] = engine.counters.chained_steps
+            rule = engine.one_sequence_chains
         finally:
             engine.model_thread.close()
-    assert counts[None] == 0 and counts[True] >= 8
+        if chain is None:
+            assert rule is not None and rule.observed == rule.window and not rule.device_bound
+        else:
+            assert rule is None  # asked for: no decision to make
+    assert counts[None] == 0 and counts[True] >= 20
+
+
+class DecidesAfterWindow(OneSequenceChains):
+    """Judges one-sequence steps device-bound once it has timed a window of them, whatever the
+    timings (a CPU launch computes its step, so real timings never say so here)."""
+
+    def observe(self, queued_seconds: float, waited_seconds: float) -> bool:
+        super().observe(0.0, 1.0)
+        return self.device_bound
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_one_sequence_steps_chain_once_judged_device_bound(sampling_session, seed):
+    """When the rule judges one-sequence steps device-bound, the engine fences them and chains the
+    following ones (not the very next: its predecessor recorded no fence); the tokens stay those of
+    the waiting engine, greedy and seeded, with a second request arriving and leaving meanwhile."""
+    encode = sampling_session.tokenizer.encode
+    requests = [("alone", encode("Once upon a time"), SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)),
+                ("joins", encode("Un deux"), SamplingParams(temperature=0.9, seed=seed, max_tokens=12, ignore_eos=True))]
+    arrive_at = {"alone": 0, "joins": 20}
+    want = run(Engine(sampling_session, EngineConfig(max_num_seqs=4)), requests, arrive_at)
+    chained = {}
+    for judged in (False, True):
+        engine = gpu_like(Engine(sampling_session, EngineConfig(max_num_seqs=4)))
+        if judged:
+            engine.one_sequence_chains = DecidesAfterWindow(window=3)
+        try:
+            got = run(engine, requests, arrive_at)
+        finally:
+            engine.model_thread.close()
+        assert got == want
+        chained[judged] = engine.counters.chained_steps
+    assert engine.one_sequence_chains.device_bound and engine._chain_min_rows == 1
+    # "alone" runs ~19 steps alone before "joins" and ~26 after: all but the judged window and the
+    # step that first records the fence chain now
+    assert chained[True] >= chained[False] + 30, chained
 
 
 def test_outputs_built_beside_the_model_call_can_leave_at_once(sampling_session):

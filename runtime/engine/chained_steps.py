@@ -32,8 +32,10 @@ and the step has at least two sequences (EngineConfig.chain_steps None): step N 
 and its outputs built while step N+1's call queues it, on another thread. Chaining alone measured
 no faster (on the H200 with an 8B-shape model at 64 sequences the waiting engine's step already
 equals the model step plus its draw; on an H100 with the SmolLM2 shape the host work simply moved),
-nor did either way for one sequence (docs/BENCHMARKS.md, "Chained decode steps", "The model
-thread"); VTOOL_CHAINED_STEPS=1 chains every step that can, thread or not, =0 none.
+nor did either way for one sequence of a small model, whose host is the bottleneck
+(docs/BENCHMARKS.md, "Chained decode steps", "The model thread"): one-sequence steps chain only
+once the engine has seen the host wait on the device longer than it takes to queue a step
+(engine/chain_rule.py). VTOOL_CHAINED_STEPS=1 chains every step that can, thread or not, =0 none.
 """
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from vtool import VtoolError
+from vtool.runtime.engine.chain_rule import OneSequenceChains
 from vtool.runtime.engine.chained_steps import DeviceTokens, chain_rows, chained_step
 from vtool.runtime.engine.grammar_stage import GrammarStage
 from vtool.runtime.engine.kv_blocks import blocks_for_window
@@ -49,8 +50,9 @@ DEFAULT_KV_MEMORY_BYTES = 1 << 30  # CPU default budget for K/V when --num-block
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 CHAINED_STEPS_ENV = "VTOOL_CHAINED_STEPS"
 OVERLAP_MODEL_CALLS_ENV = "VTOOL_OVERLAP_MODEL_CALLS"
-# Chained steps by default (EngineConfig.chain_steps None) only for this many sequences or more:
-# one sequence's step lost 6-10% chained, with or without the model thread (BENCHMARKS.md).
+# Chained steps by default (EngineConfig.chain_steps None) for this many sequences or more; one
+# sequence only once its steps are seen to be device-bound (engine/chain_rule.py): a host-bound
+# model's one-sequence step lost 6-10% chained, with or without the model thread (BENCHMARKS.md).
 CHAIN_MIN_ROWS = 2
 
 
@@ -85,9 +87,10 @@ class EngineConfig:
     # are back, its input tokens read on the device (chained_steps.py). None (the default): when
     # the model thread runs the chained step's call (overlap_model_calls), for steps of at least
     # CHAIN_MIN_ROWS sequences: the previous step is then collected beside that call, 4-21% faster
-    # steps at 4-64 sequences on an H100; chaining alone, or one sequence, measured no faster
-    # (docs/BENCHMARKS.md, "The model thread"). True: every step that can chain does, thread or not;
-    # False: none. VTOOL_CHAINED_STEPS=1 / 0 sets True / False.
+    # steps at 4-64 sequences on an H100; chaining alone measured no faster (docs/BENCHMARKS.md,
+    # "The model thread"). Steps of one sequence chain once the engine has seen them device-bound
+    # (engine/chain_rule.py). True: every step that can chain does, thread or not; False: none.
+    # VTOOL_CHAINED_STEPS=1 / 0 sets True / False.
     chain_steps: bool | None = dataclasses.field(default_factory=lambda: _env_switch(CHAINED_STEPS_ENV))
     # With async_scheduling on a GPU, run a chained step's entry-point call on a thread of its own
     # while this thread takes the previous step's tokens and builds its outputs (model_thread.py):
@@ -182,6 +185,10 @@ class _Launched:
     requests: list[Request]
     flight: InFlightStep
     launched_at: float  # perf_counter when its launch began
+    queued_seconds: float = 0.0  # the host's time in the launch (a plain one; chained ones are not timed)
+    # a one-sequence step the next could have chained to but for OneSequenceChains' decision: its
+    # collection times it for that decision
+    times_one_sequence: bool = False
 
 
 class EngineObserver(Protocol):
@@ -302,10 +309,28 @@ class Engine:
         self.runner.model_thread = self.model_thread
         self._chains = can_chain and (config.chain_steps is True or self.model_thread is not None)
         self._chain_min_rows = 1 if config.chain_steps is True else CHAIN_MIN_ROWS
+        # one-sequence steps chain by default once seen device-bound (chain_rule.py)
+        self.one_sequence_chains = OneSequenceChains() if self._chains and config.chain_steps is None else None
+        self._fence_chains()
+
+    def _fence_chains(self) -> None:
+        """On a GPU, steps that a chained step may follow record the KV cache's fence
+        (kv_cache.fence_steps): those of at least _chain_min_rows sequences."""
         if self._chains and getattr(self.model, "on_gpu", False):
             from vtool.runtime.artifact.tvm_runtime import cuda_runtime
 
             self.kv.fence_steps(cuda_runtime(), self._chain_min_rows)
+
+    def _time_one_sequence(self, launched: _Launched, waited_seconds: float) -> None:
+        """A one-sequence step collected unchained: its timings for the decision of chain_rule.py;
+        when that says the device is the bottleneck, such steps chain from the next one recorded."""
+        rule = self.one_sequence_chains
+        if rule is not None and rule.observe(launched.queued_seconds, waited_seconds):
+            log.info("one-sequence decode steps chain from now on: the host waited %.2f ms a step for the device, "
+                     "after %.2f ms queueing it (medians of %d steps)", 1e3 * waited_seconds,
+                     1e3 * launched.queued_seconds, rule.observed)
+            self._chain_min_rows = 1
+            self._fence_chains()
 
     @property
     def device_sampler(self) -> Any:
@@ -535,7 +560,8 @@ class Engine:
             request.first_scheduled_time = request.first_scheduled_time or now
         self.counters.steps += 1
         launched_at = time.perf_counter()
-        return _Launched(requests, self.runner.launch(scheduled), launched_at)
+        flight = self.runner.launch(scheduled)
+        return _Launched(requests, flight, launched_at, time.perf_counter() - launched_at)
 
     def _launch_beside(self, step: SchedulerOutput, device_tokens: DeviceTokens, beside: Beside | None) -> InFlightStep:
         """runner.launch of a chained step, `beside` run while its model call queues it when the
@@ -563,7 +589,11 @@ class Engine:
                           running, bool(scheduler.waiting) and len(running) < self.config.max_num_seqs,
                           self.config.max_num_batched_tokens, self.output_processor.room)
         blocks = self.kv.blocks
-        if rows is None or len(rows) < self._chain_min_rows \
+        if rows is not None and len(rows) == 1 and self._chain_min_rows > 1 and len(flight.step.sequences) == 1:
+            launched.times_one_sequence = True
+        # a step queued early needs the step before to have recorded the fence (not yet, right
+        # after one-sequence steps begin to chain)
+        if rows is None or len(rows) < self._chain_min_rows or not self.kv.may_queue_behind() \
                 or sum(blocks.blocks_needed(r.seq_id, 1) for r in running) > blocks.num_free_blocks:
             self.counters.schedule_seconds += time.perf_counter() - t0
             return None  # the scheduler evicts cached prefixes or preempts for blocks; not here
@@ -582,8 +612,11 @@ class Engine:
         """Wait for a launched step and take its tokens into the requests (what scheduling
         the next step needs); requests that ended are finished. Requests aborted while the
         step ran are skipped: their blocks are already free and nothing they computed counts."""
+        waited = time.perf_counter()
         ran = self.runner.finish(launched.flight)
         t0 = time.perf_counter()
+        if launched.times_one_sequence:
+            self._time_one_sequence(launched, t0 - waited)
         if self.observer is not None:
             # A step's time on the critical path: from its launch, or from the previous step's
             # collection when it was queued behind that one (overlapped steps), to its tokens.

@@ -181,6 +181,11 @@ class PagedKVCache:
             self._recorded = False
         self._fence_rows = min_rows
 
+    def may_queue_behind(self) -> bool:
+        """Whether a step may be queued before the last one begun is collected: no fence is kept
+        (steps queued after their predecessor's collection only), or that step recorded it."""
+        return self._cuda is None or self._recorded
+
     def begin_forward(self, seq_ids: Sequence[int], lengths: Sequence[int], queued_early: bool = False) -> None:
         """queued_early: the step is queued before the previous one was collected (a chained step):
         with fence_steps, wait for the previous step's model work first. A step queued after the
