@@ -604,11 +604,6 @@ class Engine:
         self.counters.steps += 1
         self.counters.chained_steps += 1
         launched_at = time.perf_counter()
-        # One sequence chains only where its step is device-bound (chain_rule.py): then the step
-        # is queued here and the last one collected after, the model thread's hand-off (a thread
-        # wake-up on the path from the fence to the step's first kernel) spared.
-        if len(rows) == 1 and self._chain_min_rows == 1 and self.one_sequence_chains is not None:
-            beside = None
         return _Launched(requests, self._launch_beside(step, DeviceTokens(flight.draw.tokens, tuple(rows)), beside),
                          launched_at)
 
