@@ -284,6 +284,16 @@ class DecoderForCausalLM(nn.Module):
     def decode(self, input_embed: Tensor, kv: PagedKVCache):
         return self._logits(self._layers(input_embed, kv)), kv
 
+    # decode in two calls (CUDA builds, the runtime's chained one-sequence steps): the layers, then
+    # the final norm and lm_head. Between the two the runtime records the KV cache's fence
+    # (runtime/engine/kv_cache.py fence_steps), so the next step may be queued while this one's
+    # lm_head still runs instead of after it.
+    def decode_hidden(self, input_embed: Tensor, kv: PagedKVCache):
+        return self._layers(input_embed, kv), kv
+
+    def decode_logits(self, hidden: Tensor):
+        return self._logits(hidden)
+
     def batch_prefill(self, input_embeds: Tensor, logit_positions: Tensor, kv: PagedKVCache):
         h = self._layers(input_embeds, kv)
         return self._logits(op.take(h, logit_positions, axis=1)), kv
@@ -385,6 +395,9 @@ class DecoderForCausalLM(nn.Module):
                 "$": {"param_mode": "none", "effect_mode": "none"},
             },
         }
+        if getattr(self, "split_decode", False):  # decode_hidden / decode_logits (above)
+            spec["decode_hidden"] = {"input_embed": nn.spec.Tensor([1, 1, hidden], dt), "kv": kv, "$": packed}
+            spec["decode_logits"] = {"hidden": nn.spec.Tensor([1, 1, hidden], dt), "$": packed}
         draft_cache_len = getattr(self, "draft_cache_len", 0)  # (GPT-2 borrows this method and has none)
         if draft_cache_len:
             spec.update(draft_chain.entry_specs(self.config, dt, draft_cache_len))

@@ -24,7 +24,8 @@ from vtool.runtime.sampling.params import SamplingParams
 @pytest.fixture(scope="module")
 def sampling_session(tiny_model_dir, tmp_path_factory):
     """The tiny model's host build with the compiled sampling functions beside its entry points
-    (built into a folder of this module's, never the shared artifact cache)."""
+    and decode in two calls as a CUDA build has it (built into a folder of this module's, never
+    the shared artifact cache)."""
     import vtool.toolchain.build as build
     from vtool.runtime.session import open_session
     from vtool.runtime.weights.checkpoint import open_checkpoint
@@ -37,6 +38,7 @@ def sampling_session(tiny_model_dir, tmp_path_factory):
 
     patch = pytest.MonkeyPatch()
     patch.setattr(build, "family_of", with_sampler)
+    patch.setattr(build, "splits_decode", lambda _target: True)  # decode_hidden / decode_logits, as CUDA builds
     try:
         folder = build.build_artifact(tiny_model_dir, "host", output=tmp_path_factory.mktemp("sampling") / "a",
                                       force=True)
@@ -217,3 +219,41 @@ def test_outputs_built_beside_the_model_call_can_leave_at_once(sampling_session)
     want = run(Engine(sampling_session, EngineConfig(max_num_seqs=4)), requests, arrive_at)
     assert got == want
     assert len(early) >= 5 and all(n > 0 for n in early), early
+
+
+def test_a_chained_step_of_one_sequence_computes_decodes_logits_in_two_calls(sampling_session):
+    """A chained one-sequence step runs decode_hidden, then (after the KV cache's fence) decode_logits:
+    its logits equal `decode`'s bit for bit, step after step, with a new KV page begun midway."""
+    from test_cuda_graph_buckets import Harness
+
+    from vtool.runtime.engine.chained_steps import PENDING_TOKEN, DeviceTokens
+    from vtool.runtime.engine.step_types import ScheduledSequence, SchedulerOutput
+
+    model = sampling_session.model
+    host, device = Harness.make(model, 64, 4), Harness.make(model, 64, 4)
+    assert device.runner.split_decode and "decode_hidden" in model.manifest["entry_points"]
+    calls = []
+    real = model.function
+
+    def counting(name):  # noqa: ANN001, ANN202
+        calls.append(name)
+        return real(name)
+
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(1, model.vocab_size, size=13).tolist()
+    host.prefill(0, prompt)
+    device.prefill(0, prompt)
+    model.function = counting
+    try:
+        for step_index in range(6):  # 13 + 6 tokens: the sequence's second page begins at step 3
+            token = int(rng.integers(1, model.vocab_size))
+            want = host.decode({0: token})[0]
+            step = SchedulerOutput((ScheduledSequence("r0", 0, (PENDING_TOKEN,), len(device.tokens[0]), 1, False,
+                                                      return_logits=True),))
+            drawn = model.upload(np.array([7, token], np.int32))
+            result = device.runner.finish(device.runner.launch(step, DeviceTokens(drawn, (1,)))).results[0]
+            device.tokens[0].append(token)
+            np.testing.assert_array_equal(result.logits[-1], want, err_msg=f"step {step_index}")
+    finally:
+        del model.function
+    assert calls.count("decode_hidden") >= 6 and calls.count("decode_logits") >= 6, calls

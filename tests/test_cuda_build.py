@@ -162,6 +162,8 @@ def _check(folder: Path, archs: list[str], ptx: str, tmp_path: Path) -> dict:
     assert cuda["nvcc"][0] == "nvcc" and "--fatbin" in cuda["nvcc"] and "-O3" in cuda["nvcc"]
     assert cuda["embedded"] == {"module_formats": ["cubin"], "sass": archs, "ptx": [ptx]}
     assert manifest["build"]["pipeline"]["cuda_graph"] is True
+    # decode in two calls beside decode (models/decoder.py; the runtime's chained one-sequence steps)
+    assert {"decode", "decode_hidden", "decode_logits"} <= set(manifest["entry_points"])
     passes = manifest["build"]["pipeline"]["passes"]
     expected = ["VtoolSplitKVDecodeAttention", "VtoolShortPrefillAttention"] + (
         ["VtoolOffloadGemmToCublas"] if manifest["gemm"] == "cublas" else [])

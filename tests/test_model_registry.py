@@ -211,3 +211,18 @@ def test_gpu_sampler_names_are_the_runtime_calls():
               and isinstance(node.value, ast.Constant) for target in node.targets if isinstance(target, ast.Name)}
     assert (consts["ARGMAX"], consts["TEMPERATURE"], consts["TOP_P_TOP_K"]) == device.FUNCTIONS
     assert (consts["APPLY_TOKEN_BITMASK"], consts["TOKEN_LOGPROB"]) == device.MASK_FUNCTIONS
+
+
+@pytest.mark.parametrize("arch", [arch for arch, f in ARCHITECTURES.items() if f.task == "generate"])
+def test_decode_in_two_calls_where_the_model_has_them(arch):
+    """What a CUDA build asks for (toolchain/build.py splits_decode): decode_hidden and
+    decode_logits beside decode wherever the family's module defines them (GPT-2's does not)."""
+    tvm = pytest.importorskip("tvm")
+    cfg = parse_hf_config(tiny_config(arch))
+    model = model_family(arch).module(cfg, "float32", tvm.target.Target("llvm"), None)
+    if not hasattr(model, "decode_hidden"):
+        assert model_family(arch).name == "gpt2", f"{arch}: only GPT-2 has no decode in two calls"
+        return
+    model.split_decode = True
+    mod, _ = model.export_tvm(spec=model.get_default_spec())
+    assert {"decode", "decode_hidden", "decode_logits"} <= {gv.name_hint for gv in mod.functions}

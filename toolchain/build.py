@@ -43,6 +43,13 @@ from vtool.toolchain.quantize import write_weights
 Progress = Callable[[str], None]
 
 
+def splits_decode(target_spec: TargetSpec) -> bool:
+    """Whether the library gets decode in two calls too (models/decoder.py decode_hidden and
+    decode_logits): on CUDA, where a chained one-sequence step records the KV cache's fence
+    between them, so the next step is queued while the lm_head runs (BENCHMARKS.md, session 42)."""
+    return family_of(target_spec).name == "cuda"
+
+
 def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Progress,
             formats: dict[str, str] | None = None, attention: str = "tir", activations: str = "decode",
             gemm: str = "tir", draft_cache_len: int = 0):
@@ -83,6 +90,8 @@ def _export(cfg: ModelConfig, target_spec: TargetSpec, dtype: str, progress: Pro
         use_attention(model, attention)
     if draft_cache_len:  # draft_extend / draft_step (models/draft_chain.py)
         model.draft_cache_len = draft_cache_len
+    if splits_decode(target_spec) and hasattr(model, "decode_hidden"):
+        model.split_decode = True
     spec = model.get_default_spec()
     grid = contextlib.nullcontext()
     if family_of(target_spec).name == "cuda":  # TVM's tiled prefill kernels on a grid that fills the GPU

@@ -34,6 +34,10 @@ from vtool.runtime.sampling.spec_verify import greedy_on_device, verify_drafts, 
 log = logging.getLogger("vtool.engine")
 
 
+# decode as two entry points, layers then logits (CUDA builds; models/decoder.py)
+SPLIT_DECODE = ("decode_hidden", "decode_logits")
+
+
 class StepLogits:
     """One step's logits, left where the model wrote them (rows [n, V] of float32), with
     the sequence each row belongs to (owners[r]; -1 for a row no sequence needs). They come
@@ -131,6 +135,9 @@ class ModelRunner:
         self.seconds = {"forward": 0.0, "sample": 0.0}
         self._shapes: dict[tuple[int, ...], Any] = {}  # _shape's
         self.decode_buckets = DecodeBuckets.for_model(model, kv)  # None: no captured batch_decode
+        # the library's decode in two calls (models/decoder.py): a chained one-sequence step's
+        # fence goes between its layers and its lm_head
+        self.split_decode = set(SPLIT_DECODE) <= set(getattr(model, "manifest", {}).get("entry_points", ()))
         self.verify_graph_tokens = captured_verify_tokens(model)  # 0: no captured batch_verify
         # weights kept in blocks on a GPU: decode steps past this many sequences run as
         # batch_verify, through the prompt path's matmuls (block_decode.py); None: never
@@ -400,15 +407,25 @@ class ModelRunner:
             fill_token_ids(m, tokens, device_tokens, self._create_view)
         flat = m.function("embed")(ids, m.params)
         self.kv.begin_forward(seq_ids, lengths, queued_early=queued_early or device_tokens is not None)
+        ended = False
         try:
             if all_decode:
                 embeds = self._create_view(flat, self._shape(len(sequences), 1, m.hidden_size), m.dtype, 0)
+                owners = [i if s.num_logit_rows else -1 for i, s in enumerate(sequences)]
+                if len(sequences) == 1 and device_tokens is not None and self.split_decode:
+                    # A chained step (queued behind the last): its layers, then the fence, then its
+                    # lm_head, so the step chained behind it waits for the layers only.
+                    hidden = self._first(self.call_entry((SPLIT_DECODE[0], 1), m.function(SPLIT_DECODE[0]),
+                                                         embeds, self.kv.tvm, m.params), 0)
+                    ended = True
+                    self.kv.end_forward()
+                    logits = m.function(SPLIT_DECODE[1])(hidden, m.params)
+                    return StepLogits(m, logits, self.vocab_size, owners)
                 # One sequence takes the static-shape `decode`: on CUDA it is a captured graph
                 # of GEMV kernels, where batch_decode's symbolic batch runs uncaptured matmuls.
                 entry = "decode" if len(sequences) == 1 else "batch_decode"
                 logits = self._first(self.call_entry((entry, len(sequences)), m.function(entry),
                                                      embeds, self.kv.tvm, m.params), 0)
-                owners = [i if s.num_logit_rows else -1 for i, s in enumerate(sequences)]
                 return StepLogits(m, logits, self.vocab_size, owners)
             positions: list[int] = []
             owners: list[int] = []
@@ -426,4 +443,5 @@ class ModelRunner:
                 embeds, m.upload_ints(positions, "positions"), self.kv.tvm, m.params), 0)
             return StepLogits(m, logits, self.vocab_size, owners)
         finally:
-            self.kv.end_forward()
+            if not ended:
+                self.kv.end_forward()
