@@ -319,7 +319,7 @@ def time_prefills(model, gen, sync, rounds: int = 1) -> None:  # noqa: ANN001
 
 
 def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool = False,
-                split: bool = False, prefill_only: bool = False) -> None:
+                split: bool = False, prefill_only: bool = False, decode_only: bool = False) -> None:
     from vtool.runtime.artifact.library import CompiledModel
     from vtool.runtime.weights.checkpoint import open_checkpoint
     from vtool.runtime.engine.generate import Generator
@@ -339,6 +339,8 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
     timed_decode(8)
     step = timed_decode(steps)
     record(step="vtool_decode_b1_model_only", ms_per_token=round(step * 1e3, 3), tok_s=round(1 / step, 1))
+    if decode_only:
+        return
     if profile:
         gguf_file = checkpoint_dir if Path(checkpoint_dir).suffix == ".gguf" else None
         profile_kernels("vtool_decode_b1", lambda: timed_decode(16), weight_bytes_per_step(gguf_file))
@@ -462,6 +464,8 @@ def main() -> None:
                     help="also time batch_decode steps waited for one by one, with and without the device draw")
     ap.add_argument("--prefill-only", action="store_true",
                     help="only the prefill timings (vtool and transformers eager), median of 5")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only the model-only batch-1 decode step (what served TPOT at one user is held to)")
     ap.add_argument("--logits-check", action="store_true", help="only compare bf16 logits with the float32 truth")
     args = ap.parse_args()
     gguf_file = args.checkpoint if args.checkpoint.suffix == ".gguf" else None  # tests/bench/shape_gguf.py's
@@ -478,7 +482,8 @@ def main() -> None:
         LABEL["artifact"] = f"{artifact.name} ({manifest['dtype']}, quantization {manifest['quantization']})"
         weight_bytes = weight_bytes_per_step(gguf_file) if gguf_file else manifest_weight_bytes(artifact)
         record(step="roofline", weight_gb=round(weight_bytes / 1e9, 2), roofline_ms=round(weight_bytes / bw / 1e6, 3))
-        bench_vtool(artifact, args.checkpoint, args.steps, args.profile, args.serving_split, args.prefill_only)
+        bench_vtool(artifact, args.checkpoint, args.steps, args.profile, args.serving_split, args.prefill_only,
+                    args.decode_only)
         if args.prefill_only:
             continue
         by = {r["step"]: r for r in RESULTS if r.get("artifact") == LABEL["artifact"]}
