@@ -1058,3 +1058,22 @@ def test_fresh_prompts_per_run(llama_like, monkeypatch):
     assert report2["seed"] == 2002 and not set(app.state.prompts[first:]) & set(sent)
     report = bench_main(dataclasses.replace(opts, fresh_prompts=False), tokenizer=tok, console=_quiet())
     assert report["fresh_prompts"] is False
+
+
+def test_the_clients_of_a_run_share_one_verifying_tls_context():
+    """run_requests makes one client per concurrency slot; they share one TLS context (building
+    one per slot cost 2 s at 64 before the first request), and it still verifies certificates."""
+    import ssl
+
+    from vtool.runtime.bench.client import make_client, tls_context
+
+    clients = [make_client(1) for _ in range(3)]
+    try:
+        pools = [getattr(c._transport, "_pool", None) for c in clients]
+        assert all(getattr(p, "_ssl_context", None) is tls_context() for p in pools)
+    finally:
+        async def close() -> None:
+            for c in clients:
+                await c.aclose()
+        asyncio.run(close())
+    assert tls_context().verify_mode == ssl.CERT_REQUIRED and tls_context().check_hostname
