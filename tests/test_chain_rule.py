@@ -56,6 +56,7 @@ def test_the_measured_shapes_are_told_apart():
         small.observe(1.31e-3, 0.02e-3)
         large.observe(1.5e-3, 4.2e-3)
     assert not small.device_bound and large.device_bound
+    assert large.medians() == (1.5e-3, 4.2e-3) and OneSequenceChains().medians() == (0.0, 0.0)
 
 
 def test_a_window_below_one_is_refused():

@@ -47,6 +47,12 @@ class OneSequenceChains:
         self.device_bound = statistics.median(self._waited) > statistics.median(self._queued)
         return self.device_bound
 
+    def medians(self) -> tuple[float, float]:
+        """(queueing, waiting) seconds: the medians the decision compares (0 before any step)."""
+        if not self._queued:
+            return 0.0, 0.0
+        return statistics.median(self._queued), statistics.median(self._waited)
+
     @property
     def observed(self) -> int:
         """How many timings the decision rests on so far (at most the window)."""

@@ -326,9 +326,9 @@ class Engine:
         when that says the device is the bottleneck, such steps chain from the next one recorded."""
         rule = self.one_sequence_chains
         if rule is not None and rule.observe(launched.queued_seconds, waited_seconds):
+            queued, waited = rule.medians()
             log.info("one-sequence decode steps chain from now on: the host waited %.2f ms a step for the device, "
-                     "after %.2f ms queueing it (medians of %d steps)", 1e3 * waited_seconds,
-                     1e3 * launched.queued_seconds, rule.observed)
+                     "after %.2f ms queueing it (medians of %d steps)", 1e3 * waited, 1e3 * queued, rule.observed)
             self._chain_min_rows = 1
             self._fence_chains()
 
