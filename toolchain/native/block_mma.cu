@@ -216,25 +216,52 @@ __device__ __forceinline__ void CpAsync(void* dst, const void* src, bool in, int
   }
 }
 
+// The pieces of a step each thread copies, fixed at compile time: kThreads threads walk a step's
+// kBlockTiles * Pieces() 16-byte pieces of blocks with a stride of kThreads, so thread `tid` copies
+// piece tid % Pieces() of tiles tid / Pieces() + i * (kThreads / Pieces()), i < WPieces(): its
+// piece and block never change, only the tile, by a constant stride (x's vectors likewise). The
+// runtime loops this replaced were unrolled by four with a remainder and recomputed every piece's
+// 64-bit address from its tile and block (the step loop's SASS, Q4_1 at 32 rows: 974 instructions,
+// remainder copies included, now 690 straight-line); the kernels 3-14% faster on an H100
+// (BENCHMARKS.md, session 43).
+constexpr int kThreads = kWarps * 32;
+template <Fmt F>
+__host__ __device__ constexpr int Pieces() { return kGroup * kTileRows * BlockBytes<F>() / 16; }  // a tile's step
+template <Fmt F>
+__host__ __device__ constexpr int WPieces() { return kBlockTiles * Pieces<F>() / kThreads; }      // a thread's step
+constexpr int kHighPieces = 8;  // Q6_K: 2 groups x 4 rows x 16 bytes a tile's step
+
 template <typename T, Fmt F, int NT>
 __device__ __forceinline__ void IssueStep(const T* x, const Parts& p, char* st, int m, int n, int k, int grp) {
-  const int kb = k / kBlock, tid = threadIdx.x, threads = kWarps * 32;
+  static_assert(kThreads % Pieces<F>() == 0 && (kBlockTiles * Pieces<F>()) % kThreads == 0, "pieces per thread");
+  const int kb = k / kBlock, tid = threadIdx.x;
   const int tiles = n / kTileRows, tile0 = blockIdx.x * kBlockTiles, b0 = grp * kGroup;
-  constexpr int kPieces = kGroup * kTileRows * BlockBytes<F>() / 16;  // 16-byte pieces of a tile's step
-  for (int c = tid; c < kBlockTiles * kPieces; c += threads) {
-    const int t = c / kPieces, piece = c % kPieces, blk = piece / (kTileRows * BlockBytes<F>() / 16);
-    const int64_t tile = tile0 + t;
-    const bool in = tile < tiles && b0 + blk < kb;
-    const uint8_t* src = p.qweight + (in ? ((tile * kb + b0) * kTileRows * BlockBytes<F>() + piece * 16) : 0);
-    CpAsync(st + (t * kPieces + piece) * 16, src, in, 16);
+  {
+    constexpr int kTileStride = kThreads / Pieces<F>();  // tiles between a thread's pieces
+    const int piece = tid % Pieces<F>(), t0 = tid / Pieces<F>();
+    const int blk = piece / (kTileRows * BlockBytes<F>() / 16);
+    const bool blk_in = b0 + blk < kb;
+    const int64_t tile_bytes = static_cast<int64_t>(kb) * kTileRows * BlockBytes<F>();
+    const uint8_t* src = p.qweight + (tile0 + t0) * tile_bytes + static_cast<int64_t>(b0) * kTileRows * BlockBytes<F>() +
+                         piece * 16;
+    char* dst = st + (t0 * Pieces<F>() + piece) * 16;
+#pragma unroll
+    for (int i = 0; i < WPieces<F>(); ++i) {
+      const bool in = blk_in && tile0 + t0 + i * kTileStride < tiles;
+      CpAsync(dst + i * kTileStride * Pieces<F>() * 16, in ? src + i * kTileStride * tile_bytes : p.qweight, in, 16);
+    }
   }
   if constexpr (F == Fmt::kQ6_K) {  // 2 groups x 4 rows x 16 bytes a tile, contiguous
-    for (int c = tid; c < kBlockTiles * 8; c += threads) {
-      const int t = c / 8, piece = c % 8;
-      const int64_t tile = tile0 + t;
-      const bool in = tile < tiles && b0 < kb;
-      const uint8_t* src = p.qhigh + (in ? ((tile * (kb / 2) + b0 / 2) * kTileRows * 16 + piece * 16) : 0);
-      CpAsync(st + StageQ<F>() + (t * 8 + piece) * 16, src, in, 16);
+    static_assert((kBlockTiles * kHighPieces) % kThreads == 0 && kThreads % kHighPieces == 0, "high pieces per thread");
+    constexpr int kTileStride = kThreads / kHighPieces;
+    const int piece = tid % kHighPieces, t0 = tid / kHighPieces;
+    const int64_t tile_bytes = static_cast<int64_t>(kb / 2) * kTileRows * 16;
+    const uint8_t* src = p.qhigh + (tile0 + t0) * tile_bytes + static_cast<int64_t>(b0 / 2) * kTileRows * 16 + piece * 16;
+    char* dst = st + StageQ<F>() + (t0 * kHighPieces + piece) * 16;
+#pragma unroll
+    for (int i = 0; i < kBlockTiles * kHighPieces / kThreads; ++i) {
+      const bool in = b0 < kb && tile0 + t0 + i * kTileStride < tiles;
+      CpAsync(dst + i * kTileStride * kHighPieces * 16, in ? src + i * kTileStride * tile_bytes : p.qhigh, in, 16);
     }
   }
   char* sc = st + StageW<F>();
@@ -268,10 +295,18 @@ __device__ __forceinline__ void IssueStep(const T* x, const Parts& p, char* st, 
     }
   }
   uint4 (*xs)[kRowVecs] = reinterpret_cast<uint4 (*)[kRowVecs]>(st + StageW<F>() + kStageScales);
-  for (int idx = tid; idx < XVecs<NT>(); idx += threads) {
-    const int row = idx / (kChunk * 2 / 16), vec = idx % (kChunk * 2 / 16), col = grp * kChunk + vec * 8;
-    const bool in = row < m && col < k;
-    CpAsync(&xs[row][vec], x + (in ? static_cast<int64_t>(row) * k + col : 0), in, 16);
+  {
+    constexpr int kVecs = kChunk * 2 / 16;  // uint4 of x a row a step
+    static_assert(kThreads % kVecs == 0 && XVecs<NT>() % kThreads == 0, "x pieces per thread");
+    constexpr int kRowStride = kThreads / kVecs;
+    const int vec = tid % kVecs, r0 = tid / kVecs, col = grp * kChunk + vec * 8;
+    const T* src = x + static_cast<int64_t>(r0) * k + col;
+#pragma unroll
+    for (int i = 0; i < XVecs<NT>() / kThreads; ++i) {
+      const int row = r0 + i * kRowStride;
+      const bool in = row < m && col < k;
+      CpAsync(&xs[row][vec], in ? src + static_cast<int64_t>(i) * kRowStride * k : x, in, 16);
+    }
   }
 }
 
