@@ -222,8 +222,8 @@ __device__ __forceinline__ void CpAsync(void* dst, const void* src, bool in, int
 // piece and block never change, only the tile, by a constant stride (x's vectors likewise). The
 // runtime loops this replaced were unrolled by four with a remainder and recomputed every piece's
 // 64-bit address from its tile and block (the step loop's SASS, Q4_1 at 32 rows: 974 instructions,
-// remainder copies included, now 690 straight-line); the kernels 3-14% faster on an H100
-// (BENCHMARKS.md, session 43).
+// remainder copies included, now 690 straight-line); the large matrices' kernels 3-14% faster on
+// an H100 (BENCHMARKS.md, session 43).
 constexpr int kThreads = kWarps * 32;
 template <Fmt F>
 __host__ __device__ constexpr int Pieces() { return kGroup * kTileRows * BlockBytes<F>() / 16; }  // a tile's step
