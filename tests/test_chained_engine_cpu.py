@@ -223,37 +223,8 @@ def test_outputs_built_beside_the_model_call_can_leave_at_once(sampling_session)
 
 def test_a_chained_step_of_one_sequence_computes_decodes_logits_in_two_calls(sampling_session):
     """A chained one-sequence step runs decode_hidden, then (after the KV cache's fence) decode_logits:
-    its logits equal `decode`'s bit for bit, step after step, with a new KV page begun midway."""
-    from test_cuda_graph_buckets import Harness
+    its logits equal `decode`'s bit for bit, step after step, with a new KV page begun midway
+    (test_gpu_split_decode.py holds a CUDA build to the same)."""
+    from two_call_decode import assert_two_calls_give_decodes_logits
 
-    from vtool.runtime.engine.chained_steps import PENDING_TOKEN, DeviceTokens
-    from vtool.runtime.engine.step_types import ScheduledSequence, SchedulerOutput
-
-    model = sampling_session.model
-    host, device = Harness.make(model, 64, 4), Harness.make(model, 64, 4)
-    assert device.runner.split_decode and "decode_hidden" in model.manifest["entry_points"]
-    calls = []
-    real = model.function
-
-    def counting(name):  # noqa: ANN001, ANN202
-        calls.append(name)
-        return real(name)
-
-    rng = np.random.default_rng(3)
-    prompt = rng.integers(1, model.vocab_size, size=13).tolist()
-    host.prefill(0, prompt)
-    device.prefill(0, prompt)
-    model.function = counting
-    try:
-        for step_index in range(6):  # 13 + 6 tokens: the sequence's second page begins at step 3
-            token = int(rng.integers(1, model.vocab_size))
-            want = host.decode({0: token})[0]
-            step = SchedulerOutput((ScheduledSequence("r0", 0, (PENDING_TOKEN,), len(device.tokens[0]), 1, False,
-                                                      return_logits=True),))
-            drawn = model.upload(np.array([7, token], np.int32))
-            result = device.runner.finish(device.runner.launch(step, DeviceTokens(drawn, (1,)))).results[0]
-            device.tokens[0].append(token)
-            np.testing.assert_array_equal(result.logits[-1], want, err_msg=f"step {step_index}")
-    finally:
-        del model.function
-    assert calls.count("decode_hidden") >= 6 and calls.count("decode_logits") >= 6, calls
+    assert_two_calls_give_decodes_logits(sampling_session.model)
