@@ -11,7 +11,6 @@ made on a machine with the compiler by
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -35,19 +34,11 @@ def prepare(root: Path, shape: str, dtype: str) -> tuple[Path, Path]:
     return model, artifact
 
 
-def case_paths(shape: str, dtype: str, tmp_path_factory) -> tuple[Path, Path]:
-    root = os.environ.get(ENV)
-    if root:
-        case = Path(root) / f"{shape}-{dtype}"
-        if not (case / "artifact").is_dir():
-            pytest.fail(f"{ENV}={root} has no {case.name}/artifact: run `python tests/test_gpu_draft_chain.py "
-                        "--prepare DIR` where the compiler is installed")
-        return case / "model", case / "artifact"
-    try:
-        import tvm  # noqa: F401
-    except ImportError:
-        pytest.skip(f"no compiler here and {ENV} unset: nothing to run")
-    return prepare(tmp_path_factory.mktemp("draftchain"), shape, dtype)
+def case_paths(shape: str, dtype: str, tmp_path_factory) -> tuple[Path, Path]:  # noqa: ANN001
+    from gpu_fixtures import prepared_case
+
+    return prepared_case(ENV, "test_gpu_draft_chain.py", f"{shape}-{dtype}",
+                         lambda root: prepare(root, shape, dtype), tmp_path_factory)
 
 
 @pytest.mark.parametrize("shape, dtype", CASES)
@@ -114,19 +105,9 @@ def prepare_gguf_blocks(root: Path) -> tuple[Path, Path]:
 
 
 def prepared(name: str, make, tmp_path_factory) -> tuple[Path, Path]:  # noqa: ANN001
-    root = os.environ.get(ENV)
-    if root:
-        case = Path(root) / name
-        if not (case / "artifact").is_dir():
-            pytest.fail(f"{ENV}={root} has no {name}/artifact: run `python tests/test_gpu_draft_chain.py "
-                        "--prepare DIR` where the compiler is installed")
-        model = case / "model"
-        return (model / "m.gguf" if (model / "m.gguf").exists() else model), case / "artifact"
-    try:
-        import tvm  # noqa: F401
-    except ImportError:
-        pytest.skip(f"no compiler here and {ENV} unset: nothing to run")
-    return make(tmp_path_factory.mktemp("draftchain"))
+    from gpu_fixtures import prepared_case
+
+    return prepared_case(ENV, "test_gpu_draft_chain.py", name, make, tmp_path_factory)
 
 
 def test_the_engine_runs_a_request_alone_on_both_caches_on_the_gpu(tmp_path_factory):

@@ -14,7 +14,6 @@ folder made where the compiler is by
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -42,17 +41,10 @@ def prepare(root: Path, shape: str, dtype: str) -> tuple[Path, Path]:
 
 
 def case_paths(shape: str, dtype: str, tmp_path_factory) -> tuple[Path, Path]:  # noqa: ANN001
-    root = os.environ.get(ENV)
-    if root:
-        case = Path(root) / f"{shape}-{dtype}"
-        if not (case / "artifact").is_dir():
-            pytest.fail(f"{ENV}={root} has no {case.name}/artifact: run `python tests/test_gpu_split_decode.py "
-                        "--prepare DIR` where the compiler is installed")
-        return case / "model", case / "artifact"
-    from gpu_fixtures import cuda_buildable
+    from gpu_fixtures import prepared_case
 
-    cuda_buildable()
-    return prepare(tmp_path_factory.mktemp("splitdecode"), shape, dtype)
+    return prepared_case(ENV, "test_gpu_split_decode.py", f"{shape}-{dtype}",
+                         lambda root: prepare(root, shape, dtype), tmp_path_factory)
 
 
 @pytest.mark.parametrize("shape, dtype", CASES)

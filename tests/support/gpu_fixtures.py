@@ -4,6 +4,8 @@ Import them into a test module (`from gpu_fixtures import cuda_buildable, exact_
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,3 +75,24 @@ class NativeLibrary:
 
     def tensor(self, t, dtype: str):  # noqa: ANN001, ANN201 - a torch tensor
         return self.view(self.ffi.from_dlpack(t), self.ffi.Shape(list(t.shape)), dtype, 0)
+
+
+def prepared_case(env: str, test_file: str, name: str, make: Callable[[Path], tuple[Path, Path]],
+                  tmp_path_factory) -> tuple[Path, Path]:  # noqa: ANN001
+    """(checkpoint, artifact) of one case a GPU test module prepares: from the folder `env` names
+    (written where the compiler is by `python tests/<test_file> --prepare DIR`: a <name>/ folder a
+    case, holding `model/` (a checkpoint folder, or `m.gguf` in it) and `artifact/`), else built
+    here by `make(root)` when the compiler is installed, else skipped."""
+    root = os.environ.get(env)
+    if root:
+        case = Path(root) / name
+        if not (case / "artifact").is_dir():
+            pytest.fail(f"{env}={root} has no {name}/artifact: run `python tests/{test_file} --prepare DIR` "
+                        "where the compiler is installed")
+        model = case / "model"
+        return (model / "m.gguf" if (model / "m.gguf").exists() else model), case / "artifact"
+    try:
+        import tvm  # noqa: F401
+    except ImportError:
+        pytest.skip(f"no compiler here and {env} unset: nothing to run")
+    return make(tmp_path_factory.mktemp(Path(test_file).stem))
