@@ -20,7 +20,7 @@ from rich.console import Console
 from vtool import VtoolError
 import httpx
 
-from vtool.runtime.bench.client import (NO_TTFT_ERROR, RequestInput, SSEDecoder, StreamError, StreamParser, api_base,
+from vtool.runtime.bench.client import (NO_TTFT_ERROR, ClientPool, RequestInput, SSEDecoder, StreamError, StreamParser, api_base,
                                         endpoint_url, request_chat_completions, request_completions, request_delays,
                                         run_requests)
 from vtool.runtime.bench import command
@@ -526,6 +526,7 @@ def _make_app():
     app = FastAPI()
     app.state.seen = []
     app.state.sent = {}
+    app.state.peers = []      # the client's (host, port) of each generation request: its connection
 
     @app.get("/v1/models")
     async def models():
@@ -575,6 +576,7 @@ def _make_app():
     async def handle(req: Request, chat: bool):
         body = await req.json()
         app.state.seen.append((req.headers.get("authorization"), body))
+        app.state.peers.append((req.client.host, req.client.port))
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
         if "FAIL" in prompt:
             return JSONResponse({"error": {"message": "synthetic failure"}}, status_code=500)
@@ -676,6 +678,52 @@ def test_single_request_timing(server, chat):
         assert body["max_completion_tokens"] == N_TOKENS and body["messages"][0]["role"] == "user"
     else:
         assert body["max_tokens"] == N_TOKENS and body["prompt"] == "hello tiny world"
+
+
+@pytest.mark.parametrize("limit", [2, None])
+def test_requests_in_flight_each_keep_one_connection_alive(server, limit):
+    """A run opens one connection per request in flight and reuses it for later requests: with a
+    limit of 2 (and with none, requests sent 0.1 s apart that each take ~0.3 s: 3-4 in flight) eight
+    requests arrive over a handful of kept-alive connections, never one connection per request."""
+    url, app = server
+    ep = endpoint_url(url, "completions")
+    inputs = [RequestInput(f"keep alive {i}", 3, 1, "tiny-model", ep, api_key=API_KEY) for i in range(8)]
+    before = len(app.state.peers)
+    rate = math.inf if limit else 10.0
+    recs, _ = asyncio.run(run_requests(inputs, "completions", max_concurrency=limit, request_rate=rate,
+                                       burstiness=math.inf))
+    assert all(r.success for r in recs), [r.error for r in recs]
+    peers = app.state.peers[before:]
+    assert len(peers) == 8
+    if limit:
+        assert len(set(peers)) == limit, peers
+    else:
+        assert 3 <= len(set(peers)) <= 5, peers
+    assert all(r.retries == 0 for r in recs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), max_size=40))
+def test_client_pool_hands_out_each_client_once_and_grows_to_the_peak(moves):
+    """ClientPool under any order of take (True) and give-back (False, of the oldest taken): a
+    client is never handed to two holders at once, each is a one-connection client, and the pool
+    makes exactly as many as were ever held at once (so a concurrency limit bounds it)."""
+    pool = ClientPool()
+    held: list = []
+    peak = 0
+    for take in moves:
+        if take:
+            client = pool.take()
+            assert all(client is not h for h in held)
+            held.append(client)
+            peak = max(peak, len(held))
+        elif held:
+            pool.give(held.pop(0))
+    assert pool.size == peak
+    for client in held:
+        assert client._transport._pool._max_connections == 1
+    asyncio.run(pool.aclose())
+    assert pool.size == 0
 
 
 def test_failures_are_recorded(server):
@@ -1061,7 +1109,7 @@ def test_fresh_prompts_per_run(llama_like, monkeypatch):
 
 
 def test_the_clients_of_a_run_share_one_verifying_tls_context():
-    """run_requests makes one client per concurrency slot; they share one TLS context (building
+    """run_requests makes one client per request in flight; they share one TLS context (building
     one per slot cost 2 s at 64 before the first request), and it still verifies certificates."""
     import ssl
 

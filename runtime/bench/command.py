@@ -42,7 +42,7 @@ from rich.text import Text
 from vtool import VtoolError
 from vtool.runtime.bench import server_steps
 from vtool.runtime.bench.client import (ENDPOINT_PATHS, RequestInput, api_base, auth_headers, endpoint_url,
-                                        fetch_models, make_client, run_requests)
+                                        fetch_models, run_requests)
 from vtool.runtime.bench.metrics import (DEFAULT_PERCENTILES, METRIC_NAMES, BenchMetrics, RequestRecord,
                                          calculate_metrics, format_percentile)
 
@@ -785,13 +785,9 @@ async def _run_all(url: str, model: str, prompt_sets: Sequence[Sequence[BenchPro
                 failed += 0 if rec.success else 1
                 bar.update(task, advance=1, failed=failed)
 
-            client = make_client(level or None)
-            try:
-                records, duration = await run_requests(
-                    inputs, endpoint, max_concurrency=level or None,  # type: ignore[arg-type]
-                    request_rate=request_rate, burstiness=burstiness, seed=seed, on_done=done, client=client)
-            finally:
-                await client.aclose()
+            records, duration = await run_requests(
+                inputs, endpoint, max_concurrency=level or None,  # type: ignore[arg-type]
+                request_rate=request_rate, burstiness=burstiness, seed=seed, on_done=done)
         after = await server_steps.scrape(url, api_key) if before is not None else None
         results.append((level, records, duration, server_steps.between(before, after)))
     return results

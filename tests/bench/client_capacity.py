@@ -1,11 +1,13 @@
 """How many streamed chunks a second `vtool bench`'s client can take in: the ceiling of what
 it can measure. A raw asyncio HTTP/1.1 server (no framework: it costs next to nothing) streams
 completion chunks with usage at the end as fast as the socket takes them; the client runs
---concurrency streams at once.
+--concurrency streams at once, through the same `run_requests` as `vtool bench --url`. The server
+answers at once, so the client's time to first token is the client's own cost of sending a
+request while the other streams run (a small --tokens makes requests start in waves).
 
     python tests/bench/client_capacity.py [--concurrency 64] [--requests 256] [--tokens 128]
 
-Prints one JSON line: chunks per second, the CPU, and the run's parameters.
+Prints one JSON line: chunks per second, the mean and longest time to first token, the CPU, and the run's parameters.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import asyncio
 import json
 import multiprocessing
 import socket
+import statistics
 import sys
 from pathlib import Path
 
@@ -81,7 +84,9 @@ def main() -> None:
     server.terminate()
     ok = [r for r in records if r.success]
     chunks = sum(len(r.itl) + 1 for r in ok)
-    print(json.dumps({"chunks_per_s": round(chunks / duration), "ok": len(ok), "requests": a.requests,
+    ttft_ms = [1000 * r.ttft for r in ok]
+    print(json.dumps({"chunks_per_s": round(chunks / duration), "mean_ttft_ms": round(statistics.fmean(ttft_ms), 2),
+                      "max_ttft_ms": round(max(ttft_ms), 2), "ok": len(ok), "requests": a.requests,
                       "concurrency": a.concurrency, "tokens": a.tokens, "cpu": cpu_name()}))
 
 
