@@ -432,6 +432,9 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
               help="KEY:MS service-level objectives (ttft, tpot, e2el) for the goodput figure, as vLLM; repeatable")
 @click.option("--save-detailed", is_flag=True, help="add per-request lists (latencies, texts) to --result-json")
 @click.option("--result-json", default=None, help="write the report here as JSON")
+@click.option("--client-processes", default=None, type=click.IntRange(min=1),
+              help="processes that read the streams (default: 1 below 32 concurrent requests, else one per 16, "
+                   "at most half the cores and 8): one event loop cannot keep up with many fast streams")
 @quantization_option
 @activations_option
 @artifact_option
@@ -444,7 +447,8 @@ def bench(model: str | None, revision: str | None, url: str | None, endpoint: st
           tokenizer_path: str | None, seed: int | None, fresh_prompts: bool, request_rate: str, burstiness: float,
           temperature: float | None, top_p: float | None, top_k: int | None, min_p: float | None,
           extra_body: str | None, metric_percentiles: str, goodput: tuple[str, ...], save_detailed: bool,
-          result_json: str | None, quantization: str, activations: str, artifact: str | None,
+          result_json: str | None, client_processes: int | None, quantization: str, activations: str,
+          artifact: str | None,
           hf_overrides: str | None, threads: int | None, speculative_config: str | None) -> None:
     """Measure serving throughput and latency (TTFT, TPOT, ITL, E2EL) as vLLM defines them.
     --threads applies to the local server it starts (passed on as VTOOL_CPU_THREADS); --quantization,
@@ -468,7 +472,7 @@ def bench(model: str | None, revision: str | None, url: str | None, endpoint: st
                         tokenizer=tokenizer_path, fresh_prompts=fresh_prompts, temperature=temperature,
                         top_p=top_p, top_k=top_k, min_p=min_p, extra_body=parse_extra_body(extra_body),
                         percentiles=parse_percentiles(metric_percentiles), goodput=parse_goodput(goodput),
-                        save_detailed=save_detailed)
+                        save_detailed=save_detailed, client_processes=client_processes)
     opts.request_body()  # bad sampling flags refused before any server starts
     if url:
         bench_main(opts, None, out)

@@ -538,7 +538,19 @@ def _make_app():
         n = len(body["prompt"].split()) + (1 if body.get("add_special_tokens", True) else 0)
         return {"count": n, "tokens": list(range(n)), "max_model_len": 4096}
 
+    app.state.in_flight = 0
+    app.state.max_in_flight = 0   # the most generation streams open at once
+
     async def stream(body: dict, chat: bool, prompt_tokens: int, sent: list):
+        app.state.in_flight += 1
+        app.state.max_in_flight = max(app.state.max_in_flight, app.state.in_flight)
+        try:
+            async for event in _events(body, chat, prompt_tokens, sent):
+                yield event
+        finally:
+            app.state.in_flight -= 1
+
+    async def _events(body: dict, chat: bool, prompt_tokens: int, sent: list):
         # `sent` gets the perf_counter time each content chunk (and the usage chunk) is handed over;
         # server thread and client share the process clock.
         def chunk(i: int) -> str:
@@ -726,6 +738,74 @@ def test_client_pool_hands_out_each_client_once_and_grows_to_the_peak(moves):
     assert pool.size == 0
 
 
+def _numbered_inputs(url: str, n: int, output_len: int = 1) -> list[RequestInput]:
+    """Input i has i + 1 words, so the server's usage.prompt_tokens (words + 1) names it: i + 2."""
+    ep = endpoint_url(url, "completions")
+    return [RequestInput(" ".join(["w"] * (i + 1)), 0, output_len, "tiny-model", ep, api_key=API_KEY)
+            for i in range(n)]
+
+
+def test_worker_processes_keep_the_runs_contract(server):
+    """Streams read by two worker processes: records come back in input order, every one timed
+    on the clock this process measures the run with (the server's first chunk comes T_FIRST after
+    the request), and the concurrency limit holds over both workers (the server never sees more
+    than 3 streams at once, and sees 3)."""
+    url, app = server
+    inputs = _numbered_inputs(url, 8)
+    app.state.max_in_flight = 0
+    t_before = time.perf_counter()
+    recs, duration = asyncio.run(run_requests(inputs, "completions", max_concurrency=3, processes=2))
+    assert all(r.success for r in recs), [r.error for r in recs]
+    assert [r.prompt_len for r in recs] == [i + 2 for i in range(8)]
+    assert app.state.max_in_flight == 3
+    for r in recs:
+        assert T_FIRST - 0.002 <= r.ttft < T_FIRST + 0.1
+        assert t_before <= r.start_time
+    span = max(r.start_time + r.latency for r in recs) - min(r.start_time for r in recs)
+    assert span - 0.002 <= duration < span + 0.5
+
+
+def test_a_dead_worker_fails_its_requests_and_the_run_goes_on(server):
+    """A worker process killed mid-run: the requests it held fail by name, the rest run on the
+    other worker, and the run returns (no hang)."""
+    import multiprocessing
+
+    from vtool.runtime.bench.client_processes import WORKER_DIED
+
+    url, _ = server
+    inputs = _numbered_inputs(url, 8, output_len=N_TOKENS)
+    killed: list[int] = []
+
+    def kill_one(rec: RequestRecord) -> None:
+        if not killed:
+            worker = next(p for p in multiprocessing.active_children() if p.name == "vtool-bench-client")
+            worker.kill()
+            killed.append(worker.pid)
+
+    inputs[0] = dataclasses.replace(inputs[0], output_len=1)   # ends first: its on_done kills a worker
+    recs, _ = asyncio.run(run_requests(inputs, "completions", max_concurrency=4, processes=2, on_done=kill_one))
+    assert killed and len(recs) == 8
+    failed = [r for r in recs if not r.success]
+    assert failed and all(r.error == WORKER_DIED for r in failed)
+    assert sum(r.success for r in recs) >= 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.none(), st.integers(0, 4096)), st.integers(1, 256))
+def test_default_client_processes(concurrency, cores):
+    """One process below 32 streams or without a limit; else one per 16 streams, at most half the
+    cores and 8; never fewer for more streams."""
+    from vtool.runtime.bench.client_processes import default_client_processes
+
+    n = default_client_processes(concurrency, cores)
+    assert 1 <= n <= 8
+    if not concurrency or concurrency < 32:
+        assert n == 1
+    else:
+        assert n == max(1, min(8, cores // 2, concurrency // 16))
+        assert default_client_processes(concurrency + 16, cores) >= n
+
+
 def test_failures_are_recorded(server):
     url, _ = server
     ep = endpoint_url(url, "completions")
@@ -740,7 +820,8 @@ def test_failures_are_recorded(server):
     assert NO_TTFT_ERROR.startswith("Never received")
 
 
-def test_run_bench_end_to_end(server, tmp_path):
+@pytest.mark.parametrize("client_processes", [None, 2])
+def test_run_bench_end_to_end(server, tmp_path, client_processes):
     url, _ = server
     prompts = [BenchPrompt("one two", 2), BenchPrompt("three four five", 3), BenchPrompt("FAIL here", 2),
                BenchPrompt("six", 1)]
@@ -748,11 +829,13 @@ def test_run_bench_end_to_end(server, tmp_path):
     console = Console(file=out, width=140, force_terminal=False)
     path = tmp_path / "res" / "bench.json"
     t0 = time.perf_counter()
-    report = run_bench(url + "/v1", None, prompts, N_TOKENS, [1, 4], "completions", API_KEY, console, path)
+    report = run_bench(url + "/v1", None, prompts, N_TOKENS, [1, 4], "completions", API_KEY, console, path,
+                       client_processes=client_processes)
     wall = time.perf_counter() - t0
     assert report["model_id"] == "tiny-model"           # discovered through /v1/models
     assert json.loads(path.read_text()) == report
     assert [r["max_concurrency"] for r in report["runs"]] == [1, 4]
+    assert [r["client_processes"] for r in report["runs"]] == [client_processes or 1] * 2
     per_req = T_FIRST + 5 * GAP
     for run in report["runs"]:
         assert (run["completed"], run["failed"]) == (3, 1)

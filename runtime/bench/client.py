@@ -399,13 +399,19 @@ async def run_requests(
     burstiness: float = 1.0,
     seed: int | None = None,
     on_done: Callable[[RequestRecord], None] | None = None,
+    processes: int = 1,
 ) -> tuple[list[RequestRecord], float]:
     """Send every input (in order, at `request_rate`, at most `max_concurrency` in flight) and
     return the records in input order and the benchmark duration: wall time from just before
-    the first request is sent until the last one returns."""
+    the first request is sent until the last one returns. `processes` > 1 reads the streams in
+    that many worker processes (client_processes.py), the schedule and the limit kept here."""
     func = REQUEST_FUNCS[endpoint]
     delays = request_delays(len(inputs), request_rate, burstiness,
                             np.random.default_rng(seed) if seed is not None else None)
+    if processes > 1:
+        from vtool.runtime.bench.client_processes import run_requests_in_processes
+
+        return await run_requests_in_processes(inputs, delays, endpoint, max_concurrency, processes, on_done)
     pool = ClientPool()
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 

@@ -43,6 +43,7 @@ from vtool import VtoolError
 from vtool.runtime.bench import server_steps
 from vtool.runtime.bench.client import (ENDPOINT_PATHS, RequestInput, api_base, auth_headers, endpoint_url,
                                         fetch_models, run_requests)
+from vtool.runtime.bench.client_processes import default_client_processes
 from vtool.runtime.bench.metrics import (DEFAULT_PERCENTILES, METRIC_NAMES, BenchMetrics, RequestRecord,
                                          calculate_metrics, format_percentile)
 
@@ -98,6 +99,7 @@ class BenchOptions:
     percentiles: Sequence[float] = DEFAULT_PERCENTILES   # --metric-percentiles
     goodput: dict[str, float] | None = None     # --goodput ttft:ms tpot:ms e2el:ms (parse_goodput)
     warmup: bool = True                         # one untimed test request first, as vLLM
+    client_processes: int | None = None         # --client-processes; None: default_client_processes per level
 
     def request_body(self) -> dict[str, Any]:
         """What every request carries besides the prompt and max_tokens (sampling_body)."""
@@ -755,7 +757,8 @@ def _inputs(prompts: Sequence[BenchPrompt], model: str, api_url: str, output_len
 async def _run_all(url: str, model: str, prompt_sets: Sequence[Sequence[BenchPrompt]], warmup_prompt: BenchPrompt | None,
                    output_len: int, levels: Sequence[int], endpoint: str, api_key: str | None, console: Console,
                    request_rate: float, burstiness: float, ignore_eos: bool, seed: int, warmup: bool,
-                   extra_body: dict[str, Any] | None) -> list[tuple[int, list[RequestRecord], float, Any]]:
+                   extra_body: dict[str, Any] | None,
+                   processes: Sequence[int]) -> list[tuple[int, list[RequestRecord], float, Any]]:
     api_url = endpoint_url(url, endpoint)  # type: ignore[arg-type]
     if warmup:
         console.print("Starting initial single prompt test run...", highlight=False)
@@ -767,7 +770,7 @@ async def _run_all(url: str, model: str, prompt_sets: Sequence[Sequence[BenchPro
                              f"--endpoint and --api-key")
         console.print("Initial test run completed.", highlight=False)
     results = []
-    for level, prompts in zip(levels, prompt_sets):
+    for level, prompts, level_processes in zip(levels, prompt_sets, processes):
         inputs = _inputs(prompts, model, api_url, output_len, ignore_eos, api_key, extra_body)
         # A level that sends the prompts of an earlier one would be served from the prefix
         # cache that one filled: reset it. Best effort: a server without the endpoint (not
@@ -787,7 +790,8 @@ async def _run_all(url: str, model: str, prompt_sets: Sequence[Sequence[BenchPro
 
             records, duration = await run_requests(
                 inputs, endpoint, max_concurrency=level or None,  # type: ignore[arg-type]
-                request_rate=request_rate, burstiness=burstiness, seed=seed, on_done=done)
+                request_rate=request_rate, burstiness=burstiness, seed=seed, on_done=done,
+                processes=level_processes)
         after = await server_steps.scrape(url, api_key) if before is not None else None
         results.append((level, records, duration, server_steps.between(before, after)))
     return results
@@ -852,13 +856,14 @@ def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt] | Sequ
               warmup: bool = True, save_detailed: bool = False, count_tokens: Callable[[str], int] | None = None,
               count_method: str = "tokenizer", warmup_prompt: BenchPrompt | None = None,
               extra_body: dict[str, Any] | None = None, dataset: str | None = None,
-              report_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+              report_extra: dict[str, Any] | None = None, client_processes: int | None = None) -> dict[str, Any]:
     """Run the prompts once per concurrency level (0 = no limit), print vLLM's result block per
     level (and a summary when there are several), and return the report; write it as JSON to
     `json_path` when given. `prompts` is one list sent at every level, or one list per level
     (fresh prompts); `warmup_prompt` is the untimed first request's (default: the first prompt).
     Output tokens: the server's usage, else `count_tokens` on the generated text (reported as
-    `count_method`), else one per content chunk."""
+    `count_method`), else one per content chunk. `client_processes` reads the streams in that many
+    worker processes at every level (None: default_client_processes for each level)."""
     console = console or Console(emoji=False)  # names and prompts printed as given
     if endpoint not in ENDPOINT_PATHS:
         raise VtoolError(f"--endpoint {endpoint!r}: give one of {', '.join(sorted(ENDPOINT_PATHS))}")
@@ -872,12 +877,16 @@ def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt] | Sequ
         [list(prompts)] * len(levels)  # type: ignore[list-item]
     if len(prompt_sets) != len(levels) or not all(prompt_sets):
         raise VtoolError(f"{len(prompt_sets)} prompt sets for {len(levels)} concurrency levels (one non-empty set each)")
+    if client_processes is not None and client_processes < 1:
+        raise VtoolError(f"--client-processes must be at least 1, got {client_processes}")
+    processes = [client_processes or default_client_processes(level or None) for level in levels]
     if model is None:
         model = discover_model(url, api_key)
         console.print(f"model: {model} (from {api_base(url)}/v1/models)", highlight=False)
 
     results = asyncio.run(_run_all(url, model, prompt_sets, warmup_prompt, output_len, levels, endpoint, api_key,
-                                   console, request_rate, burstiness, ignore_eos, seed, warmup, extra_body))
+                                   console, request_rate, burstiness, ignore_eos, seed, warmup, extra_body,
+                                   processes))
     fresh = _no_prompt_reused(prompt_sets, warmup_prompt if warmup_prompt is not None or not warmup
                               else prompt_sets[0][0], warmup)
     report: dict[str, Any] = {
@@ -901,7 +910,7 @@ def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt] | Sequ
         "goodput_slo_ms": goodput,
         "runs": [],
     }
-    for (level, records, duration, steps), prompts_sent in zip(results, prompt_sets):
+    for (level, records, duration, steps), prompts_sent, level_processes in zip(results, prompt_sets, processes):
         m = calculate_metrics(records, duration, percentiles, count_tokens, goodput, count_method)
         errors = [r.error for r in records if not r.success]
         if errors:
@@ -917,6 +926,7 @@ def run_bench(url: str, model: str | None, prompts: Sequence[BenchPrompt] | Sequ
                                "burstiness": burstiness, "num_prompts": len(records), **m.to_dict(),
                                "prompt_tokens_check": check,
                                "stale_connection_retries": sum(r.retries for r in records),
+                               "client_processes": level_processes,
                                "failed_errors": errors[:10],
                                # a vtool server's own steps by kind during the level (None: another server)
                                "server_steps": steps}
@@ -992,4 +1002,4 @@ def bench_main(opts: BenchOptions, tokenizer: Any = None, console: Console | Non
                      percentiles=opts.percentiles, goodput=opts.goodput, warmup=opts.warmup,
                      save_detailed=opts.save_detailed, count_tokens=plan.count_tokens,
                      count_method=plan.count_method, warmup_prompt=plan.warmup, dataset=dataset,
-                     extra_body=body, report_extra=extra)
+                     extra_body=body, report_extra=extra, client_processes=opts.client_processes)

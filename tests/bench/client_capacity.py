@@ -5,7 +5,7 @@ completion chunks with usage at the end as fast as the socket takes them; the cl
 answers at once, so the client's time to first token is the client's own cost of sending a
 request while the other streams run (a small --tokens makes requests start in waves).
 
-    python tests/bench/client_capacity.py [--concurrency 64] [--requests 256] [--tokens 128]
+    python tests/bench/client_capacity.py [--concurrency 64] [--requests 256] [--tokens 128] [--processes 1]
 
 Prints one JSON line: chunks per second, the mean and longest time to first token, the CPU, and the run's parameters.
 """
@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--processes", type=int, default=1, help="client worker processes (vtool bench --client-processes)")
     a = ap.parse_args()
     from vtool.runtime.bench.client import RequestInput, run_requests
 
@@ -80,14 +81,14 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}/v1/completions"
     inputs = [RequestInput(prompt="x", prompt_len=1, output_len=a.tokens, model="m", api_url=url)
               for _ in range(a.requests)]
-    records, duration = asyncio.run(run_requests(inputs, max_concurrency=a.concurrency))
+    records, duration = asyncio.run(run_requests(inputs, max_concurrency=a.concurrency, processes=a.processes))
     server.terminate()
     ok = [r for r in records if r.success]
     chunks = sum(len(r.itl) + 1 for r in ok)
     ttft_ms = [1000 * r.ttft for r in ok]
     print(json.dumps({"chunks_per_s": round(chunks / duration), "mean_ttft_ms": round(statistics.fmean(ttft_ms), 2),
                       "max_ttft_ms": round(max(ttft_ms), 2), "ok": len(ok), "requests": a.requests,
-                      "concurrency": a.concurrency, "tokens": a.tokens, "cpu": cpu_name()}))
+                      "concurrency": a.concurrency, "tokens": a.tokens, "processes": a.processes, "cpu": cpu_name()}))
 
 
 if __name__ == "__main__":
