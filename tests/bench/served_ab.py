@@ -31,7 +31,7 @@ from rich.console import Console
 
 from vtool.runtime.bench.local_server import local_server
 
-KEYS = ("output_throughput", "duration", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_itl_ms",
+KEYS = ("client_processes", "output_throughput", "duration", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_itl_ms",
         "p90_itl_ms", "p99_itl_ms", "completed", "failed")
 
 
@@ -53,7 +53,7 @@ def bench(url: str, a: argparse.Namespace, concurrency: int, prompts: int, seed:
     opts = BenchOptions(model=None, url=url, endpoint="completions", num_prompts=prompts, input_len=a.input_len,
                         output_len=a.output_len, concurrency=[concurrency], ignore_eos=True, seed=seed,
                         tokenizer=str(a.tokenizer or a.model), fresh_prompts=True, temperature=temperature,
-                        top_p=a.top_p)
+                        top_p=a.top_p, client_processes=a.client_processes)
     return bench_main(opts, console=Console(file=io.StringIO(), width=160))["runs"][0]
 
 
@@ -141,6 +141,7 @@ def main() -> None:
                                    "artifact twice, two engine settings)")
     ap.add_argument("--server-args", help="semicolon-separated, one per artifact: more `vtool serve` arguments, "
                                           "e.g. ';--api-server-count 2' (the same artifact with one and two API servers)")
+    ap.add_argument("--client-processes", type=int, help="the bench's worker processes (default: its own rule)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     a.temperatures = [float(t) for t in a.temperatures.split(",")]
