@@ -30,7 +30,7 @@ import json
 import math
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -413,38 +413,47 @@ async def run_requests(
 
         return await run_requests_in_processes(inputs, delays, endpoint, max_concurrency, processes, on_done)
     pool = ClientPool()
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
-    async def send(inp: RequestInput) -> RequestRecord:
+    async def send(i: int) -> RequestRecord:
         client = pool.take()
         try:
-            return await func(client, inp)
+            return await func(client, inputs[i])
         finally:
             pool.give(client)
 
-    async def one(inp: RequestInput) -> RequestRecord:
+    try:
+        return await run_schedule(delays, send, max_concurrency, on_done)
+    finally:
+        await pool.aclose()
+
+
+async def run_schedule(delays: Sequence[float], send: Callable[[int], Awaitable[RequestRecord]],
+                       max_concurrency: int | None,
+                       on_done: Callable[[RequestRecord], None] | None) -> tuple[list[RequestRecord], float]:
+    """A run's shape, whoever streams the requests: request i is sent (`send(i)`) at its delay
+    after the start, at most `max_concurrency` in flight; `on_done` sees each record as it ends.
+    Returns the records in input order and the wall time from the start to the last return."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(i: int) -> RequestRecord:
         if limit is None:
-            rec = await send(inp)
+            rec = await send(i)
         else:
             async with limit:
-                rec = await send(inp)
+                rec = await send(i)
         if on_done is not None:
             on_done(rec)
         return rec
 
-    try:
-        tasks: list[asyncio.Task[RequestRecord]] = []
-        t0 = time.perf_counter()
-        for inp, delay in zip(inputs, delays):
-            wait = t0 + delay - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            tasks.append(asyncio.create_task(one(inp)))
-        records = list(await asyncio.gather(*tasks))
-        duration = time.perf_counter() - t0
-    finally:
-        await pool.aclose()
-    return records, duration
+    tasks: list[asyncio.Task[RequestRecord]] = []
+    t0 = time.perf_counter()
+    for i, delay in enumerate(delays):
+        wait = t0 + delay - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        tasks.append(asyncio.create_task(one(i)))
+    records = list(await asyncio.gather(*tasks))
+    return records, time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------- discovery

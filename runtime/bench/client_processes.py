@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from vtool.runtime.bench.client import REQUEST_FUNCS, ClientPool, run_schedule
 from vtool.runtime.bench.metrics import RequestRecord
 
 STREAMS_PER_PROCESS = 16      # one loop keeps up with this many streams of a fast server
@@ -48,8 +48,6 @@ def _worker_main(conn: Connection, inputs: list[Any], endpoint: str) -> None:
 
 async def _worker_loop(conn: Connection, inputs: list[Any], endpoint: str) -> None:
     """Receive input indices (None: stop), stream each request, send back (index, record)."""
-    from vtool.runtime.bench.client import REQUEST_FUNCS, ClientPool
-
     loop = asyncio.get_running_loop()
     func = REQUEST_FUNCS[endpoint]
     pool = ClientPool()
@@ -175,36 +173,19 @@ async def _dispatch(loop: asyncio.AbstractEventLoop, workers: list[_Worker], inp
 
     for w in workers:
         loop.add_reader(w.conn.fileno(), readable, w)
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
-    async def one(i: int) -> RequestRecord:
-        if limit is not None:
-            await limit.acquire()
-        try:
-            sent = False
-            while not sent and (live := [w for w in workers if w.alive]):
-                w = min(live, key=lambda x: len(x.pending))
-                w.pending.add(i)
-                try:
-                    w.conn.send(i)
-                    sent = True
-                except (BrokenPipeError, OSError):   # died before its pipe said so: try the next one
-                    w.pending.discard(i)
-                    dead(w)
-            record = await results[i] if sent else _lost(inputs[i])
-        finally:
-            if limit is not None:
-                limit.release()
-        if on_done is not None:
-            on_done(record)
-        return record
+    async def send(i: int) -> RequestRecord:
+        """To the live worker with the fewest in flight; its record when it comes back."""
+        while live := [w for w in workers if w.alive]:
+            w = min(live, key=lambda x: len(x.pending))
+            w.pending.add(i)
+            try:
+                w.conn.send(i)
+            except (BrokenPipeError, OSError):   # died before its pipe said so: try the next one
+                w.pending.discard(i)
+                dead(w)
+                continue
+            return await results[i]
+        return _lost(inputs[i])
 
-    tasks: list[asyncio.Task[RequestRecord]] = []
-    t0 = time.perf_counter()
-    for i, delay in enumerate(delays):
-        wait = t0 + delay - time.perf_counter()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        tasks.append(asyncio.create_task(one(i)))
-    records = list(await asyncio.gather(*tasks))
-    return records, time.perf_counter() - t0
+    return await run_schedule(delays, send, max_concurrency, on_done)
