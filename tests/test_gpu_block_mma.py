@@ -37,6 +37,10 @@ FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K")
 SHAPES = {"Q4_0": [(52, 96), (64, 4096)], "Q4_1": [(52, 96), (64, 4096)], "Q8_0": [(52, 96), (36, 160)],
           "Q4_K": [(52, 256), (68, 768)], "Q6_K": [(52, 256), (68, 768)]}
 ROWS = (1, 3, 8, 9, 16, 17, 32, 33, 64, 65, 130)
+# the functions that finish the result in x's dtype (native/block_mma.cu's Epilogue)
+EPILOGUES = ("_cast", "_cast_add", "_silu_mul")
+# (n, k) for them: n / 2 a multiple of 4 (SiLU x up's halves), k / 32 blocks not a multiple of 4
+EPILOGUE_SHAPES = {"Q4_0": (72, 160), "Q4_1": (72, 160), "Q8_0": (72, 160), "Q4_K": (72, 768), "Q6_K": (72, 768)}
 SPLITS = (1, 2, 5)
 
 
@@ -195,7 +199,8 @@ def test_the_kernel_compiles_and_exports_a_function_per_format(tmp_path) -> None
                               check=True).stdout
     for fmt in FORMATS:
         assert symbol(fmt) == block_mma_symbol(fmt)
-        assert f"__tvm_ffi_{symbol(fmt)}" in exported, fmt
+        for suffix in ("", *EPILOGUES):  # toolchain/block_mma_epilogues.py calls these
+            assert f"__tvm_ffi_{symbol(fmt)}{suffix}" in exported, (fmt, suffix)
     from vtool.toolchain.cuda import inspect_library
 
     info = inspect_library(lib)
@@ -230,13 +235,15 @@ class _Kernels(NativeLibrary):
     def __init__(self, lib: str):
         super().__init__(lib)
         self.funcs = {fmt: self.module[symbol(fmt)] for fmt in FORMATS}
+        self.finishing = {(fmt, e): self.module[symbol(fmt) + e] for fmt in FORMATS for e in EPILOGUES}
 
-    def args(self, fmt: str, x, parts, partial, out, xdtype: str) -> list:  # noqa: ANN001
+    def args(self, fmt: str, x, parts, partial, out, xdtype: str, residual=None) -> list:  # noqa: ANN001
         import torch
 
         names = {torch.uint8: "uint8", torch.int8: "int8", torch.float16: "float16"}
-        return [self.tensor(x, xdtype), *[self.tensor(p, names[p.dtype]) for p in parts],
-                self.tensor(partial, "float32"), self.tensor(out, "float32")]
+        extra = [] if residual is None else [self.tensor(residual, xdtype)]
+        return [self.tensor(x, xdtype), *[self.tensor(p, names[p.dtype]) for p in parts], *extra,
+                self.tensor(partial, "float32"), self.tensor(out, "float32" if out.dtype == torch.float32 else xdtype)]
 
 
 @pytest.mark.gpu
@@ -275,6 +282,65 @@ def test_kernel_refuses_parts_that_do_not_fit(kernels) -> None:
     out = torch.zeros(2, 8, device="cuda")
     with pytest.raises(Exception, match="vtool_block_mma_q4_1: qweight"):
         kernels.funcs["Q4_1"](*kernels.args("Q4_1", x, parts, out[None], out, "bfloat16"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("xdtype", ["bfloat16", "float16"])
+def test_epilogues_finish_the_float_result_as_torch_does(kernels, fmt: str, xdtype: str) -> None:
+    """The *_cast, *_cast_add and *_silu_mul functions against the plain function's float32
+    result finished by torch in x's dtype: the cast and the residual add bit for bit (one rounding
+    each, as TVM's kernels for astype and add); SiLU(gate) x up within two units in the last
+    place (torch computes exp and the division in float32 and rounds; cuda_fp16's hexp and the
+    half division are approximations, which TVM's f16 kernels use too)."""
+    import torch
+
+    tdtype = getattr(torch, xdtype)
+    rng = np.random.default_rng(11 + FORMATS.index(fmt))
+    n, k = EPILOGUE_SHAPES[fmt]
+    gparts = [torch.from_numpy(p).cuda() for p in random_parts(fmt, n, k, rng)]
+    ulp = 2.0 ** (-7 if xdtype == "bfloat16" else -10)  # the largest spacing relative to a value
+    for m in (1, 9, 33, 65):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(tdtype).cuda()
+        residual = torch.from_numpy(rng.standard_normal((m, n)).astype(np.float32)).to(tdtype).cuda()
+        for splits in (1, 3):
+            plain = torch.empty((m, n), device="cuda")
+            kernels.funcs[fmt](*kernels.args(fmt, x, gparts, torch.empty((splits, m, n), device="cuda"), plain, xdtype))
+            cast = torch.full((m, n), float("nan"), dtype=tdtype, device="cuda")
+            added = torch.full((m, n), float("nan"), dtype=tdtype, device="cuda")
+            gated = torch.full((m, n // 2), float("nan"), dtype=tdtype, device="cuda")
+            partial = lambda: torch.full((splits, m, n), float("nan"), device="cuda")  # noqa: E731
+            kernels.finishing[fmt, "_cast"](*kernels.args(fmt, x, gparts, partial(), cast, xdtype))
+            kernels.finishing[fmt, "_cast_add"](*kernels.args(fmt, x, gparts, partial(), added, xdtype, residual))
+            kernels.finishing[fmt, "_silu_mul"](*kernels.args(fmt, x, gparts, partial(), gated, xdtype))
+            torch.cuda.synchronize()
+            where = f"{fmt} {xdtype} {m} rows, {splits} splits"
+            assert torch.equal(cast, plain.to(tdtype)), where
+            assert torch.equal(added, residual + plain.to(tdtype)), where
+            gate, up = plain[:, : n // 2].to(tdtype), plain[:, n // 2:].to(tdtype)
+            one, zero = torch.ones((), dtype=tdtype, device="cuda"), torch.zeros((), dtype=tdtype, device="cuda")
+            want = (gate * (one / (one + torch.exp(zero - gate))) * up).double()
+            err = (gated.double() - want).abs() - 2 * ulp * want.abs()
+            assert err.max().item() <= 1e-6, f"{where}: SiLU x up off by {err.max().item():.3g} past 2 ulp"
+
+
+@pytest.mark.gpu
+def test_epilogues_refuse_outputs_that_do_not_fit(kernels) -> None:
+    import torch
+
+    rng = np.random.default_rng(2)
+    parts = [torch.from_numpy(p).cuda() for p in random_parts("Q4_1", 72, 160, rng)]
+    x = torch.zeros(2, 160, dtype=torch.bfloat16, device="cuda")
+    partial = torch.zeros(1, 2, 72, device="cuda")
+    wide = torch.zeros(2, 72, dtype=torch.bfloat16, device="cuda")  # SiLU x up gives 36 columns
+    with pytest.raises(Exception, match="vtool_block_mma_q4_1_silu_mul: out has 72 columns"):
+        kernels.finishing["Q4_1", "_silu_mul"](*kernels.args("Q4_1", x, parts, partial, wide, "bfloat16"))
+    f16 = torch.zeros(2, 72, dtype=torch.float16, device="cuda")
+    with pytest.raises(Exception, match="vtool_block_mma_q4_1_cast: out must have x's dtype"):
+        kernels.finishing["Q4_1", "_cast"](*kernels.args("Q4_1", x, parts, partial, f16, "bfloat16"))
+    short = torch.zeros(1, 72, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(Exception, match="vtool_block_mma_q4_1_cast_add: the residual must have out's shape"):
+        kernels.finishing["Q4_1", "_cast_add"](*kernels.args("Q4_1", x, parts, partial, wide, "bfloat16", short))
 
 
 # -- the 8B shape's matrices, timed -------------------------------------------------------------

@@ -195,6 +195,14 @@ def _split_kv_decode() -> Any:
     return decode_attention_pass()
 
 
+def _block_mma_epilogues() -> Any:
+    # the casts, residual adds and SiLU x up after the batched-decode block matmuls, done by the
+    # matmuls' own last kernel (toolchain/block_mma_epilogues.py)
+    from vtool.toolchain.block_mma_epilogues import block_mma_epilogues_pass
+
+    return block_mma_epilogues_pass()
+
+
 def _cuda_compile(plan: BuildPlan, library: Path, progress: Progress) -> dict[str, Any]:
     from vtool.toolchain.build import compile_cuda
 
@@ -266,7 +274,8 @@ CUDA = Family(
     attention=("tir", "flashinfer"),
     relax_backend="tvm.relax.backend.cuda",
     model_passes=(("VtoolSplitKVDecodeAttention", _split_kv_decode),
-                  ("VtoolShortPrefillAttention", _short_prefill_attention)),
+                  ("VtoolShortPrefillAttention", _short_prefill_attention),
+                  ("VtoolBlockMmaEpilogues", _block_mma_epilogues)),
     schedules="cuda", opt_level=3,
     # CUDA graphs: RewriteCUDAGraph in the finalize passes reads it. TIR's common-subexpression
     # pass emits a use before its definition in the KV cache's llama3-rope kernels for CUDA

@@ -455,33 +455,85 @@ void Launch(const T* x, const Parts& p, float* out, int m, int n, int k, int spl
   }
 }
 
-// out[i] = the sum of the splits' partial[y, i] in split order (deterministic), 4 floats a thread.
-// The splits' loads are issued kReduceBatch at a time before their adds, which keep the split order
-// (the same sums bit for bit): with one float4 a thread at decode's row counts the kernel is a chain
-// of L2 round trips, one per two splits as nvcc unrolled the plain loop (~5 us a launch with 11-17
-// splits at 64 rows, 4 launches a layer), one per kReduceBatch splits now.
+// The sum of the splits' partial[y, i] (float4 i) in split order (deterministic). The splits'
+// loads are issued kReduceBatch at a time before their adds, which keep the split order (the same
+// sums bit for bit): with one float4 a thread at decode's row counts the kernel is a chain of L2
+// round trips, one per two splits as nvcc unrolled the plain loop (~5 us a launch with 11-17 splits
+// at 64 rows, 4 launches a layer), one per kReduceBatch splits now.
 constexpr int kReduceBatch = 8;
-__global__ void ReduceSplits(const float4* __restrict__ partial, float4* __restrict__ out, int splits, int64_t count4) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count4;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float4 s = partial[i];
-    for (int y = 1; y < splits; y += kReduceBatch) {
-      float4 v[kReduceBatch];
+__device__ __forceinline__ float4 SumSplits(const float4* __restrict__ partial, int splits, int64_t count4, int64_t i) {
+  float4 s = partial[i];
+  for (int y = 1; y < splits; y += kReduceBatch) {
+    float4 v[kReduceBatch];
 #pragma unroll
-      for (int j = 0; j < kReduceBatch; ++j) {
-        if (y + j < splits) v[j] = partial[(y + j) * count4 + i];
-      }
+    for (int j = 0; j < kReduceBatch; ++j) {
+      if (y + j < splits) v[j] = partial[(y + j) * count4 + i];
+    }
 #pragma unroll
-      for (int j = 0; j < kReduceBatch; ++j) {
-        if (y + j < splits) {
-          s.x += v[j].x;
-          s.y += v[j].y;
-          s.z += v[j].z;
-          s.w += v[j].w;
-        }
+    for (int j = 0; j < kReduceBatch; ++j) {
+      if (y + j < splits) {
+        s.x += v[j].x;
+        s.y += v[j].y;
+        s.z += v[j].z;
+        s.w += v[j].w;
       }
     }
-    out[i] = s;
+  }
+  return s;
+}
+
+// What the matmul's caller does with its float32 result, done by the kernel that adds the splits
+// instead of by a kernel of its own (a launch and a float32 round trip fewer a matmul; the graph
+// rewrite is toolchain/block_mma_epilogues.py). Each one computes what TVM's generated kernel for
+// the same Relax ops does, in the same order and the same type, so the values are the same bit
+// for bit: the cast to the compute dtype T (round to nearest), a residual add in T, or Llama's
+// gated MLP (gate = the first half of the columns, up = the second) as TVM's silu lowers:
+// g * (1 / (1 + exp(0 - g))) * u, each operation rounded to T.
+enum class Epilogue { kFloat, kCast, kCastAdd, kSiluMul };
+
+// exp as TVM's CUDA code takes it: bf16 through float32's expf, f16 through cuda_fp16's hexp.
+__device__ __forceinline__ __nv_bfloat16 Exp(__nv_bfloat16 v) { return static_cast<__nv_bfloat16>(expf(static_cast<float>(v))); }
+__device__ __forceinline__ __half Exp(__half v) { return hexp(v); }
+
+template <typename T, Epilogue E>
+__device__ __forceinline__ T Finish(float sum, float up, const T* residual, int64_t at) {
+  const T v = static_cast<T>(sum);
+  if constexpr (E == Epilogue::kCastAdd) {
+    return residual[at] + v;
+  } else if constexpr (E == Epilogue::kSiluMul) {
+    const T one = static_cast<T>(1.f);
+    const T e = Exp(static_cast<T>(0.f) - v);
+    return v * (one / (one + e)) * static_cast<T>(up);
+  } else {
+    return v;
+  }
+}
+
+// out[i] = the sum of the splits, 4 floats a thread (E == kFloat), or Finish of it in T: out is
+// [m, n] (kSiluMul: [m, n / 2], gate sums at columns c, up at c + n / 2 of the same row).
+template <typename T, Epilogue E>
+__global__ void ReduceSplits(const float4* __restrict__ partial, void* __restrict__ out, const T* __restrict__ residual,
+                             int splits, int64_t count4, int n) {
+  const int64_t out4 = E == Epilogue::kSiluMul ? count4 / 2 : count4;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < out4;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if constexpr (E == Epilogue::kFloat) {
+      static_cast<float4*>(out)[i] = SumSplits(partial, splits, count4, i);
+    } else {
+      int64_t g4 = i;  // the float4 of the gate (or only) sums
+      if constexpr (E == Epilogue::kSiluMul) {
+        const int64_t half4 = n / 8, row = i / half4;
+        g4 = row * 2 * half4 + i % half4;
+      }
+      const float4 s = SumSplits(partial, splits, count4, g4);
+      float4 u = s;
+      if constexpr (E == Epilogue::kSiluMul) u = SumSplits(partial, splits, count4, g4 + n / 8);
+      T* o = static_cast<T*>(out) + 4 * i;
+      o[0] = Finish<T, E>(s.x, u.x, residual, 4 * i);
+      o[1] = Finish<T, E>(s.y, u.y, residual, 4 * i + 1);
+      o[2] = Finish<T, E>(s.z, u.z, residual, 4 * i + 2);
+      o[3] = Finish<T, E>(s.w, u.w, residual, 4 * i + 3);
+    }
   }
 }
 
@@ -507,32 +559,47 @@ void CheckPart(Fmt f, const tvm::ffi::TensorView& t, const char* part, int64_t t
                      << (inner ? ", " + std::to_string(inner) : std::string()) << "] of the block layout";
 }
 
-// x[..., k] (bf16 or f16), the weight's parts, partial[splits, ..., n] and out[..., n] float32:
-// with several splits (partial.shape[0]) each thread block sums its share of the blocks into
-// partial, then ReduceSplits adds the splits into out; with one the kernel writes out itself.
-void Run(Fmt f, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
+const char* EpilogueSuffix(Epilogue e) {
+  switch (e) {
+    case Epilogue::kCast: return "_cast";
+    case Epilogue::kCastAdd: return "_cast_add";
+    case Epilogue::kSiluMul: return "_silu_mul";
+    default: return "";
+  }
+}
+
+// x[..., k] (bf16 or f16), the weight's parts, partial[splits, ..., n] float32 and out: with
+// several splits (partial.shape[0]) each thread block sums its share of the blocks into partial,
+// then ReduceSplits adds the splits into out; with one and no epilogue the kernel writes out
+// itself. out is float32 [..., n] (kFloat), or x's dtype: [..., n] (kCast; kCastAdd, with
+// `residual` of the same shape and dtype), [..., n / 2] (kSiluMul).
+void Run(Fmt f, Epilogue e, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
          const tvm::ffi::TensorView* min, const tvm::ffi::TensorView* sub_scale, const tvm::ffi::TensorView* qhigh,
-         const tvm::ffi::TensorView* sub_min, tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
-  const char* name = FormatName(f);
+         const tvm::ffi::TensorView* sub_min, const tvm::ffi::TensorView* residual, tvm::ffi::TensorView partial,
+         tvm::ffi::TensorView out) {
+  const std::string name = std::string("vtool_block_mma_") + FormatName(f) + EpilogueSuffix(e);
   TVM_FFI_ICHECK(x.device().device_type == kDLCUDA && out.device().device_type == kDLCUDA &&
-                 partial.device().device_type == kDLCUDA)
-      << "vtool_block_mma_" << name << ": tensors must be on a CUDA device";
-  TVM_FFI_ICHECK(x.IsContiguous() && out.IsContiguous() && partial.IsContiguous())
-      << "vtool_block_mma_" << name << ": x, partial and out must be contiguous";
+                 partial.device().device_type == kDLCUDA && (!residual || residual->device().device_type == kDLCUDA))
+      << name << ": tensors must be on a CUDA device";
+  TVM_FFI_ICHECK(x.IsContiguous() && out.IsContiguous() && partial.IsContiguous() && (!residual || residual->IsContiguous()))
+      << name << ": x, partial and out (and residual) must be contiguous";
   TVM_FFI_ICHECK(x.ndim() >= 1 && out.ndim() == x.ndim() && partial.ndim() == x.ndim() + 1)
-      << "vtool_block_mma_" << name << ": expected x[..., k], partial[splits, ..., n], out[..., n]";
-  const int64_t k = x.size(-1), n = out.size(-1), splits = partial.size(0);
+      << name << ": expected x[..., k], partial[splits, ..., n], out[..., n]";
+  const int64_t k = x.size(-1), n = partial.size(-1), splits = partial.size(0);
+  const int64_t out_n = e == Epilogue::kSiluMul ? n / 2 : n;
   int64_t m = 1;
   for (int i = 0; i + 1 < x.ndim(); ++i) {
     TVM_FFI_ICHECK(x.size(i) == out.size(i) && x.size(i) == partial.size(i + 1))
-        << "vtool_block_mma_" << name << ": leading dims of x, partial and out differ";
+        << name << ": leading dims of x, partial and out differ";
     m *= x.size(i);
   }
-  TVM_FFI_ICHECK(partial.size(-1) == n) << "vtool_block_mma_" << name << ": partial and out differ in n";
-  TVM_FFI_ICHECK(splits >= 1 && splits <= 65535) << "vtool_block_mma_" << name << ": " << splits << " splits";
+  TVM_FFI_ICHECK(out.size(-1) == out_n && (e != Epilogue::kSiluMul || n % 8 == 0))
+      << name << ": out has " << out.size(-1) << " columns where partial's " << n << " give " << out_n
+      << (e == Epilogue::kSiluMul ? " (gate and up halves of a multiple of 4 columns each)" : "");
+  TVM_FFI_ICHECK(splits >= 1 && splits <= 65535) << name << ": " << splits << " splits";
   const bool k_quant = f == Fmt::kQ4_K || f == Fmt::kQ6_K;
   TVM_FFI_ICHECK(n % kTileRows == 0 && k % (k_quant ? 256 : kBlock) == 0)
-      << "vtool_block_mma_" << name << ": a [" << n << ", " << k << "] weight does not fit the block layout";
+      << name << ": a [" << n << ", " << k << "] weight does not fit the block layout";
   const int64_t tiles = n / kTileRows, kb = k / kBlock;
   CheckPart(f, qweight, "qweight", tiles, kb, f == Fmt::kQ8_0 ? 32 : 16, f == Fmt::kQ8_0 ? kDLInt : kDLUInt, 8);
   const int64_t scale_groups = k_quant ? k / 256 : kb;
@@ -542,14 +609,24 @@ void Run(Fmt f, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::
   if (sub_scale && f != Fmt::kQ6_K) CheckPart(f, *sub_scale, "sub_scale", tiles, kb, 0, kDLUInt, 8);
   if (qhigh) CheckPart(f, *qhigh, "qhigh", tiles, k / 64, 16, kDLUInt, 8);
   if (sub_min) CheckPart(f, *sub_min, "sub_min", tiles, kb, 0, kDLUInt, 8);
-  TVM_FFI_ICHECK(out.dtype().code == kDLFloat && out.dtype().bits == 32 && partial.dtype().code == kDLFloat &&
-                 partial.dtype().bits == 32)
-      << "vtool_block_mma_" << name << ": partial and out must be float32";
+  TVM_FFI_ICHECK(partial.dtype().code == kDLFloat && partial.dtype().bits == 32) << name << ": partial must be float32";
   const bool bf16 = x.dtype().code == kDLBfloat && x.dtype().bits == 16;
   const bool f16 = x.dtype().code == kDLFloat && x.dtype().bits == 16;
-  TVM_FFI_ICHECK(bf16 || f16) << "vtool_block_mma_" << name << ": x must be bfloat16 or float16";
+  TVM_FFI_ICHECK(bf16 || f16) << name << ": x must be bfloat16 or float16";
+  if (e == Epilogue::kFloat) {
+    TVM_FFI_ICHECK(out.dtype().code == kDLFloat && out.dtype().bits == 32) << name << ": out must be float32";
+  } else {
+    TVM_FFI_ICHECK(out.dtype() == x.dtype()) << name << ": out must have x's dtype";
+  }
+  if (residual) {
+    TVM_FFI_ICHECK(residual->dtype() == x.dtype() && residual->ndim() == out.ndim())
+        << name << ": the residual must have x's dtype and out's shape";
+    for (int i = 0; i < out.ndim(); ++i) {
+      TVM_FFI_ICHECK(residual->size(i) == out.size(i)) << name << ": the residual must have out's shape";
+    }
+  }
   if (m == 0) return;
-  TVM_FFI_ICHECK(n < (1LL << 31) && k < (1LL << 31) && m < (1LL << 31)) << "vtool_block_mma_" << name << ": too large";
+  TVM_FFI_ICHECK(n < (1LL << 31) && k < (1LL << 31) && m < (1LL << 31)) << name << ": too large";
 
   // Named members, not an aggregate's order: a part added to Parts cannot shift the others.
   Parts p{};
@@ -562,8 +639,14 @@ void Run(Fmt f, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::
   // The stream TVM launches its own kernels on: ordered with them, and captured with them in a
   // CUDA graph.
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, x.device().device_id));
-  float* o = static_cast<float*>(Data(splits == 1 ? out : partial));
+  const bool direct = splits == 1 && e == Epilogue::kFloat;  // the kernel's sums are the result
+  float* o = static_cast<float*>(Data(direct ? out : partial));
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k), si = static_cast<int>(splits);
+  const int64_t count4 = m * n / 4;  // n % 4 == 0
+  const int threads = 256;
+  const int64_t out4 = e == Epilogue::kSiluMul ? count4 / 2 : count4;
+  const int blocks = static_cast<int>(out4 / threads + 1 < 1024 ? out4 / threads + 1 : 1024);
+  const float4* sums = static_cast<const float4*>(Data(partial));
 #define VTOOL_LAUNCH(T)                                                                                  \
   switch (f) {                                                                                          \
     case Fmt::kQ4_0: Launch<T, Fmt::kQ4_0>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
@@ -571,6 +654,16 @@ void Run(Fmt f, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::
     case Fmt::kQ4_K: Launch<T, Fmt::kQ4_K>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
     case Fmt::kQ8_0: Launch<T, Fmt::kQ8_0>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
     case Fmt::kQ6_K: Launch<T, Fmt::kQ6_K>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
+  }                                                                                                     \
+  if (!direct) {                                                                                        \
+    const T* res = residual ? static_cast<const T*>(Data(*residual)) : nullptr;                         \
+    void* dst = Data(out);                                                                              \
+    switch (e) {                                                                                        \
+      case Epilogue::kFloat: ReduceSplits<T, Epilogue::kFloat><<<blocks, threads, 0, stream>>>(sums, dst, res, si, count4, ni); break; \
+      case Epilogue::kCast: ReduceSplits<T, Epilogue::kCast><<<blocks, threads, 0, stream>>>(sums, dst, res, si, count4, ni); break; \
+      case Epilogue::kCastAdd: ReduceSplits<T, Epilogue::kCastAdd><<<blocks, threads, 0, stream>>>(sums, dst, res, si, count4, ni); break; \
+      case Epilogue::kSiluMul: ReduceSplits<T, Epilogue::kSiluMul><<<blocks, threads, 0, stream>>>(sums, dst, res, si, count4, ni); break; \
+    }                                                                                                   \
   }
   if (bf16) {
     VTOOL_LAUNCH(__nv_bfloat16)
@@ -578,48 +671,87 @@ void Run(Fmt f, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::
     VTOOL_LAUNCH(__half)
   }
 #undef VTOOL_LAUNCH
-  if (splits > 1) {
-    const int64_t count4 = m * n / 4;  // n % 4 == 0
-    const int threads = 256;
-    const int blocks = static_cast<int>(count4 / threads + 1 < 1024 ? count4 / threads + 1 : 1024);
-    ReduceSplits<<<blocks, threads, 0, stream>>>(static_cast<const float4*>(Data(partial)),
-                                                 static_cast<float4*>(Data(out)), si, count4);
-  }
   const cudaError_t err = cudaGetLastError();
-  TVM_FFI_ICHECK(err == cudaSuccess) << "vtool_block_mma_" << name << ": launch failed: " << cudaGetErrorString(err);
+  TVM_FFI_ICHECK(err == cudaSuccess) << name << ": launch failed: " << cudaGetErrorString(err);
 }
 
+// The exported functions, one per format and epilogue: x, the format's parts (ggml_blocks.parts
+// order), for *_cast_add the residual, then the outputs partial and out (Relax's
+// call_dps_packed order).
+template <Epilogue E>
 void MmaQ4_0(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
              tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
-  Run(Fmt::kQ4_0, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, partial, out);
+  Run(Fmt::kQ4_0, E, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, nullptr, partial, out);
+}
+void MmaQ4_0Add(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
+                tvm::ffi::TensorView residual, tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
+  Run(Fmt::kQ4_0, Epilogue::kCastAdd, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, &residual, partial, out);
 }
 
+template <Epilogue E>
 void MmaQ4_1(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
              tvm::ffi::TensorView min, tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
-  Run(Fmt::kQ4_1, x, qweight, scale, &min, nullptr, nullptr, nullptr, partial, out);
+  Run(Fmt::kQ4_1, E, x, qweight, scale, &min, nullptr, nullptr, nullptr, nullptr, partial, out);
+}
+void MmaQ4_1Add(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
+                tvm::ffi::TensorView min, tvm::ffi::TensorView residual, tvm::ffi::TensorView partial,
+                tvm::ffi::TensorView out) {
+  Run(Fmt::kQ4_1, Epilogue::kCastAdd, x, qweight, scale, &min, nullptr, nullptr, nullptr, &residual, partial, out);
 }
 
+template <Epilogue E>
 void MmaQ8_0(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
              tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
-  Run(Fmt::kQ8_0, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, partial, out);
+  Run(Fmt::kQ8_0, E, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, nullptr, partial, out);
+}
+void MmaQ8_0Add(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
+                tvm::ffi::TensorView residual, tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
+  Run(Fmt::kQ8_0, Epilogue::kCastAdd, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, &residual, partial, out);
 }
 
+template <Epilogue E>
 void MmaQ4_K(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
              tvm::ffi::TensorView min, tvm::ffi::TensorView sub_scale, tvm::ffi::TensorView sub_min,
              tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
-  Run(Fmt::kQ4_K, x, qweight, scale, &min, &sub_scale, nullptr, &sub_min, partial, out);
+  Run(Fmt::kQ4_K, E, x, qweight, scale, &min, &sub_scale, nullptr, &sub_min, nullptr, partial, out);
+}
+void MmaQ4_KAdd(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
+                tvm::ffi::TensorView min, tvm::ffi::TensorView sub_scale, tvm::ffi::TensorView sub_min,
+                tvm::ffi::TensorView residual, tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
+  Run(Fmt::kQ4_K, Epilogue::kCastAdd, x, qweight, scale, &min, &sub_scale, nullptr, &sub_min, &residual, partial, out);
 }
 
+template <Epilogue E>
 void MmaQ6_K(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView qhigh,
              tvm::ffi::TensorView scale, tvm::ffi::TensorView sub_scale, tvm::ffi::TensorView partial,
              tvm::ffi::TensorView out) {
-  Run(Fmt::kQ6_K, x, qweight, scale, nullptr, &sub_scale, &qhigh, nullptr, partial, out);
+  Run(Fmt::kQ6_K, E, x, qweight, scale, nullptr, &sub_scale, &qhigh, nullptr, nullptr, partial, out);
+}
+void MmaQ6_KAdd(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView qhigh,
+                tvm::ffi::TensorView scale, tvm::ffi::TensorView sub_scale, tvm::ffi::TensorView residual,
+                tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
+  Run(Fmt::kQ6_K, Epilogue::kCastAdd, x, qweight, scale, nullptr, &sub_scale, &qhigh, nullptr, &residual, partial, out);
 }
 
 }  // namespace
 
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_0, MmaQ4_0);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_1, MmaQ4_1);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q8_0, MmaQ8_0);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_k, MmaQ4_K);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q6_k, MmaQ6_K);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_0, MmaQ4_0<Epilogue::kFloat>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_0_cast, MmaQ4_0<Epilogue::kCast>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_0_cast_add, MmaQ4_0Add);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_0_silu_mul, MmaQ4_0<Epilogue::kSiluMul>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_1, MmaQ4_1<Epilogue::kFloat>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_1_cast, MmaQ4_1<Epilogue::kCast>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_1_cast_add, MmaQ4_1Add);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_1_silu_mul, MmaQ4_1<Epilogue::kSiluMul>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q8_0, MmaQ8_0<Epilogue::kFloat>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q8_0_cast, MmaQ8_0<Epilogue::kCast>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q8_0_cast_add, MmaQ8_0Add);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q8_0_silu_mul, MmaQ8_0<Epilogue::kSiluMul>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_k, MmaQ4_K<Epilogue::kFloat>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_k_cast, MmaQ4_K<Epilogue::kCast>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_k_cast_add, MmaQ4_KAdd);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_k_silu_mul, MmaQ4_K<Epilogue::kSiluMul>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q6_k, MmaQ6_K<Epilogue::kFloat>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q6_k_cast, MmaQ6_K<Epilogue::kCast>);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q6_k_cast_add, MmaQ6_KAdd);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q6_k_silu_mul, MmaQ6_K<Epilogue::kSiluMul>);
