@@ -17,6 +17,7 @@ bench OUT.so` times the 8B shape's Q4_1 matrices (tests/bench in spirit; one JSO
 """
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -235,7 +236,12 @@ class _Kernels(NativeLibrary):
     def __init__(self, lib: str):
         super().__init__(lib)
         self.funcs = {fmt: self.module[symbol(fmt)] for fmt in FORMATS}
-        self.finishing = {(fmt, e): self.module[symbol(fmt) + e] for fmt in FORMATS for e in EPILOGUES}
+
+    @functools.cached_property
+    def finishing(self) -> dict:
+        """The epilogue functions, looked up when a test first asks (a library built before
+        them still runs the other tests)."""
+        return {(fmt, e): self.module[symbol(fmt) + e] for fmt in FORMATS for e in EPILOGUES}
 
     def args(self, fmt: str, x, parts, partial, out, xdtype: str, residual=None) -> list:  # noqa: ANN001
         import torch
