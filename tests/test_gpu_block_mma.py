@@ -39,7 +39,7 @@ SHAPES = {"Q4_0": [(52, 96), (64, 4096)], "Q4_1": [(52, 96), (64, 4096)], "Q8_0"
           "Q4_K": [(52, 256), (68, 768)], "Q6_K": [(52, 256), (68, 768)]}
 ROWS = (1, 3, 8, 9, 16, 17, 32, 33, 64, 65, 130)
 # the functions that finish the result in x's dtype (native/block_mma.cu's Epilogue)
-EPILOGUES = ("_cast", "_cast_add", "_silu_mul")
+EPILOGUES = ("_cast", "_cast_add", "_silu_mul", "_cast_add_norm")
 # (n, k) for them: n / 2 a multiple of 4 (SiLU x up's halves), k / 32 blocks not a multiple of 4
 EPILOGUE_SHAPES = {"Q4_0": (72, 160), "Q4_1": (72, 160), "Q8_0": (72, 160), "Q4_K": (72, 768), "Q6_K": (72, 768)}
 SPLITS = (1, 2, 5)
@@ -331,6 +331,45 @@ def test_epilogues_finish_the_float_result_as_torch_does(kernels, fmt: str, xdty
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q6_K"])
+@pytest.mark.parametrize("xdtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("n", [1024, 3072])
+def test_cast_add_norm_writes_the_sum_and_its_rmsnorm(kernels, fmt: str, xdtype: str, n: int) -> None:
+    """*_cast_add_norm: h = residual + T(x W^T) bit for bit, and RMSNorm(h) * weight within one unit
+    in the last place of torch's (float32 sums in another order; the kernel's order is TVM's
+    rms_norm kernel's, which the tests of the whole model hold)."""
+    import torch
+
+    tdtype = getattr(torch, xdtype)
+    rng = np.random.default_rng(n + FORMATS.index(fmt))
+    k = 256 if fmt == "Q6_K" else 160
+    gparts = [torch.from_numpy(p).cuda() for p in random_parts(fmt, n, k, rng)]
+    weight = torch.from_numpy(rng.uniform(0.5, 1.5, n).astype(np.float32)).to(tdtype).cuda()
+    eps = 1e-5
+    ulp = 2.0 ** (-7 if xdtype == "bfloat16" else -10)
+    for m in (1, 5, 33):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(tdtype).cuda()
+        residual = torch.from_numpy(rng.standard_normal((m, n)).astype(np.float32)).to(tdtype).cuda()
+        for splits in (1, 2):
+            plain = torch.empty((m, n), device="cuda")
+            kernels.funcs[fmt](*kernels.args(fmt, x, gparts, torch.empty((splits, m, n), device="cuda"), plain, xdtype))
+            h = torch.full((m, n), float("nan"), dtype=tdtype, device="cuda")
+            normed = torch.full((m, n), float("nan"), dtype=tdtype, device="cuda")
+            args = kernels.args(fmt, x, gparts, torch.full((splits, m, n), float("nan"), device="cuda"), h, xdtype,
+                                residual)
+            args[-2:-2] = [kernels.tensor(weight, xdtype), eps]  # the weight and epsilon after the residual
+            kernels.finishing[fmt, "_cast_add_norm"](*args, kernels.tensor(normed, xdtype))
+            torch.cuda.synchronize()
+            where = f"{fmt} {xdtype} n={n} {m} rows, {splits} splits"
+            want_h = residual + plain.to(tdtype)
+            assert torch.equal(h, want_h), where
+            hf = want_h.float()
+            want = (torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * hf * weight.float()).double()
+            err = (normed.double() - want).abs() - ulp * want.abs()
+            assert err.max().item() <= 1e-6, f"{where}: RMSNorm off by {err.max().item():.3g} past one ulp"
+
+
+@pytest.mark.gpu
 def test_epilogues_refuse_outputs_that_do_not_fit(kernels) -> None:
     import torch
 
@@ -347,6 +386,10 @@ def test_epilogues_refuse_outputs_that_do_not_fit(kernels) -> None:
     short = torch.zeros(1, 72, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(Exception, match="vtool_block_mma_q4_1_cast_add: the residual must have out's shape"):
         kernels.finishing["Q4_1", "_cast_add"](*kernels.args("Q4_1", x, parts, partial, wide, "bfloat16", short))
+    args = kernels.args("Q4_1", x, parts, partial, wide, "bfloat16", wide)
+    args[-2:-2] = [kernels.tensor(torch.ones(72, dtype=torch.bfloat16, device="cuda"), "bfloat16"), 1e-5]
+    with pytest.raises(Exception, match=r"vtool_block_mma_q4_1_cast_add_norm: rows of 72 \(the norm takes multiples"):
+        kernels.finishing["Q4_1", "_cast_add_norm"](*args, kernels.tensor(wide.clone(), "bfloat16"))
 
 
 # -- the 8B shape's matrices, timed -------------------------------------------------------------
