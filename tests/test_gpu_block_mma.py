@@ -290,6 +290,24 @@ def test_kernel_refuses_parts_that_do_not_fit(kernels) -> None:
         kernels.funcs["Q4_1"](*kernels.args("Q4_1", x, parts, out[None], out, "bfloat16"))
 
 
+def _ulp(xdtype: str) -> float:
+    """The largest spacing of bf16 / f16 values relative to a value."""
+    return 2.0 ** (-7 if xdtype == "bfloat16" else -10)
+
+
+def _x_residual_and_sums(kernels, fmt: str, gparts, rng, m: int, n: int, k: int,  # noqa: ANN001, ANN202
+                         splits: int, xdtype: str):
+    """Random x [m, k] and residual [m, n] in x's dtype, and the plain function's float32 x W^T."""
+    import torch
+
+    tdtype = getattr(torch, xdtype)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(tdtype).cuda()
+    residual = torch.from_numpy(rng.standard_normal((m, n)).astype(np.float32)).to(tdtype).cuda()
+    plain = torch.empty((m, n), device="cuda")
+    kernels.funcs[fmt](*kernels.args(fmt, x, gparts, torch.empty((splits, m, n), device="cuda"), plain, xdtype))
+    return x, residual, plain
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("xdtype", ["bfloat16", "float16"])
@@ -305,13 +323,10 @@ def test_epilogues_finish_the_float_result_as_torch_does(kernels, fmt: str, xdty
     rng = np.random.default_rng(11 + FORMATS.index(fmt))
     n, k = EPILOGUE_SHAPES[fmt]
     gparts = [torch.from_numpy(p).cuda() for p in random_parts(fmt, n, k, rng)]
-    ulp = 2.0 ** (-7 if xdtype == "bfloat16" else -10)  # the largest spacing relative to a value
+    ulp = _ulp(xdtype)
     for m in (1, 9, 33, 65):
-        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(tdtype).cuda()
-        residual = torch.from_numpy(rng.standard_normal((m, n)).astype(np.float32)).to(tdtype).cuda()
         for splits in (1, 3):
-            plain = torch.empty((m, n), device="cuda")
-            kernels.funcs[fmt](*kernels.args(fmt, x, gparts, torch.empty((splits, m, n), device="cuda"), plain, xdtype))
+            x, residual, plain = _x_residual_and_sums(kernels, fmt, gparts, rng, m, n, k, splits, xdtype)
             cast = torch.full((m, n), float("nan"), dtype=tdtype, device="cuda")
             added = torch.full((m, n), float("nan"), dtype=tdtype, device="cuda")
             gated = torch.full((m, n // 2), float("nan"), dtype=tdtype, device="cuda")
@@ -345,14 +360,10 @@ def test_cast_add_norm_writes_the_sum_and_its_rmsnorm(kernels, fmt: str, xdtype:
     k = 256 if fmt == "Q6_K" else 160
     gparts = [torch.from_numpy(p).cuda() for p in random_parts(fmt, n, k, rng)]
     weight = torch.from_numpy(rng.uniform(0.5, 1.5, n).astype(np.float32)).to(tdtype).cuda()
-    eps = 1e-5
-    ulp = 2.0 ** (-7 if xdtype == "bfloat16" else -10)
+    eps, ulp = 1e-5, _ulp(xdtype)
     for m in (1, 5, 33):
-        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(tdtype).cuda()
-        residual = torch.from_numpy(rng.standard_normal((m, n)).astype(np.float32)).to(tdtype).cuda()
         for splits in (1, 2):
-            plain = torch.empty((m, n), device="cuda")
-            kernels.funcs[fmt](*kernels.args(fmt, x, gparts, torch.empty((splits, m, n), device="cuda"), plain, xdtype))
+            x, residual, plain = _x_residual_and_sums(kernels, fmt, gparts, rng, m, n, k, splits, xdtype)
             h = torch.full((m, n), float("nan"), dtype=tdtype, device="cuda")
             normed = torch.full((m, n), float("nan"), dtype=tdtype, device="cuda")
             args = kernels.args(fmt, x, gparts, torch.full((splits, m, n), float("nan"), device="cuda"), h, xdtype,
