@@ -861,28 +861,16 @@ void MmaQ6_KAddNorm(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::f
 
 }  // namespace
 
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_0, MmaQ4_0<Epilogue::kFloat>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_0_cast, MmaQ4_0<Epilogue::kCast>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_0_cast_add, MmaQ4_0Add);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_0_silu_mul, MmaQ4_0<Epilogue::kSiluMul>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_0_cast_add_norm, MmaQ4_0AddNorm);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_1, MmaQ4_1<Epilogue::kFloat>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_1_cast, MmaQ4_1<Epilogue::kCast>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_1_cast_add, MmaQ4_1Add);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_1_silu_mul, MmaQ4_1<Epilogue::kSiluMul>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_1_cast_add_norm, MmaQ4_1AddNorm);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q8_0, MmaQ8_0<Epilogue::kFloat>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q8_0_cast, MmaQ8_0<Epilogue::kCast>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q8_0_cast_add, MmaQ8_0Add);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q8_0_silu_mul, MmaQ8_0<Epilogue::kSiluMul>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q8_0_cast_add_norm, MmaQ8_0AddNorm);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_k, MmaQ4_K<Epilogue::kFloat>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_k_cast, MmaQ4_K<Epilogue::kCast>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_k_cast_add, MmaQ4_KAdd);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_k_silu_mul, MmaQ4_K<Epilogue::kSiluMul>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q4_k_cast_add_norm, MmaQ4_KAddNorm);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q6_k, MmaQ6_K<Epilogue::kFloat>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q6_k_cast, MmaQ6_K<Epilogue::kCast>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q6_k_cast_add, MmaQ6_KAdd);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q6_k_silu_mul, MmaQ6_K<Epilogue::kSiluMul>);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_q6_k_cast_add_norm, MmaQ6_KAddNorm);
+// Each format's five functions: the float32 result, then each epilogue's.
+#define VTOOL_EXPORT_FORMAT(fmt, Fn)                                                  \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt, Fn<Epilogue::kFloat>);         \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_cast, Fn<Epilogue::kCast>);   \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_cast_add, Fn##Add);           \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_silu_mul, Fn<Epilogue::kSiluMul>); \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_cast_add_norm, Fn##AddNorm);
+VTOOL_EXPORT_FORMAT(q4_0, MmaQ4_0)
+VTOOL_EXPORT_FORMAT(q4_1, MmaQ4_1)
+VTOOL_EXPORT_FORMAT(q8_0, MmaQ8_0)
+VTOOL_EXPORT_FORMAT(q4_k, MmaQ4_K)
+VTOOL_EXPORT_FORMAT(q6_k, MmaQ6_K)
+#undef VTOOL_EXPORT_FORMAT
