@@ -43,14 +43,10 @@ def _ops(func: relax.Function) -> list[str]:
             if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)]
 
 
-# rows of 128 (no norm in the kernel), and of 1024 (the residual adds' RMSNorms too)
-HIDDEN = {"narrow": 128, "wide": 1024}
-
-
-@pytest.fixture(scope="module", params=list(HIDDEN))
-def exported(request, tmp_path_factory):
-    """The Relax module of a bf16 sm_90a build of a tiny Q4_1 GGUF, before the pipeline, its
-    layer count and whether its rows take the norm."""
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The Relax module of a bf16 sm_90a build of a tiny Q4_1 GGUF (three layers), before the
+    pipeline, and its layer count."""
     from quant_gguf import VARIANTS, write_tiny_gguf
 
     from vtool.runtime.weights.checkpoint import open_checkpoint
@@ -58,75 +54,47 @@ def exported(request, tmp_path_factory):
     from vtool.toolchain.plan import BuildOptions, check_request, resolve_plan
 
     qtype_of, tie, _kept, shape = VARIANTS["q4_1"]
-    hidden = HIDDEN[request.param]
-    shape = dict(shape, hidden=hidden, heads=hidden // 128 * 4 if hidden > 128 else shape["heads"])
     path = write_tiny_gguf(tmp_path_factory.mktemp("q4_1") / "m.gguf", qtype_of, tie=tie, shape=shape)
     options = BuildOptions(dtype=BF16, quantization="gguf", attention="tir")
     spec = check_request("sm_90a", options)
     plan = resolve_plan(open_checkpoint(path), spec, options, notice=lambda _msg: None)
     _target, mod, _params, _entries = model_module(plan.config, spec, BF16, lambda _msg: None, dict(plan.kept),
                                                    attention="tir", activations="none", gemm=plan.gemm)
-    return mod, plan.config.num_hidden_layers, hidden % 1024 == 0
+    return mod, plan.config.num_hidden_layers
 
 
 def test_every_layers_four_matmuls_finish_in_their_own_kernel(exported) -> None:
-    mod, layers, norms = exported
+    mod, layers = exported
     before = _calls(mod["batch_decode"])
     assert {s for s, _ in before} <= {"vtool_block_mma_q4_1", "vtool_block_mma_q8_0"} and len(before) >= 4 * layers
     after_mod = block_mma_epilogues_pass()(mod)
     after = _calls(after_mod["batch_decode"])
     kinds = [s.removeprefix("vtool_block_mma_q4_1") for s, _ in after if s.startswith("vtool_block_mma_q4_1")]
-    # per layer: q|k|v (cast, then attention's reshape), o (+ residual), gate|up (SiLU x up), down
-    # (+ residual); with rows of 1024 the adds also write the next RMSNorm (the last one: the model's)
-    add = "_cast_add_norm" if norms else "_cast_add"
-    assert kinds == ["_cast", add, "_silu_mul", add] * layers
+    # per layer: q|k|v (cast, then attention's reshape), o (+ residual), gate|up (SiLU x up), down (+ residual)
+    assert kinds == ["_cast", "_cast_add", "_silu_mul", "_cast_add"] * layers
     ops = _ops(after_mod["batch_decode"])
     assert "relax.nn.silu" not in ops and "relax.add" not in ops and "relax.split" not in ops
-    # the embeddings' norm (layer 0's input) has no matmul before it
-    assert ops.count("relax.nn.rms_norm") == (1 if norms else 2 * layers + 1)
     # each fused call reads the matmul's own inputs (the same x and parts, in order) ...
     for (old_symbol, old_inputs), (new_symbol, new_inputs) in zip(
             [c for c in before if c[0].endswith("q4_1")], [c for c in after if "q4_1" in c[0]]):
         assert new_symbol.startswith(old_symbol)
         assert all(a.same_as(b) for a, b in zip(old_inputs, new_inputs))
-        extra = {"_cast_add": 1, "_cast_add_norm": 3}.get(new_symbol.removeprefix(old_symbol), 0)
-        assert len(new_inputs) == len(old_inputs) + extra  # the residual (, the norm's weight and epsilon)
+        assert len(new_inputs) == len(old_inputs) + (new_symbol.endswith("_cast_add"))
     # ... and no other function changes: decode (one sequence) keeps its GEMV
     for name in ("decode", "prefill", "batch_prefill"):
         tvm.ir.assert_structural_equal(after_mod[name], mod[name])
 
 
 def test_the_residual_is_the_stream_the_add_read(exported) -> None:
-    mod, _layers, norms = exported
+    mod, _layers = exported
     func = block_mma_epilogues_pass()(mod)["batch_decode"]
     values = relax.analysis.get_var2val(func)
-    adds = [(s, inputs[:-2] if norms else inputs) for s, inputs in _calls(func) if "_cast_add" in s]
+    adds = [(s, inputs) for s, inputs in _calls(func) if s.endswith("_cast_add")]
     # layer 0's o projection adds to the embeddings; every later add to the previous add's result
     assert adds[0][1][-1].same_as(func.params[0])
     for (_s, inputs), (_prev_s, _prev_inputs) in zip(adds[1:], adds):
         producer = values[inputs[-1]]
-        assert isinstance(producer, relax.TupleGetItem) and producer.index == 1
-        assert "_cast_add" in str(values[producer.tuple_value].args[0].global_symbol)
-
-
-def test_each_norm_reads_its_weight_and_feeds_the_next_matmul(exported) -> None:
-    mod, layers, norms = exported
-    if not norms:
-        pytest.skip("rows of 128 keep TVM's rms_norm")
-    before = mod["batch_decode"]
-    weights = [b.value.args[1] for blk in before.body.blocks for b in blk.bindings
-               if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)
-               and b.value.op.name == "relax.nn.rms_norm"][1:]  # past the embeddings' norm
-    func = block_mma_epilogues_pass()(mod)["batch_decode"]
-    values = relax.analysis.get_var2val(func)
-    fused = [inputs for s, inputs in _calls(func) if s.endswith("_cast_add_norm")]
-    assert len(fused) == len(weights) == 2 * layers
-    for inputs, weight in zip(fused, weights):
-        assert inputs[-2].same_as(weight) and abs(float(inputs[-1].value) - 1e-5) < 1e-12
-    # the next matmul's x (a q|k|v or gate|up call, or the lm_head) is element 2 of a fused call
-    later = [inputs[0] for s, inputs in _calls(func) if s.endswith(("_cast", "_silu_mul")) or s.endswith("q8_0")]
-    normed = [values[x] for x in later[1:] if isinstance(values.get(x), relax.TupleGetItem)]
-    assert normed and all(v.index == 2 for v in normed)
+        assert isinstance(producer, relax.TupleGetItem) and "_cast_add" in str(values[producer.tuple_value].args[0].global_symbol)
 
 
 # -- hand-built chains -------------------------------------------------------------------------
@@ -138,9 +106,8 @@ def _chain(tail: str, rows: int = 2, n: int = 16, k: int = 64) -> tvm.IRModule:
     sc = relax.Var("sc", relax.TensorType([n // 4, k // 32, 4], "float16"))
     mn = relax.Var("mn", relax.TensorType([n // 4, k // 32, 4], "float16"))
     h = relax.Var("h", relax.TensorType([rows, n], BF16))
-    w = relax.Var("w", relax.TensorType([n], BF16))
     bb = relax.BlockBuilder()
-    with bb.function("main", [x, qw, sc, mn, h, w]):
+    with bb.function("main", [x, qw, sc, mn, h]):
         with bb.dataflow():
             outs = [relax.TensorType([3, rows, n], "float32"), relax.TensorType([rows, n], "float32")]
             mm = bb.emit(relax.op.call_dps_packed("vtool_block_mma_q4_1", relax.Tuple([x, qw, sc, mn]), out_ty=outs))
@@ -153,9 +120,6 @@ def _chain(tail: str, rows: int = 2, n: int = 16, k: int = 64) -> tvm.IRModule:
                 c = bb.emit(relax.op.astype(y, BF16))
                 if tail in ("add", "partial read"):
                     out = bb.emit(relax.op.add(h, c))
-                elif tail == "add norm":  # the sum feeds the next norm and the stream after it
-                    total = bb.emit(relax.op.add(h, c))
-                    out = bb.emit(relax.op.add(bb.emit(relax.op.nn.rms_norm(total, w, axes=[-1], epsilon=1e-6)), total))
                 elif tail == "add twice":  # the cast feeds two adds: finished as a cast, read by both
                     out = bb.emit(relax.op.add(bb.emit(relax.op.add(h, c)), c))
                 elif tail == "broadcast add":
@@ -174,7 +138,6 @@ def _chain(tail: str, rows: int = 2, n: int = 16, k: int = 64) -> tvm.IRModule:
 
 @pytest.mark.parametrize("tail, symbol", [
     ("add", "vtool_block_mma_q4_1_cast_add"),
-    ("add norm", "vtool_block_mma_q4_1_cast_add"),  # rows of 16: TVM's rms_norm stays
     ("silu", "vtool_block_mma_q4_1_silu_mul"),
     ("cast", "vtool_block_mma_q4_1_cast"),
     ("add twice", "vtool_block_mma_q4_1_cast"),
@@ -192,17 +155,6 @@ def test_chains_it_fuses_and_chains_it_leaves(tail: str, symbol: str) -> None:
         tvm.ir.assert_structural_equal(out, mod)
     # the function still returns what it returned, in type
     tvm.ir.assert_structural_equal(out["main"].ret_ty, mod["main"].ret_ty)
-
-
-def test_a_norm_over_rows_of_1024_goes_into_the_add() -> None:
-    mod = _chain("add norm", rows=3, n=1024)
-    func = block_mma_epilogues_pass()(mod)["main"]
-    ((symbol, inputs),) = _calls(func)
-    assert symbol == "vtool_block_mma_q4_1_cast_add_norm"
-    x, qw, sc, mn, h, w = func.params
-    assert [v.same_as(p) for v, p in zip(inputs, (x, qw, sc, mn, h, w))] == [True] * 6
-    assert abs(float(inputs[6].value) - 1e-6) < 1e-15 and str(inputs[6].ty.dtype) == "float64"
-    assert "relax.nn.rms_norm" not in _ops(func) and _ops(func).count("relax.add") == 1  # the stream's own add
 
 
 def test_silu_mul_returns_half_the_columns() -> None:

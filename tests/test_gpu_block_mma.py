@@ -39,7 +39,7 @@ SHAPES = {"Q4_0": [(52, 96), (64, 4096)], "Q4_1": [(52, 96), (64, 4096)], "Q8_0"
           "Q4_K": [(52, 256), (68, 768)], "Q6_K": [(52, 256), (68, 768)]}
 ROWS = (1, 3, 8, 9, 16, 17, 32, 33, 64, 65, 130)
 # the functions that finish the result in x's dtype (native/block_mma.cu's Epilogue)
-EPILOGUES = ("_cast", "_cast_add", "_silu_mul", "_cast_add_norm")
+EPILOGUES = ("_cast", "_cast_add", "_silu_mul")
 # (n, k) for them: n / 2 a multiple of 4 (SiLU x up's halves), k / 32 blocks not a multiple of 4
 EPILOGUE_SHAPES = {"Q4_0": (72, 160), "Q4_1": (72, 160), "Q8_0": (72, 160), "Q4_K": (72, 768), "Q6_K": (72, 768)}
 SPLITS = (1, 2, 5)
@@ -247,9 +247,10 @@ class _Kernels(NativeLibrary):
         import torch
 
         names = {torch.uint8: "uint8", torch.int8: "int8", torch.float16: "float16"}
+        floats = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
         extra = [] if residual is None else [self.tensor(residual, xdtype)]
         return [self.tensor(x, xdtype), *[self.tensor(p, names[p.dtype]) for p in parts], *extra,
-                self.tensor(partial, "float32"), self.tensor(out, "float32" if out.dtype == torch.float32 else xdtype)]
+                self.tensor(partial, "float32"), self.tensor(out, floats[out.dtype])]
 
 
 @pytest.mark.gpu
@@ -308,6 +309,19 @@ def _x_residual_and_sums(kernels, fmt: str, gparts, rng, m: int, n: int, k: int,
     return x, residual, plain
 
 
+def _close_in_ulps(got, want, ulps: float, xdtype: str) -> float:  # noqa: ANN001 - torch tensors
+    """How far past `ulps` units in the last place `got` is from `want` (<= 0: within), where
+    `want` is finite; where it is not (f16's range overflows in SiLU x up: the kernel and torch
+    both give inf), `got` must be the same value."""
+    import torch
+
+    finite = torch.isfinite(want)
+    g, w = got[~finite].double(), want[~finite].double()
+    assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g[~g.isnan()], w[~w.isnan()]), "non-finite values differ"
+    err = (got[finite].double() - want[finite].double()).abs() - ulps * _ulp(xdtype) * want[finite].double().abs()
+    return err.max().item() if err.numel() else 0.0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("xdtype", ["bfloat16", "float16"])
@@ -323,7 +337,6 @@ def test_epilogues_finish_the_float_result_as_torch_does(kernels, fmt: str, xdty
     rng = np.random.default_rng(11 + FORMATS.index(fmt))
     n, k = EPILOGUE_SHAPES[fmt]
     gparts = [torch.from_numpy(p).cuda() for p in random_parts(fmt, n, k, rng)]
-    ulp = _ulp(xdtype)
     for m in (1, 9, 33, 65):
         for splits in (1, 3):
             x, residual, plain = _x_residual_and_sums(kernels, fmt, gparts, rng, m, n, k, splits, xdtype)
@@ -340,44 +353,9 @@ def test_epilogues_finish_the_float_result_as_torch_does(kernels, fmt: str, xdty
             assert torch.equal(added, residual + plain.to(tdtype)), where
             gate, up = plain[:, : n // 2].to(tdtype), plain[:, n // 2:].to(tdtype)
             one, zero = torch.ones((), dtype=tdtype, device="cuda"), torch.zeros((), dtype=tdtype, device="cuda")
-            want = (gate * (one / (one + torch.exp(zero - gate))) * up).double()
-            err = (gated.double() - want).abs() - 2 * ulp * want.abs()
-            assert err.max().item() <= 1e-6, f"{where}: SiLU x up off by {err.max().item():.3g} past 2 ulp"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q6_K"])
-@pytest.mark.parametrize("xdtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("n", [1024, 3072])
-def test_cast_add_norm_writes_the_sum_and_its_rmsnorm(kernels, fmt: str, xdtype: str, n: int) -> None:
-    """*_cast_add_norm: h = residual + T(x W^T) bit for bit, and RMSNorm(h) * weight within one unit
-    in the last place of torch's (float32 sums in another order; the kernel's order is TVM's
-    rms_norm kernel's, which the tests of the whole model hold)."""
-    import torch
-
-    tdtype = getattr(torch, xdtype)
-    rng = np.random.default_rng(n + FORMATS.index(fmt))
-    k = 256 if fmt == "Q6_K" else 160
-    gparts = [torch.from_numpy(p).cuda() for p in random_parts(fmt, n, k, rng)]
-    weight = torch.from_numpy(rng.uniform(0.5, 1.5, n).astype(np.float32)).to(tdtype).cuda()
-    eps, ulp = 1e-5, _ulp(xdtype)
-    for m in (1, 5, 33):
-        for splits in (1, 2):
-            x, residual, plain = _x_residual_and_sums(kernels, fmt, gparts, rng, m, n, k, splits, xdtype)
-            h = torch.full((m, n), float("nan"), dtype=tdtype, device="cuda")
-            normed = torch.full((m, n), float("nan"), dtype=tdtype, device="cuda")
-            args = kernels.args(fmt, x, gparts, torch.full((splits, m, n), float("nan"), device="cuda"), h, xdtype,
-                                residual)
-            args[-2:-2] = [kernels.tensor(weight, xdtype), eps]  # the weight and epsilon after the residual
-            kernels.finishing[fmt, "_cast_add_norm"](*args, kernels.tensor(normed, xdtype))
-            torch.cuda.synchronize()
-            where = f"{fmt} {xdtype} n={n} {m} rows, {splits} splits"
-            want_h = residual + plain.to(tdtype)
-            assert torch.equal(h, want_h), where
-            hf = want_h.float()
-            want = (torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * hf * weight.float()).double()
-            err = (normed.double() - want).abs() - ulp * want.abs()
-            assert err.max().item() <= 1e-6, f"{where}: RMSNorm off by {err.max().item():.3g} past one ulp"
+            want = gate * (one / (one + torch.exp(zero - gate))) * up
+            past = _close_in_ulps(gated, want, 2, xdtype)
+            assert past <= 1e-6, f"{where}: SiLU x up off by {past:.3g} past 2 ulp"
 
 
 @pytest.mark.gpu
@@ -397,10 +375,6 @@ def test_epilogues_refuse_outputs_that_do_not_fit(kernels) -> None:
     short = torch.zeros(1, 72, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(Exception, match="vtool_block_mma_q4_1_cast_add: the residual must have out's shape"):
         kernels.finishing["Q4_1", "_cast_add"](*kernels.args("Q4_1", x, parts, partial, wide, "bfloat16", short))
-    args = kernels.args("Q4_1", x, parts, partial, wide, "bfloat16", wide)
-    args[-2:-2] = [kernels.tensor(torch.ones(72, dtype=torch.bfloat16, device="cuda"), "bfloat16"), 1e-5]
-    with pytest.raises(Exception, match=r"vtool_block_mma_q4_1_cast_add_norm: rows of 72 \(the norm takes multiples"):
-        kernels.finishing["Q4_1", "_cast_add_norm"](*args, kernels.tensor(wide.clone(), "bfloat16"))
 
 
 # -- the 8B shape's matrices, timed -------------------------------------------------------------

@@ -36,11 +36,6 @@ from quant_gguf import VARIANTS, write_tiny_gguf  # noqa: E402
 from gpu_fixtures import cuda_buildable, exact_float32, sm90_gpu  # noqa: E402,F401  (fixtures)
 
 ARTIFACTS_ENV = "VTOOL_GPU_QUANT_ARTIFACTS"
-# test_quant_gguf.VARIANTS, and a Q4_1 model of 1024-wide rows: its batches take each residual
-# add's RMSNorm in the block matmul's own kernel (toolchain/block_mma_epilogues.py fuses the norm
-# into rows of a multiple of 1024 only)
-GPU_VARIANTS = {**VARIANTS, "q4_1_wide": (VARIANTS["q4_1"][0], True, VARIANTS["q4_1"][2],
-                                          dict(hidden=1024, inter=512, layers=1, heads=8, kv=2, vocab=256))}
 TARGET = "sm_90a"
 # (variant of test_quant_gguf.VARIANTS, dtype): every format kept at least once
 CASES = [("q4_1", "float32"), ("q4_1", "bfloat16"), ("q8_0", "float32"), ("q4_0", "float32"),
@@ -50,8 +45,7 @@ CASES = [("q4_1", "float32"), ("q4_1", "bfloat16"), ("q8_0", "float32"), ("q4_0"
 # (variant, sequences, formats on the tensor cores): bf16 batches against the prompt path
 TENSOR_CORE_CASES = [("q4_1", 1, ["Q4_1", "Q8_0"]), ("q4_1", 5, ["Q4_1", "Q8_0"]), ("q4_1", 12, ["Q4_1", "Q8_0"]),
                      ("q4_1", 40, ["Q4_1", "Q8_0"]), ("mixed", 12, ["Q4_0", "Q4_1", "Q8_0"]),
-                     ("q4_k_m", 5, ["Q4_K", "Q6_K"]), ("q4_k_m", 40, ["Q4_K", "Q6_K"]),
-                     ("q4_1_wide", 12, ["Q4_1", "Q8_0"])]
+                     ("q4_k_m", 5, ["Q4_K", "Q6_K"]), ("q4_k_m", 40, ["Q4_K", "Q6_K"])]
 STEPS = 16
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 11, 64, 5, 200, 31]
 TOLERANCE = 1e-4
@@ -61,7 +55,7 @@ def _build(name: str, dtype: str, folder: Path) -> tuple[Path, Path]:
     from vtool.runtime.weights.checkpoint import open_checkpoint
     from vtool.toolchain.build import build_artifact
 
-    qtype_of, tie, _kept, shape = GPU_VARIANTS[name]
+    qtype_of, tie, _kept, shape = VARIANTS[name]
     folder.mkdir(parents=True, exist_ok=True)
     path = write_tiny_gguf(folder / "m.gguf", qtype_of, tie=tie, shape=shape)
     # attention="tir": what these tests hold does not depend on it, and `auto` would take

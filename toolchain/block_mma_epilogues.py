@@ -20,8 +20,6 @@ DeadCodeElimination.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import tvm
 import tvm_ffi
 from tvm import relax
@@ -89,21 +87,11 @@ def _item_of(uses: _Uses, tuple_var: relax.Var, index: int, alone: bool = False)
     return found
 
 
-@dataclasses.dataclass
-class _Fused:
-    """One fused call: its symbol and inputs, the types of its outputs (the partial sums
-    [splits, ..., n] float32 as the original call's, then the finished results), and which
-    variable each finished result replaces (output index: 1, 2)."""
-
-    symbol: str
-    inputs: list[relax.Expr]
-    out_types: list[tvm.ir.Type]
-    replaces: dict[relax.Var, int]
-
-
-def _plan(func: relax.Function) -> list[_Fused]:
+def _plan(func: relax.Function) -> dict[relax.Var, tuple[str, list[relax.Expr], tvm.ir.Type]]:
+    """{variable whose binding becomes the fused call's result: (symbol, its inputs, the type of
+    its partial sums [splits, ..., n] float32, as the original call's)}."""
     uses = _Uses(func)
-    plan: list[_Fused] = []
+    plan: dict[relax.Var, tuple[str, list[relax.Expr], tvm.ir.Type]] = {}
     for block in func.body.blocks:
         for binding in block.bindings:
             symbol = _extern_symbol(binding.value)
@@ -125,40 +113,14 @@ def _plan(func: relax.Function) -> list[_Fused]:
             if add is not None:
                 residual = add.args[1] if add.args[0].same_as(cast_var) else add.args[0]
                 if not residual.same_as(cast_var) and tvm_ffi.structural_equal(residual.ty, cast_var.ty):
-                    plan.append(_residual_add(uses, symbol, inputs, partial_ty, reader, residual))
+                    plan[reader] = (symbol + "_cast_add", inputs + [residual], partial_ty)
                     continue
             gated = _gated_product(uses, cast_var, reader)
             if gated is not None:
-                plan.append(_Fused(symbol + "_silu_mul", inputs, [partial_ty, gated.ty], {gated: 1}))
+                plan[gated] = (symbol + "_silu_mul", inputs, partial_ty)
                 continue
-            plan.append(_Fused(symbol + "_cast", inputs, [partial_ty, cast_var.ty], {cast_var: 1}))
+            plan[cast_var] = (symbol + "_cast", inputs, partial_ty)
     return plan
-
-
-def _residual_add(uses: _Uses, symbol: str, inputs: list[relax.Expr], partial_ty: tvm.ir.Type, sum_var: relax.Var,
-                  residual: relax.Expr) -> _Fused:
-    """The residual add, and with it the RMSNorm of its result when one reads it (the next
-    layer's input norm, or the model's final one): `_cast_add_norm` writes both, where the row
-    suits the kernel's norm (a multiple of 1024 up to 16384: TVM's own rms_norm kernel for such
-    rows, step for step)."""
-    norm_var = next((r for r in uses.readers.get(sum_var, []) if uses.bound(r, "relax.nn.rms_norm") is not None), None)
-    norm = uses.bound(norm_var, "relax.nn.rms_norm")
-    if norm is not None and norm.args[0].same_as(sum_var) and _norm_fits(norm, sum_var) and \
-            sum(1 for r in uses.readers.get(sum_var, []) if r == norm_var) == 1:
-        eps = relax.prim_value(float(norm.attrs.epsilon), "float64")
-        return _Fused(symbol + "_cast_add_norm", inputs + [residual, norm.args[1], eps],
-                      [partial_ty, sum_var.ty, norm_var.ty], {sum_var: 1, norm_var: 2})
-    return _Fused(symbol + "_cast_add", inputs + [residual], [partial_ty, sum_var.ty], {sum_var: 1})
-
-
-def _norm_fits(norm: relax.Call, data: relax.Var) -> bool:
-    """An RMSNorm over the last axis of a row of a multiple of 1024 (up to 16384), with a weight
-    of the data's dtype."""
-    shape, ndim = data.ty.shape, len(data.ty.shape)
-    axes = [int(a) for a in norm.attrs.axes]
-    row = shape[-1]
-    return axes in ([-1], [ndim - 1]) and isinstance(row, tvm.tirx.IntImm) and int(row) % 1024 == 0 and \
-        int(row) <= 16 * 1024 and str(norm.args[1].ty.dtype) == str(data.ty.dtype)
 
 
 def _gated_product(uses: _Uses, cast_var: relax.Var, split_var: relax.Var | None) -> relax.Var | None:
@@ -189,33 +151,18 @@ def _rewrite(func: relax.Function) -> relax.Function:
     plan = _plan(func)
     if not plan:
         return func
-    # each fused call goes where its first result was bound (every input is bound by then: the
-    # matmul's, the residual the add read, the norm's weight, a parameter); later results
-    # become elements of it where they were bound
-    first = {}
-    later = {}
-    for fused in plan:
-        ordered = sorted(fused.replaces, key=lambda var: fused.replaces[var])
-        first[ordered[0]] = fused
-        for var in ordered[1:]:
-            later[var] = fused
-    made: dict[int, relax.Var] = {}
     blocks = []
     for block in func.body.blocks:
         bindings = []
         for binding in block.bindings:
-            var = binding.var
-            if var in first:
-                fused = first[var]
-                call = relax.op.call_dps_packed(fused.symbol, relax.Tuple(fused.inputs), out_ty=fused.out_types)
-                made[id(fused)] = relax.DataflowVar(f"{var.name}_fused", relax.TupleType(fused.out_types))
-                bindings.append(relax.VarBinding(made[id(fused)], call))
-                bindings.append(relax.VarBinding(var, relax.TupleGetItem(made[id(fused)], fused.replaces[var])))
-            elif var in later:
-                fused = later[var]
-                bindings.append(relax.VarBinding(var, relax.TupleGetItem(made[id(fused)], fused.replaces[var])))
-            else:
+            if binding.var not in plan:
                 bindings.append(binding)
+                continue
+            symbol, inputs, partial_ty = plan[binding.var]
+            call = relax.op.call_dps_packed(symbol, relax.Tuple(inputs), out_ty=[partial_ty, binding.var.ty])
+            fused = relax.DataflowVar(f"{binding.var.name}_fused", relax.TupleType([partial_ty, binding.var.ty]))
+            bindings.append(relax.VarBinding(fused, call))
+            bindings.append(relax.VarBinding(binding.var, relax.TupleGetItem(fused, 1)))
         blocks.append(relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock)
                       else relax.BindingBlock(bindings))
     return relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure,

@@ -488,9 +488,8 @@ __device__ __forceinline__ float4 SumSplits(const float4* __restrict__ partial, 
 // the same Relax ops does, in the same order and the same type, so the values are the same bit
 // for bit: the cast to the compute dtype T (round to nearest), a residual add in T, or Llama's
 // gated MLP (gate = the first half of the columns, up = the second) as TVM's silu lowers:
-// g * (1 / (1 + exp(0 - g))) * u, each operation rounded to T. kCastAddNorm also writes the
-// next layer's RMSNorm of the residual sum (ReduceAddNorm).
-enum class Epilogue { kFloat, kCast, kCastAdd, kSiluMul, kCastAddNorm };
+// g * (1 / (1 + exp(0 - g))) * u, each operation rounded to T.
+enum class Epilogue { kFloat, kCast, kCastAdd, kSiluMul };
 
 // exp as TVM's CUDA code takes it: bf16 through float32's expf, f16 through cuda_fp16's hexp.
 __device__ __forceinline__ __nv_bfloat16 Exp(__nv_bfloat16 v) {
@@ -540,72 +539,6 @@ __global__ void ReduceSplits(const float4* __restrict__ partial, void* __restric
   }
 }
 
-// kCastAddNorm: h = residual + T(sum of the splits) and normed = RMSNorm(h) * weight, one thread
-// block of kNormThreads a row. The norm is TVM's rms_norm kernel for a row of a multiple of 1024
-// (the only rows the rewrite sends here), step for step: thread t squares and adds elements
-// t, t + 1024, ... in that order, the warps add by shuffles down (16, 8, 4, 2, 1), warp 0 adds the
-// 32 warps' sums the same way, and each element is T(rsqrt(sum / n + eps) * h * weight) in float32.
-constexpr int kNormThreads = 1024;
-constexpr int kNormMaxPerThread = 16;  // rows up to 16384
-
-__device__ __forceinline__ float WarpSumDown(float v) {
-  const unsigned mask = __activemask();
-#pragma unroll
-  for (int offset = 16; offset >= 1; offset /= 2) v = v + __shfl_down_sync(mask, v, offset, 32);
-  return v;
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kNormThreads) ReduceAddNorm(const float* __restrict__ partial, T* __restrict__ h,
-                                                               T* __restrict__ normed, const T* __restrict__ residual,
-                                                               const T* __restrict__ weight, int splits,
-                                                               int64_t count, int n, float eps) {
-  __shared__ float staging[32];
-  __shared__ float total;
-  const int t = threadIdx.x, per = n / kNormThreads;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * n;
-  T v[kNormMaxPerThread];
-  float acc = 0.f;
-#pragma unroll
-  for (int j = 0; j < kNormMaxPerThread; ++j) {
-    if (j < per) {
-      const int64_t at = row + t + j * kNormThreads;
-      float s = partial[at];
-      for (int y = 1; y < splits; y += kReduceBatch) {  // split order, loads batched (SumSplits')
-        float w[kReduceBatch];
-#pragma unroll
-        for (int b = 0; b < kReduceBatch; ++b) {
-          if (y + b < splits) w[b] = partial[(y + b) * count + at];
-        }
-#pragma unroll
-        for (int b = 0; b < kReduceBatch; ++b) {
-          if (y + b < splits) s += w[b];
-        }
-      }
-      v[j] = residual[at] + static_cast<T>(s);
-      h[at] = v[j];
-      const float f = static_cast<float>(v[j]);
-      acc = acc + f * f;
-    }
-  }
-  acc = WarpSumDown(acc);
-  if (t % 32 == 0) staging[t / 32] = acc;
-  __syncthreads();
-  if (t < 32) {
-    const float warp_sums = WarpSumDown(staging[t]);
-    if (t == 0) total = warp_sums;
-  }
-  __syncthreads();
-  const float scale = rsqrtf(total / static_cast<float>(n) + eps);
-#pragma unroll
-  for (int j = 0; j < kNormMaxPerThread; ++j) {
-    if (j < per) {
-      const int col = t + j * kNormThreads;
-      normed[row + col] = static_cast<T>(scale * static_cast<float>(v[j]) * static_cast<float>(weight[col]));
-    }
-  }
-}
-
 const char* FormatName(Fmt f) {
   switch (f) {
     case Fmt::kQ4_0: return "q4_0";
@@ -633,7 +566,6 @@ const char* EpilogueSuffix(Epilogue e) {
     case Epilogue::kCast: return "_cast";
     case Epilogue::kCastAdd: return "_cast_add";
     case Epilogue::kSiluMul: return "_silu_mul";
-    case Epilogue::kCastAddNorm: return "_cast_add_norm";
     default: return "";
   }
 }
@@ -646,8 +578,7 @@ const char* EpilogueSuffix(Epilogue e) {
 void Run(Fmt f, Epilogue e, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
          const tvm::ffi::TensorView* min, const tvm::ffi::TensorView* sub_scale, const tvm::ffi::TensorView* qhigh,
          const tvm::ffi::TensorView* sub_min, const tvm::ffi::TensorView* residual, tvm::ffi::TensorView partial,
-         tvm::ffi::TensorView out, const tvm::ffi::TensorView* norm_weight = nullptr,
-         const tvm::ffi::TensorView* normed = nullptr, double eps = 0.0) {
+         tvm::ffi::TensorView out) {
   const std::string name = std::string("vtool_block_mma_") + FormatName(f) + EpilogueSuffix(e);
   TVM_FFI_ICHECK(x.device().device_type == kDLCUDA && out.device().device_type == kDLCUDA &&
                  partial.device().device_type == kDLCUDA && (!residual || residual->device().device_type == kDLCUDA))
@@ -697,21 +628,6 @@ void Run(Fmt f, Epilogue e, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight
       TVM_FFI_ICHECK(residual->size(i) == out.size(i)) << name << ": the residual must have out's shape";
     }
   }
-  if (e == Epilogue::kCastAddNorm) {
-    TVM_FFI_ICHECK(residual && norm_weight && normed) << name << ": needs the residual, the norm's weight and normed";
-    TVM_FFI_ICHECK(n % kNormThreads == 0 && n / kNormThreads <= kNormMaxPerThread)
-        << name << ": rows of " << n << " (the norm takes multiples of " << kNormThreads << " up to "
-        << kNormThreads * kNormMaxPerThread << ")";
-    TVM_FFI_ICHECK(norm_weight->device().device_type == kDLCUDA && norm_weight->IsContiguous() &&
-                   norm_weight->dtype() == x.dtype() && norm_weight->ndim() == 1 && norm_weight->size(0) == n)
-        << name << ": the norm's weight must be a contiguous CUDA vector of " << n << " in x's dtype";
-    TVM_FFI_ICHECK(normed->device().device_type == kDLCUDA && normed->IsContiguous() && normed->dtype() == x.dtype() &&
-                   normed->ndim() == out.ndim())
-        << name << ": normed must be a contiguous CUDA tensor of out's shape and x's dtype";
-    for (int i = 0; i < out.ndim(); ++i) {
-      TVM_FFI_ICHECK(normed->size(i) == out.size(i)) << name << ": normed must have out's shape";
-    }
-  }
   if (m == 0) return;
   TVM_FFI_ICHECK(n < (1LL << 31) && k < (1LL << 31) && m < (1LL << 31)) << name << ": too large";
 
@@ -750,12 +666,6 @@ void Run(Fmt f, Epilogue e, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight
       case Epilogue::kCast: ReduceSplits<T, Epilogue::kCast><<<blocks, threads, 0, stream>>>(sums, dst, res, si, count4, ni); break; \
       case Epilogue::kCastAdd: ReduceSplits<T, Epilogue::kCastAdd><<<blocks, threads, 0, stream>>>(sums, dst, res, si, count4, ni); break; \
       case Epilogue::kSiluMul: ReduceSplits<T, Epilogue::kSiluMul><<<blocks, threads, 0, stream>>>(sums, dst, res, si, count4, ni); break; \
-      case Epilogue::kCastAddNorm:                                                                      \
-        ReduceAddNorm<T><<<mi, kNormThreads, 0, stream>>>(static_cast<const float*>(Data(partial)), static_cast<T*>(dst), \
-                                                          static_cast<T*>(Data(*normed)), res,           \
-                                                          static_cast<const T*>(Data(*norm_weight)), si, m * n, ni, \
-                                                          static_cast<float>(eps));                      \
-        break;                                                                                          \
     }                                                                                                   \
   }
   if (bf16) {
@@ -769,9 +679,8 @@ void Run(Fmt f, Epilogue e, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight
 }
 
 // The exported functions, one per format and epilogue: x, the format's parts (ggml_blocks.parts
-// order), for *_cast_add the residual (*_cast_add_norm: the residual, the norm's weight and its
-// epsilon), then the outputs partial and out (*_cast_add_norm: and normed), Relax's
-// call_dps_packed order.
+// order), for *_cast_add the residual, then the outputs partial and out (Relax's
+// call_dps_packed order).
 template <Epilogue E>
 void MmaQ4_0(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
              tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
@@ -780,12 +689,6 @@ void MmaQ4_0(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::Ten
 void MmaQ4_0Add(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
                 tvm::ffi::TensorView residual, tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
   Run(Fmt::kQ4_0, Epilogue::kCastAdd, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, &residual, partial, out);
-}
-void MmaQ4_0AddNorm(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
-                    tvm::ffi::TensorView residual, tvm::ffi::TensorView norm_weight, double eps,
-                    tvm::ffi::TensorView partial, tvm::ffi::TensorView out, tvm::ffi::TensorView normed) {
-  Run(Fmt::kQ4_0, Epilogue::kCastAddNorm, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, &residual, partial,
-      out, &norm_weight, &normed, eps);
 }
 
 template <Epilogue E>
@@ -798,12 +701,6 @@ void MmaQ4_1Add(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::
                 tvm::ffi::TensorView out) {
   Run(Fmt::kQ4_1, Epilogue::kCastAdd, x, qweight, scale, &min, nullptr, nullptr, nullptr, &residual, partial, out);
 }
-void MmaQ4_1AddNorm(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
-                    tvm::ffi::TensorView min, tvm::ffi::TensorView residual, tvm::ffi::TensorView norm_weight,
-                    double eps, tvm::ffi::TensorView partial, tvm::ffi::TensorView out, tvm::ffi::TensorView normed) {
-  Run(Fmt::kQ4_1, Epilogue::kCastAddNorm, x, qweight, scale, &min, nullptr, nullptr, nullptr, &residual, partial, out,
-      &norm_weight, &normed, eps);
-}
 
 template <Epilogue E>
 void MmaQ8_0(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
@@ -813,12 +710,6 @@ void MmaQ8_0(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::Ten
 void MmaQ8_0Add(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
                 tvm::ffi::TensorView residual, tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
   Run(Fmt::kQ8_0, Epilogue::kCastAdd, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, &residual, partial, out);
-}
-void MmaQ8_0AddNorm(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
-                    tvm::ffi::TensorView residual, tvm::ffi::TensorView norm_weight, double eps,
-                    tvm::ffi::TensorView partial, tvm::ffi::TensorView out, tvm::ffi::TensorView normed) {
-  Run(Fmt::kQ8_0, Epilogue::kCastAddNorm, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, &residual, partial,
-      out, &norm_weight, &normed, eps);
 }
 
 template <Epilogue E>
@@ -832,13 +723,6 @@ void MmaQ4_KAdd(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::
                 tvm::ffi::TensorView residual, tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
   Run(Fmt::kQ4_K, Epilogue::kCastAdd, x, qweight, scale, &min, &sub_scale, nullptr, &sub_min, &residual, partial, out);
 }
-void MmaQ4_KAddNorm(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
-                    tvm::ffi::TensorView min, tvm::ffi::TensorView sub_scale, tvm::ffi::TensorView sub_min,
-                    tvm::ffi::TensorView residual, tvm::ffi::TensorView norm_weight, double eps,
-                    tvm::ffi::TensorView partial, tvm::ffi::TensorView out, tvm::ffi::TensorView normed) {
-  Run(Fmt::kQ4_K, Epilogue::kCastAddNorm, x, qweight, scale, &min, &sub_scale, nullptr, &sub_min, &residual, partial,
-      out, &norm_weight, &normed, eps);
-}
 
 template <Epilogue E>
 void MmaQ6_K(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView qhigh,
@@ -851,23 +735,15 @@ void MmaQ6_KAdd(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::
                 tvm::ffi::TensorView partial, tvm::ffi::TensorView out) {
   Run(Fmt::kQ6_K, Epilogue::kCastAdd, x, qweight, scale, nullptr, &sub_scale, &qhigh, nullptr, &residual, partial, out);
 }
-void MmaQ6_KAddNorm(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView qhigh,
-                    tvm::ffi::TensorView scale, tvm::ffi::TensorView sub_scale, tvm::ffi::TensorView residual,
-                    tvm::ffi::TensorView norm_weight, double eps, tvm::ffi::TensorView partial,
-                    tvm::ffi::TensorView out, tvm::ffi::TensorView normed) {
-  Run(Fmt::kQ6_K, Epilogue::kCastAddNorm, x, qweight, scale, nullptr, &sub_scale, &qhigh, nullptr, &residual, partial,
-      out, &norm_weight, &normed, eps);
-}
 
 }  // namespace
 
-// Each format's five functions: the float32 result, then each epilogue's.
-#define VTOOL_EXPORT_FORMAT(fmt, Fn)                                                  \
-  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt, Fn<Epilogue::kFloat>);         \
-  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_cast, Fn<Epilogue::kCast>);   \
-  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_cast_add, Fn##Add);           \
-  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_silu_mul, Fn<Epilogue::kSiluMul>); \
-  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_cast_add_norm, Fn##AddNorm);
+// Each format's four functions: the float32 result, then each epilogue's.
+#define VTOOL_EXPORT_FORMAT(fmt, Fn)                                                       \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt, Fn<Epilogue::kFloat>);              \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_cast, Fn<Epilogue::kCast>);        \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_cast_add, Fn##Add);                \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_silu_mul, Fn<Epilogue::kSiluMul>);
 VTOOL_EXPORT_FORMAT(q4_0, MmaQ4_0)
 VTOOL_EXPORT_FORMAT(q4_1, MmaQ4_1)
 VTOOL_EXPORT_FORMAT(q8_0, MmaQ8_0)
