@@ -393,7 +393,7 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
         for batch in (1, 64):
             serving_split(model, batch)
     if "batch_decode_captured" in model.manifest.get("entry_points", []):
-        for batch in (8, 32, 64):
+        for batch in (8, 16, 32, 64):
             timed = batch_decode_timer(model, batch, entry="batch_decode_captured")
             ms = timed(32) * 1e3
             record(step=f"vtool_batch_decode_captured_b{batch}", ms_per_step=round(ms, 3),

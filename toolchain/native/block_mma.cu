@@ -27,11 +27,12 @@
 //
 // A thread block: 4 warps of 32 weight rows (two mma tiles) each, all at the same k. Each step of
 // 128 columns, its operands (the 128 rows' blocks, their scales, x's chunk) are copied by cp.async
-// into one of three shared-memory stages two steps ahead, and the lanes read their blocks from
-// there (a version holding the next step's blocks in registers stayed latency-bound at 1.0-1.4
-// TB/s: too few loads in flight an SM). Matrices of few rows split the sum over k across
-// blockIdx.y (models/quantized_linear.block_mma_splits): each split writes its own partial [m, n]
-// and a second launch adds them in split order (deterministic, no atomics).
+// into one of three shared-memory stages two steps ahead (9-16 rows of 4-bit blocks: two, one
+// ahead), and the lanes read their blocks from there (a version holding the next step's blocks
+// in registers stayed latency-bound at 1.0-1.4 TB/s: too few loads in flight an SM). Matrices
+// of few rows split the sum over k across blockIdx.y (models/quantized_linear.block_mma_splits):
+// each split writes its own partial [m, n] and a second launch adds them in split order
+// (deterministic, no atomics).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -188,9 +189,20 @@ __device__ __forceinline__ void WaitX() {
 }
 
 // Every operand of a step (the 128 rows' blocks, their scales, x's chunk) is copied by cp.async
-// into one of kStages shared-memory stages, kStages - 1 steps ahead, so an SM keeps its loads in
-// flight without holding them in registers; the lanes then read their blocks from shared memory.
-constexpr int kStages = 3;
+// into one of Stages() shared-memory stages, Stages() - 1 steps ahead, so an SM keeps its loads
+// in flight without holding them in registers; the lanes then read their blocks from shared
+// memory. Three stages, but two for the launches of 9-16 rows of x over 16-byte 4-bit blocks
+// (Lean), whose registers are also capped for 5 blocks an SM (the kernel's __launch_bounds__): on
+// an H100 their Q4_1 kernels ran 7-15% faster so, and an H200's 16-sequence 8B step 4.6%; the same
+// rule for 1-8 or 32-64 rows made those steps 1-1.4% slower (two stages lose; at 32-64 rows the cap
+// spills) (BENCHMARKS.md, session 47). Every other launch compiles as it did without the rule (a
+// minimum of 0 blocks is no bound: the same SASS).
+template <Fmt F, int NT>
+__host__ __device__ constexpr bool Lean() {
+  return NT == 2 && (F == Fmt::kQ4_0 || F == Fmt::kQ4_1 || F == Fmt::kQ4_K);
+}
+template <Fmt F, int NT>
+__host__ __device__ constexpr int Stages() { return Lean<F, NT>() ? 2 : 3; }
 constexpr int kBlockTiles = kBlockRows / kTileRows;  // 32 tiles of 4 rows
 
 template <Fmt F>
@@ -364,9 +376,9 @@ __device__ __forceinline__ void StagedRow(const char* st, int row, int q, RowBlo
 }
 
 template <typename T, Fmt F, int NT>
-__global__ void __launch_bounds__(kWarps * 32) BlockMmaStaged(const T* __restrict__ x, Parts p,
-                                                                 float* __restrict__ out, int m, int n, int k,
-                                                                 int64_t split_stride) {
+__global__ void __launch_bounds__(kWarps * 32, Lean<F, NT>() ? 5 : 0)
+    BlockMmaStaged(const T* __restrict__ x, Parts p, float* __restrict__ out, int m, int n, int k,
+                   int64_t split_stride) {
   extern __shared__ uint4 smem_raw[];
   char* smem = reinterpret_cast<char*>(smem_raw);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -383,17 +395,17 @@ __global__ void __launch_bounds__(kWarps * 32) BlockMmaStaged(const T* __restric
     for (int j = 0; j < NT; ++j) acc[t][j][0] = acc[t][j][1] = acc[t][j][2] = acc[t][j][3] = 0.f;
 
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < Stages<F, NT>() - 1; ++s) {
     if (s < steps) IssueStep<T, F, NT>(x, p, smem + s * StageBytes<F, NT>(), m, n, k, first + s);
     asm volatile("cp.async.commit_group;\n" ::);
   }
   for (int i = 0; i < steps; ++i) {
-    WaitX<kStages - 2>();
+    WaitX<Stages<F, NT>() - 2>();
     __syncthreads();  // step i is in its stage for every thread; every warp is done with step i - 1
-    const int ahead = i + kStages - 1;
-    if (ahead < steps) IssueStep<T, F, NT>(x, p, smem + (ahead % kStages) * StageBytes<F, NT>(), m, n, k, first + ahead);
+    const int ahead = i + Stages<F, NT>() - 1;
+    if (ahead < steps) IssueStep<T, F, NT>(x, p, smem + (ahead % Stages<F, NT>()) * StageBytes<F, NT>(), m, n, k, first + ahead);
     asm volatile("cp.async.commit_group;\n" ::);
-    const char* st = smem + (i % kStages) * StageBytes<F, NT>();
+    const char* st = smem + (i % Stages<F, NT>()) * StageBytes<F, NT>();
     WarpBlocks<F> w;
 #pragma unroll
     for (int a = 0; a < kTiles; ++a) {
@@ -428,7 +440,7 @@ __global__ void __launch_bounds__(kWarps * 32) BlockMmaStaged(const T* __restric
 template <typename T, Fmt F, int NT>
 void LaunchStaged(dim3 grid, dim3 block, cudaStream_t stream, const T* x, const Parts& p, float* out, int m, int n,
                   int k, int64_t split_stride) {
-  constexpr int bytes = kStages * StageBytes<F, NT>();
+  constexpr int bytes = Stages<F, NT>() * StageBytes<F, NT>();
   static const cudaError_t set = cudaFuncSetAttribute(BlockMmaStaged<T, F, NT>,
                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   (void)set;  // a failure shows at the launch
