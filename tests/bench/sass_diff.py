@@ -1,0 +1,66 @@
+"""Which CUDA kernels differ between two compiled libraries, by their machine code.
+
+    python tests/bench/sass_diff.py OLD.so NEW.so [--cuobjdump PATH]
+
+A kernel change meant for some launches only (a template instance, a launch bound) should leave
+every other kernel's SASS as it was; then a step that runs only unchanged kernels keeps its old
+timing, and only the changed ones need the GPU. `cuobjdump -sass` (from the CUDA toolkit, no GPU
+needed) disassembles both; each function's instructions are compared with addresses and the
+per-build hash of anonymous namespaces stripped. Prints one line per function that differs or
+exists on one side only, then a count; exits 1 when any differ.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+_ANON = re.compile(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_cu_[0-9a-f]+")  # nvcc's per-file namespace name
+_ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")  # the instruction's offset comment
+
+
+def functions(sass: str) -> dict[str, list[str]]:
+    """Function name -> its instructions, from `cuobjdump -sass` output."""
+    out: dict[str, list[str]] = {}
+    body: list[str] | None = None
+    for line in sass.splitlines():
+        found = re.match(r"\s*Function : (\S+)", line)
+        if found:
+            body = out.setdefault(_ANON.sub("ANON", found.group(1)), [])
+            continue
+        if body is not None:
+            text = _ANON.sub("ANON", _ADDRESS.sub("", line)).strip()
+            if text:
+                body.append(text)
+    return out
+
+
+def disassemble(library: Path, cuobjdump: str) -> dict[str, list[str]]:
+    done = subprocess.run([cuobjdump, "-sass", str(library)], capture_output=True, text=True, check=True)
+    return functions(done.stdout)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("old", type=Path)
+    ap.add_argument("new", type=Path)
+    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
+    args = ap.parse_args()
+    old, new = disassemble(args.old, args.cuobjdump), disassemble(args.new, args.cuobjdump)
+    changed = 0
+    for name in sorted(set(old) | set(new)):
+        if name not in new or name not in old:
+            print(f"only in {'old' if name in old else 'new'}: {name}")
+            changed += 1
+        elif old[name] != new[name]:
+            print(f"differs ({len(old[name])} -> {len(new[name])} lines): {name}")
+            changed += 1
+    print(f"{len(set(old) | set(new))} functions, {changed} differ")
+    return 1 if changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
