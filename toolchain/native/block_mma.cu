@@ -193,7 +193,7 @@ __device__ __forceinline__ void WaitX() {
 // in flight without holding them in registers; the lanes then read their blocks from shared
 // memory. Three stages, but two for the launches of 9-16 rows of x over 16-byte 4-bit blocks
 // (Lean), whose registers are also capped for 5 blocks an SM (the kernel's __launch_bounds__): on
-// an H100 their Q4_1 kernels ran 7-15% faster so, and an H200's 16-sequence 8B step 4.6%; the same
+// an H100 their Q4_1 kernels ran 6-14% faster so, and an H200's 16-sequence 8B step 4.6%; the same
 // rule for 1-8 or 32-64 rows made those steps 1-1.4% slower (two stages lose; at 32-64 rows the cap
 // spills) (BENCHMARKS.md, session 47). Every other launch compiles as it did without the rule (a
 // minimum of 0 blocks is no bound: the same SASS).
