@@ -6,19 +6,25 @@ A kernel change meant for some launches only (a template instance, a launch boun
 every other kernel's SASS as it was; then a step that runs only unchanged kernels keeps its old
 timing, and only the changed ones need the GPU. `cuobjdump -sass` (from the CUDA toolkit, no GPU
 needed) disassembles both; each function's instructions are compared with addresses and the
-per-build hash of anonymous namespaces stripped. Prints one line per function that differs or
-exists on one side only, then a count; exits 1 when any differ.
+per-build hash of anonymous namespaces stripped (with the length nvcc mangles it with, which
+follows the source's file name: two builds of a kernel from differently named files compare).
+cuobjdump runs `nvdisasm` for -sass: the one beside the given cuobjdump is found first (the CUDA
+toolkit's bin/ and the nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm wheels put them together).
+Prints one line per function that differs or exists on one side only, then a count; exits 1 when
+any differ, 2 when a library cannot be disassembled.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-_ANON = re.compile(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_cu_[0-9a-f]+")  # nvcc's per-file namespace name
+# nvcc's per-file namespace name, with its mangled length (_ZN45_GLOBAL__N__d3bca25d_12_block_mma_cu_5b585b65...)
+_ANON = re.compile(r"\d*_GLOBAL__N__[0-9a-f]+_\d+_\w+?_cu_[0-9a-f]{8}")
 _ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")  # the instruction's offset comment
 
 
@@ -39,7 +45,15 @@ def functions(sass: str) -> dict[str, list[str]]:
 
 
 def disassemble(library: Path, cuobjdump: str) -> dict[str, list[str]]:
-    done = subprocess.run([cuobjdump, "-sass", str(library)], capture_output=True, text=True, check=True)
+    beside = str(Path(cuobjdump).resolve().parent) if os.sep in cuobjdump else ""
+    env = {**os.environ, "PATH": os.pathsep.join(p for p in (beside, os.environ.get("PATH", "")) if p)}
+    try:
+        done = subprocess.run([cuobjdump, "-sass", str(library)], capture_output=True, text=True, env=env)
+    except FileNotFoundError:
+        raise SystemExit(f"sass_diff: no cuobjdump at {cuobjdump!r} (--cuobjdump PATH)") from None
+    if done.returncode:
+        print(f"sass_diff: cuobjdump -sass {library} failed: {done.stderr.strip()}", file=sys.stderr)
+        raise SystemExit(2)
     return functions(done.stdout)
 
 
