@@ -551,6 +551,173 @@ __global__ void ReduceSplits(const float4* __restrict__ partial, void* __restric
   }
 }
 
+// ---- One row of x: a SIMT GEMV over the same blocks (a single sequence's decode step) --------
+// The mma kernel multiplies 8 rows of x a tile whatever m is, so at m = 1 it spends the tensor
+// cores' work and its shared-memory staging on one useful row (gate_up 40 us on an H200 against 24
+// for the generated GEMV of schedules/cuda/quantized_gemv.py). Here a thread block takes one tile
+// of 4 weight rows (with SiLU x up, the gate tile and its up tile) and its 4 warps split k: lane l
+// of warp w takes blocks w * 32 + l, + 128, ... , so a row of 4096 columns is one block a lane and
+// a block's loads (64 bytes of quants, 8 of scales, 64 of x) are all in flight at once. The sum of
+// a block is 16 d (sum f x - sum x) + m sum x with f = 1 + q / 16 (one byte permute a weight, see
+// Dequant), Q8_0's d sum q x; the lanes and then the warps are added in a fixed order (the same
+// bits every run) and the block finishes the result itself (Finish: no second launch).
+constexpr int kGemvWarps = 4;
+
+template <typename T>
+__device__ __forceinline__ void XPair(uint32_t w, float& lo, float& hi);
+template <>
+__device__ __forceinline__ void XPair<__nv_bfloat16>(uint32_t w, float& lo, float& hi) {
+  lo = __uint_as_float(w << 16);  // a bfloat16 is the top half of its float32
+  hi = __uint_as_float(w & 0xFFFF0000u);
+}
+template <>
+__device__ __forceinline__ void XPair<__half>(uint32_t w, float& lo, float& hi) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+  lo = f.x;
+  hi = f.y;
+}
+
+// sum over the 32 weights of row `row` (0..3) of a tile's block of q . x (Q8_0: exact) or of
+// f . x (nibbles: f = 1 + q / 16), the block's quants in `qv` (the tile's 4 rows, 16 or 32 bytes
+// each), x as floats.
+template <Fmt F>
+__device__ __forceinline__ float BlockDot(const uint4* qv, int row, const float (&xf)[kBlock]) {
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(qv) + row * (BlockBytes<F>() / 4);
+  float acc = 0.f;
+  if constexpr (F == Fmt::kQ8_0) {
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      const uint32_t bytes = words[w] ^ 0x80808080u;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float v = __int_as_float(static_cast<int>(__byte_perm(bytes, 0x4B000000u, 0x7540u | i)));
+        acc = fmaf(v - 8388736.f, xf[4 * w + i], acc);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t lo = ((words[w] & 0x0F0F0F0Fu) << 3) | 0x80808080u;  // elements 4w..4w+3
+      const uint32_t hi = ((words[w] >> 1) & 0x78787878u) | 0x80808080u;  // elements 16+4w..
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc = fmaf(__int_as_float(static_cast<int>(__byte_perm(lo, 0x3F000000u, 0x7044u | (i << 8)))), xf[4 * w + i], acc);
+        acc = fmaf(__int_as_float(static_cast<int>(__byte_perm(hi, 0x3F000000u, 0x7044u | (i << 8)))),
+                   xf[16 + 4 * w + i], acc);
+      }
+    }
+  }
+  return acc;
+}
+
+template <typename T, Fmt F, Epilogue E>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    BlockGemv(const T* __restrict__ x, Parts p, void* __restrict__ out, const T* __restrict__ residual, int n, int k) {
+  constexpr int R = E == Epilogue::kSiluMul ? 2 : 1;  // tiles a block: SiLU x up's gate tile and its up tile
+  constexpr int QV = kTileRows * BlockBytes<F>() / 16;  // uint4 of a tile's block
+  __shared__ float warp_sums[kGemvWarps][R * kTileRows];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int kb = k / kBlock;
+  int64_t tile[R];
+  tile[0] = blockIdx.x;
+  if constexpr (R == 2) tile[1] = blockIdx.x + n / (2 * kTileRows);
+  float sum[R][kTileRows];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int j = 0; j < kTileRows; ++j) sum[r][j] = 0.f;
+
+#pragma unroll 2
+  for (int b = warp * 32 + lane; b < kb; b += kGemvWarps * 32) {
+    uint4 qv[R][QV];
+    uint2 sc[R], mn[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = tile[r] * kb + b;  // the tile's block b: 4 rows' quants, scales, mins
+      const uint4* q = reinterpret_cast<const uint4*>(p.qweight + at * kTileRows * BlockBytes<F>());
+#pragma unroll
+      for (int i = 0; i < QV; ++i) qv[r][i] = __ldg(q + i);
+      sc[r] = __ldg(reinterpret_cast<const uint2*>(p.scale + at * kTileRows));
+      if constexpr (F == Fmt::kQ4_1) mn[r] = __ldg(reinterpret_cast<const uint2*>(p.min + at * kTileRows));
+    }
+    uint4 xv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) xv[i] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(b) * kBlock) + i);
+    float xf[kBlock];
+    const uint32_t* xw = reinterpret_cast<const uint32_t*>(xv);
+#pragma unroll
+    for (int i = 0; i < kBlock / 2; ++i) XPair<T>(xw[i], xf[2 * i], xf[2 * i + 1]);
+    float sx = 0.f;
+    if constexpr (F != Fmt::kQ8_0) {
+#pragma unroll
+      for (int i = 0; i < kBlock; ++i) sx += xf[i];
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const __half* d = reinterpret_cast<const __half*>(&sc[r]);
+      const __half* m = reinterpret_cast<const __half*>(&mn[r]);
+#pragma unroll
+      for (int j = 0; j < kTileRows; ++j) {
+        const float dot = BlockDot<F>(qv[r], j, xf), dj = __half2float(d[j]);
+        if constexpr (F == Fmt::kQ8_0) {
+          sum[r][j] = fmaf(dj, dot, sum[r][j]);
+        } else if constexpr (F == Fmt::kQ4_1) {  // d q + m
+          sum[r][j] += fmaf(16.f * dj, dot - sx, __half2float(m[j]) * sx);
+        } else {  // Q4_0: d (q - 8)
+          sum[r][j] += dj * fmaf(16.f, dot - sx, -8.f * sx);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int j = 0; j < kTileRows; ++j) {
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) sum[r][j] += __shfl_xor_sync(0xFFFFFFFFu, sum[r][j], off);
+    }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int j = 0; j < kTileRows; ++j) warp_sums[warp][r * kTileRows + j] = sum[r][j];
+  }
+  __syncthreads();
+  if (threadIdx.x < kTileRows) {
+    const int j = threadIdx.x;
+    float total[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      total[r] = warp_sums[0][r * kTileRows + j];
+#pragma unroll
+      for (int w = 1; w < kGemvWarps; ++w) total[r] += warp_sums[w][r * kTileRows + j];
+    }
+    const int64_t row = tile[0] * kTileRows + j;  // SiLU x up: the output column (the gate row)
+    if constexpr (E == Epilogue::kFloat) {
+      static_cast<float*>(out)[row] = total[0];
+    } else {
+      static_cast<T*>(out)[row] = Finish<T, E>(total[0], total[R - 1], residual, row);
+    }
+  }
+}
+
+template <typename T, Fmt F>
+void LaunchGemv(Epilogue e, const T* x, const Parts& p, void* out, const T* residual, int n, int k,
+                cudaStream_t stream) {
+  const dim3 block(kGemvWarps * 32);
+  const unsigned tiles = static_cast<unsigned>(n / kTileRows);
+  switch (e) {
+    case Epilogue::kFloat: BlockGemv<T, F, Epilogue::kFloat><<<tiles, block, 0, stream>>>(x, p, out, residual, n, k); break;
+    case Epilogue::kCast: BlockGemv<T, F, Epilogue::kCast><<<tiles, block, 0, stream>>>(x, p, out, residual, n, k); break;
+    case Epilogue::kCastAdd: BlockGemv<T, F, Epilogue::kCastAdd><<<tiles, block, 0, stream>>>(x, p, out, residual, n, k); break;
+    case Epilogue::kSiluMul: BlockGemv<T, F, Epilogue::kSiluMul><<<tiles / 2, block, 0, stream>>>(x, p, out, residual, n, k); break;
+  }
+}
+
+// The formats with a GEMV for one row of x (the others multiply it on the tensor cores as 8).
+constexpr bool HasGemv(Fmt f) { return f == Fmt::kQ4_0 || f == Fmt::kQ4_1 || f == Fmt::kQ8_0; }
+
 const char* FormatName(Fmt f) {
   switch (f) {
     case Fmt::kQ4_0: return "q4_0";
@@ -662,15 +829,24 @@ void Run(Fmt f, Epilogue e, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight
   const int64_t out4 = e == Epilogue::kSiluMul ? count4 / 2 : count4;
   const int blocks = static_cast<int>(out4 / threads + 1 < 1024 ? out4 / threads + 1 : 1024);
   const float4* sums = static_cast<const float4*>(Data(partial));
+  const bool gemv = m == 1 && HasGemv(f);  // one row: the GEMV writes out itself (partial unused)
 #define VTOOL_LAUNCH(T)                                                                                  \
-  switch (f) {                                                                                          \
+  if (gemv) {                                                                                           \
+    const T* xs = static_cast<const T*>(Data(x));                                                       \
+    const T* res = residual ? static_cast<const T*>(Data(*residual)) : nullptr;                         \
+    switch (f) {                                                                                        \
+      case Fmt::kQ4_0: LaunchGemv<T, Fmt::kQ4_0>(e, xs, p, Data(out), res, ni, ki, stream); break;      \
+      case Fmt::kQ4_1: LaunchGemv<T, Fmt::kQ4_1>(e, xs, p, Data(out), res, ni, ki, stream); break;      \
+      default: LaunchGemv<T, Fmt::kQ8_0>(e, xs, p, Data(out), res, ni, ki, stream); break;              \
+    }                                                                                                   \
+  } else switch (f) {                                                                                   \
     case Fmt::kQ4_0: Launch<T, Fmt::kQ4_0>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
     case Fmt::kQ4_1: Launch<T, Fmt::kQ4_1>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
     case Fmt::kQ4_K: Launch<T, Fmt::kQ4_K>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
     case Fmt::kQ8_0: Launch<T, Fmt::kQ8_0>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
     case Fmt::kQ6_K: Launch<T, Fmt::kQ6_K>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
   }                                                                                                     \
-  if (!direct) {                                                                                        \
+  if (!direct && !gemv) {                                                                               \
     const T* res = residual ? static_cast<const T*>(Data(*residual)) : nullptr;                         \
     void* dst = Data(out);                                                                              \
     switch (e) {                                                                                        \
