@@ -40,6 +40,10 @@ DEQUANT_WHOLE_BLOCK = "vtool_dequantize"
 
 BLOCK_MMA_ROWS = 128  # weight rows of one thread block of the tensor-core kernel
 BLOCK_MMA_MIN_BLOCKS = 528  # thread blocks a matmul wants (four per SM of an H100/H200) before splitting k
+# Formats whose block functions take a single row of x (one sequence's `decode`) through their own
+# SIMT GEMV, which finishes the result in the same launch (native/block_mma.cu's HasGemv): `decode`
+# calls them too. The others' single rows keep the generated GEMV (the mma would multiply 8 rows).
+ONE_ROW_GEMV_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def block_mma_symbol(fmt: str) -> str:
@@ -222,9 +226,12 @@ class _QuantizedWeight(nn.Module):
             func = kernels.matmul(self.fmt, self.rows, self.cols, dims)
             return op.tensor_ir_op(func, f"{self.fmt.lower()}_int8_matmul", [x32, *self._parts()],
                                    Tensor.placeholder([*lead, self.rows], "float32"))
+        one_row = isinstance(lead[0], int) and lead[0] == 1
         if (decode_rows and self.fmt in self.block_mma and x.dtype in ("bfloat16", "float16")
-                and not (isinstance(lead[0], int) and lead[0] == 1)):
-            return _block_mma(self.fmt, x, self._parts(), block_mma_splits(self.rows, self.cols), self.rows)
+                and (not one_row or self.fmt in ONE_ROW_GEMV_FORMATS)):
+            # one row: the GEMV reads no partial sums (one split's scratch, the smallest)
+            splits = 1 if one_row else block_mma_splits(self.rows, self.cols)
+            return _block_mma(self.fmt, x, self._parts(), splits, self.rows)
         if self.dequantize_prompts and not decode_rows:
             w = op.tensor_expr_op(functools.partial(dequantize_te, self.fmt, x.dtype), f"{self.fmt.lower()}_dequantize",
                                   self._parts())

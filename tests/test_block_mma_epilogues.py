@@ -2,7 +2,8 @@
 block matmuls go to the matmuls' own finishing kernels, and nothing else changes.
 
 Here (no GPU): the pass on a real CUDA export of a tiny Q4_1 GGUF (every layer's four matmuls
-fused, `decode` untouched, the residual each add read passed on), and on small hand-built Relax
+fused in `batch_decode` and in `decode`, whose one row the functions' GEMV takes; the prompt
+functions untouched; the residual each add read passed on), and on small hand-built Relax
 functions for the chains it must leave alone. The kernels' values against torch are
 test_gpu_block_mma.py's (on a GPU); the model's batches against its prompt path are
 test_gpu_quantized.py's bf16 batch cases.
@@ -63,16 +64,19 @@ def exported(tmp_path_factory):
     return mod, plan.config.num_hidden_layers
 
 
-def test_every_layers_four_matmuls_finish_in_their_own_kernel(exported) -> None:
+@pytest.mark.parametrize("entry", ["batch_decode", "decode"])
+def test_every_layers_four_matmuls_finish_in_their_own_kernel(exported, entry: str) -> None:
+    """batch_decode's matmuls (the tensor cores) and decode's (one sequence: the same functions,
+    whose single row goes through their GEMV; Q4_1 and Q8_0 are both ONE_ROW_GEMV_FORMATS)."""
     mod, layers = exported
-    before = _calls(mod["batch_decode"])
+    before = _calls(mod[entry])
     assert {s for s, _ in before} <= {"vtool_block_mma_q4_1", "vtool_block_mma_q8_0"} and len(before) >= 4 * layers
     after_mod = block_mma_epilogues_pass()(mod)
-    after = _calls(after_mod["batch_decode"])
+    after = _calls(after_mod[entry])
     kinds = [s.removeprefix("vtool_block_mma_q4_1") for s, _ in after if s.startswith("vtool_block_mma_q4_1")]
     # per layer: q|k|v (cast, then attention's reshape), o (+ residual), gate|up (SiLU x up), down (+ residual)
     assert kinds == ["_cast", "_cast_add", "_silu_mul", "_cast_add"] * layers
-    ops = _ops(after_mod["batch_decode"])
+    ops = _ops(after_mod[entry])
     assert "relax.nn.silu" not in ops and "relax.add" not in ops and "relax.split" not in ops
     # each fused call reads the matmul's own inputs (the same x and parts, in order) ...
     for (old_symbol, old_inputs), (new_symbol, new_inputs) in zip(
@@ -80,9 +84,30 @@ def test_every_layers_four_matmuls_finish_in_their_own_kernel(exported) -> None:
         assert new_symbol.startswith(old_symbol)
         assert all(a.same_as(b) for a, b in zip(old_inputs, new_inputs))
         assert len(new_inputs) == len(old_inputs) + (new_symbol.endswith("_cast_add"))
-    # ... and no other function changes: decode (one sequence) keeps its GEMV
-    for name in ("decode", "prefill", "batch_prefill"):
+    # ... and the prompt functions do not change
+    for name in ("prefill", "batch_prefill"):
         tvm.ir.assert_structural_equal(after_mod[name], mod[name])
+
+
+def _partial_splits(func: relax.Function) -> list[int]:
+    """The leading dim (splits) of the partial-sum scratch of each block call in `func`."""
+    splits = []
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and \
+                    value.op.name == "relax.call_dps_packed" and "vtool_block_mma" in str(value.args[0].global_symbol):
+                splits.append(int(binding.var.ty.fields[0].shape[0]))
+    return splits
+
+
+def test_one_sequence_reads_no_partial_sums(exported) -> None:
+    """decode's block calls get a partial scratch of one split (their GEMV does not write it);
+    batch_decode's keep block_mma_splits' counts (the tiny model's k is split in some)."""
+    mod, _layers = exported
+    one = _partial_splits(mod["decode"])
+    assert one and set(one) == {1}, one
+    assert max(_partial_splits(mod["batch_decode"])) > 1
 
 
 def test_the_residual_is_the_stream_the_add_read(exported) -> None:
