@@ -40,10 +40,6 @@ DEQUANT_WHOLE_BLOCK = "vtool_dequantize"
 
 BLOCK_MMA_ROWS = 128  # weight rows of one thread block of the tensor-core kernel
 BLOCK_MMA_MIN_BLOCKS = 528  # thread blocks a matmul wants (four per SM of an H100/H200) before splitting k
-# Formats whose block functions take a single row of x (one sequence's `decode`) through their own
-# SIMT GEMV, which finishes the result in the same launch (native/block_mma.cu's HasGemv): `decode`
-# calls them too. The others' single rows keep the generated GEMV (the mma would multiply 8 rows).
-ONE_ROW_GEMV_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def block_mma_symbol(fmt: str) -> str:
@@ -226,10 +222,10 @@ class _QuantizedWeight(nn.Module):
             func = kernels.matmul(self.fmt, self.rows, self.cols, dims)
             return op.tensor_ir_op(func, f"{self.fmt.lower()}_int8_matmul", [x32, *self._parts()],
                                    Tensor.placeholder([*lead, self.rows], "float32"))
-        one_row = isinstance(lead[0], int) and lead[0] == 1
-        if (decode_rows and self.fmt in self.block_mma and x.dtype in ("bfloat16", "float16")
-                and (not one_row or self.fmt in ONE_ROW_GEMV_FORMATS)):
-            # one row: the GEMV reads no partial sums (one split's scratch, the smallest)
+        if decode_rows and self.fmt in self.block_mma and x.dtype in ("bfloat16", "float16"):
+            # one sequence (decode): the functions take the single row through their GEMV, which
+            # reads no partial sums (a one-split scratch, the smallest)
+            one_row = isinstance(lead[0], int) and lead[0] == 1
             splits = 1 if one_row else block_mma_splits(self.rows, self.cols)
             return _block_mma(self.fmt, x, self._parts(), splits, self.rows)
         if self.dequantize_prompts and not decode_rows:

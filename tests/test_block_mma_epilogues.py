@@ -67,7 +67,7 @@ def exported(tmp_path_factory):
 @pytest.mark.parametrize("entry", ["batch_decode", "decode"])
 def test_every_layers_four_matmuls_finish_in_their_own_kernel(exported, entry: str) -> None:
     """batch_decode's matmuls (the tensor cores) and decode's (one sequence: the same functions,
-    whose single row goes through their GEMV; Q4_1 and Q8_0 are both ONE_ROW_GEMV_FORMATS)."""
+    whose single row goes through their GEMV)."""
     mod, layers = exported
     before = _calls(mod[entry])
     assert {s for s, _ in before} <= {"vtool_block_mma_q4_1", "vtool_block_mma_q8_0"} and len(before) >= 4 * layers

@@ -10,8 +10,8 @@ launch shape (1..64 rows a launch, more in several), weights whose rows are not 
 warp's 16 and whose 32-weight blocks are not a multiple of a warp step's 4, against numpy: x
 times the weight dequantized from the same blocks (float32, as the kernel forms it: within one
 rounding of gguf-py's) and rounded to x's dtype, summed in float64. The bound is float32 summation: 2e-6 of sum |x| |w|.
-One row of x over Q4_0, Q4_1 and Q8_0 takes the SIMT GEMV instead, which multiplies the float32
-weight unrounded (as the model's generated GEMV does): its reference is the float32 dequantization.
+One row of x takes the SIMT GEMV instead, which multiplies the float32 weight unrounded (as the
+model's generated GEMV does): its reference is the float32 dequantization.
 
 Its library comes from the GPU-less build machine: `python tests/test_gpu_block_mma.py prebuild
 OUT.so`, then VTOOL_GPU_BLOCK_MMA_LIB=OUT.so on the GPU machine. `python tests/test_gpu_block_mma.py
@@ -45,9 +45,6 @@ EPILOGUES = ("_cast", "_cast_add", "_silu_mul")
 # (n, k) for them: n / 2 a multiple of 4 (SiLU x up's halves), k / 32 blocks not a multiple of 4
 EPILOGUE_SHAPES = {"Q4_0": (72, 160), "Q4_1": (72, 160), "Q8_0": (72, 160), "Q4_K": (72, 768), "Q6_K": (72, 768)}
 SPLITS = (1, 2, 5)
-# formats whose functions take one row of x through the SIMT GEMV (native/block_mma.cu's HasGemv):
-# float32 weights as the model's GEMV forms them, not rounded to x's dtype as the mma's operands are
-GEMV_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def symbol(fmt: str) -> str:
@@ -272,8 +269,7 @@ def test_kernel_equals_the_dequantized_matmul(kernels, fmt: str, xdtype: str) ->
         w_gemv = torch.from_numpy(dequantize(fmt, parts)).double()  # what the one-row GEMV multiplies
         gparts = [torch.from_numpy(p).cuda() for p in parts]
         for m in ROWS:
-            gemv = m == 1 and fmt in GEMV_FORMATS
-            w = w_gemv if gemv else w_mma
+            w = w_gemv if m == 1 else w_mma  # one row: the SIMT GEMV, float32 weights unrounded
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(tdtype).cuda()
             xd = x.double().cpu()
             ref = xd @ w.T

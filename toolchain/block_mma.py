@@ -2,8 +2,7 @@
 
 A CUDA build whose weights stay in blocks and whose compute dtype is bf16/f16 sends the
 matmuls of `batch_decode` over Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 weights to `vtool_block_mma_<fmt>`
-(and `decode`'s single rows over Q4_0, Q4_1 and Q8_0, which the same functions take through a SIMT
-GEMV)
+(and `decode`'s single rows, which the same functions take through a SIMT GEMV)
 (models/quantized_linear.py's `use_block_mma`): each weight read once a step, dequantized in
 registers and multiplied on the tensor cores, so a step of many sequences costs about what one
 of a single sequence does. This module compiles that source with nvcc for the build's arch

@@ -13,8 +13,8 @@ four matmuls a layer. This pass hands that work to the kernel that adds the spli
 
 so a matmul is two launches and writes its result once, in T. The kernels compute what TVM's
 kernels for the same ops compute, operation for operation, so the values do not change. `decode`
-(one sequence) calls the same functions over the formats with a one-row GEMV
-(quantized_linear.ONE_ROW_GEMV_FORMATS), which finishes the result in its only launch.
+(one sequence) calls the same functions, whose one-row GEMV finishes the result in its only
+launch.
 
 Only single-use chains are rewritten: a value something else also reads stays where it is (an
 intermediate read twice would otherwise be computed twice), and the chain's dead ops go with

@@ -1,4 +1,4 @@
-// Batched-decode matmuls over weights kept in GGUF blocks, on the tensor cores:
+// Decode matmuls over weights kept in GGUF blocks, on the tensor cores (one row of x: a SIMT GEMV):
 // out[m, n] = x[m, k] . dequant(W)[n, k]^T, x in bf16 or f16, out in float32, m up to 64 rows a
 // launch (more: several launches).
 //
@@ -557,10 +557,12 @@ __global__ void ReduceSplits(const float4* __restrict__ partial, void* __restric
 // for the generated GEMV of schedules/cuda/quantized_gemv.py). Here a thread block takes one tile
 // of 4 weight rows (with SiLU x up, the gate tile and its up tile) and its 4 warps split k: lane l
 // of warp w takes blocks w * 32 + l, + 128, ... , so a row of 4096 columns is one block a lane and
-// a block's loads (64 bytes of quants, 8 of scales, 64 of x) are all in flight at once. The sum of
-// a block is 16 d (sum f x - sum x) + m sum x with f = 1 + q / 16 (one byte permute a weight, see
-// Dequant), Q8_0's d sum q x; the lanes and then the warps are added in a fixed order (the same
-// bits every run) and the block finishes the result itself (Finish: no second launch).
+// a block's loads (64 bytes of quants, its scales, 64 of x) are all in flight at once. A nibble
+// block's sum is 16 d (sum f x - sum x) + m sum x with f = 1 + q / 16 (one byte permute a weight,
+// as Dequant), Q6_K's the same with f = 1 + q / 64 for each half, Q8_0's d sum q x; the weights are
+// float32, not rounded to x's dtype as the mma's operands are (what the generated GEMV computes).
+// The lanes and then the warps are added in a fixed order (the same bits every run) and the block
+// finishes the result itself (Finish: no second launch).
 constexpr int kGemvWarps = 4;
 
 template <typename T>
@@ -577,14 +579,54 @@ __device__ __forceinline__ void XPair<__half>(uint32_t w, float& lo, float& hi) 
   hi = f.y;
 }
 
-// sum over the 32 weights of row `row` (0..3) of a tile's block of q . x (Q8_0: exact) or of
-// f . x (nibbles: f = 1 + q / 16), the block's quants in `qv` (the tile's 4 rows, 16 or 32 bytes
-// each), x as floats.
+// What a lane loads of one tile's block b: the 4 rows' quants and their scales (K-quants: the
+// block's 6-bit scale and min, or Q6_K's two signed scales of 16 weights and its high bits).
 template <Fmt F>
-__device__ __forceinline__ float BlockDot(const uint4* qv, int row, const float (&xf)[kBlock]) {
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(qv) + row * (BlockBytes<F>() / 4);
-  float acc = 0.f;
-  if constexpr (F == Fmt::kQ8_0) {
+struct GemvBlock {
+  uint4 q[kTileRows * BlockBytes<F>() / 16];
+  uint4 high[F == Fmt::kQ6_K ? kTileRows : 1];  // Q6_K: the rows' 16 bytes of high bits of the block's group of 64
+  uint2 d, m;     // 4 float16 d (Q4_K, Q6_K: per 256), Q4_1's m / Q4_K's dmin
+  uint2 sub;      // Q4_K: 4 scales, then 4 mins (bytes); Q6_K: 8 signed scales (half 0's 4 rows, half 1's)
+};
+
+template <Fmt F>
+__device__ __forceinline__ void LoadGemvBlock(const Parts& p, int64_t tile, int kb, int b, GemvBlock<F>& g) {
+  const int64_t at = tile * kb + b;  // the tile's block b: 4 rows' quants, then the scales
+  const uint4* q = reinterpret_cast<const uint4*>(p.qweight + at * kTileRows * BlockBytes<F>());
+#pragma unroll
+  for (int i = 0; i < kTileRows * BlockBytes<F>() / 16; ++i) g.q[i] = __ldg(q + i);
+  if constexpr (F == Fmt::kQ4_K || F == Fmt::kQ6_K) {
+    const int64_t sb = tile * (kb / 8) + b / 8;  // the block's 256
+    g.d = __ldg(reinterpret_cast<const uint2*>(p.scale + sb * kTileRows));
+    if constexpr (F == Fmt::kQ4_K) {
+      g.m = __ldg(reinterpret_cast<const uint2*>(p.min + sb * kTileRows));
+      g.sub.x = __ldg(reinterpret_cast<const unsigned int*>(p.sub_scale + at * kTileRows));
+      g.sub.y = __ldg(reinterpret_cast<const unsigned int*>(p.sub_min + at * kTileRows));
+    } else {  // sub_scale [n/4, k/16, 4]: halves 2b and 2b + 1, 8 bytes; qhigh [n/4, k/64, 4, 16]
+      g.sub = __ldg(reinterpret_cast<const uint2*>(p.sub_scale + at * 2 * kTileRows));
+      const uint4* h = reinterpret_cast<const uint4*>(p.qhigh + (tile * (kb / 2) + b / 2) * kTileRows * 16);
+#pragma unroll
+      for (int r = 0; r < kTileRows; ++r) g.high[r] = __ldg(h + r);
+    }
+  } else {
+    g.d = __ldg(reinterpret_cast<const uint2*>(p.scale + at * kTileRows));
+    if constexpr (F == Fmt::kQ4_1) g.m = __ldg(reinterpret_cast<const uint2*>(p.min + at * kTileRows));
+  }
+}
+
+__device__ __forceinline__ float NibbleF(uint32_t bytes, int i) {  // byte i (0x80 | q << s) as 1 + q / 2^(7-s)
+  return __int_as_float(static_cast<int>(__byte_perm(bytes, 0x3F000000u, 0x7044u | (i << 8))));
+}
+
+// Row `row` (0..3) of block b's sum of w . x, given x's 32 floats and their sums (whole block,
+// first and second 16).
+template <Fmt F>
+__device__ __forceinline__ float GemvRow(const GemvBlock<F>& g, int row, int b, const float (&xf)[kBlock], float sx,
+                                         float sx0, float sx1) {
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(g.q) + row * (BlockBytes<F>() / 4);
+  const float d = __half2float(reinterpret_cast<const __half*>(&g.d)[row]);
+  if constexpr (F == Fmt::kQ8_0) {  // d sum q x, q exact through the mantissa of 2^23
+    float acc = 0.f;
 #pragma unroll
     for (int w = 0; w < 8; ++w) {
       const uint32_t bytes = words[w] ^ 0x80808080u;
@@ -594,27 +636,53 @@ __device__ __forceinline__ float BlockDot(const uint4* qv, int row, const float 
         acc = fmaf(v - 8388736.f, xf[4 * w + i], acc);
       }
     }
-  } else {
+    return d * acc;
+  } else if constexpr (F == Fmt::kQ6_K) {  // q = low nibble | high 2 bits << 4 as 1 + q / 64; w = D16 (q - 32)
+    const uint32_t* high = reinterpret_cast<const uint32_t*>(&g.high[row]);
+    const int shift = 4 * (b % 2);  // the block's place in its group of 64
+    float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t lo = (((words[w] & 0x0F0F0F0Fu) | (((high[w] >> shift) & 0x03030303u) << 4)) << 1) | 0x80808080u;
+      const uint32_t hi = ((((words[w] >> 4) & 0x0F0F0F0Fu) | (((high[w] >> (shift + 2)) & 0x03030303u) << 4)) << 1) |
+                          0x80808080u;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc0 = fmaf(NibbleF(lo, i), xf[4 * w + i], acc0);
+        acc1 = fmaf(NibbleF(hi, i), xf[16 + 4 * w + i], acc1);
+      }
+    }
+    const int8_t* sc = reinterpret_cast<const int8_t*>(&g.sub);
+    const float s0 = static_cast<float>(sc[row]), s1 = static_cast<float>(sc[kTileRows + row]);
+    return d * (s0 * fmaf(64.f, acc0 - sx0, -32.f * sx0) + s1 * fmaf(64.f, acc1 - sx1, -32.f * sx1));
+  } else {  // a nibble as 1 + q / 16: sum q x = 16 (sum f x - sum x)
+    float acc = 0.f;
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       const uint32_t lo = ((words[w] & 0x0F0F0F0Fu) << 3) | 0x80808080u;  // elements 4w..4w+3
       const uint32_t hi = ((words[w] >> 1) & 0x78787878u) | 0x80808080u;  // elements 16+4w..
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        acc = fmaf(__int_as_float(static_cast<int>(__byte_perm(lo, 0x3F000000u, 0x7044u | (i << 8)))), xf[4 * w + i], acc);
-        acc = fmaf(__int_as_float(static_cast<int>(__byte_perm(hi, 0x3F000000u, 0x7044u | (i << 8)))),
-                   xf[16 + 4 * w + i], acc);
+        acc = fmaf(NibbleF(lo, i), xf[4 * w + i], acc);
+        acc = fmaf(NibbleF(hi, i), xf[16 + 4 * w + i], acc);
       }
     }
+    if constexpr (F == Fmt::kQ4_1) {  // d q + m
+      return fmaf(16.f * d, acc - sx, __half2float(reinterpret_cast<const __half*>(&g.m)[row]) * sx);
+    } else if constexpr (F == Fmt::kQ4_K) {  // d sc q - dmin mn
+      const uint8_t* sub = reinterpret_cast<const uint8_t*>(&g.sub);
+      const float dm = __half2float(reinterpret_cast<const __half*>(&g.m)[row]);
+      return fmaf(16.f * d * static_cast<float>(sub[row]), acc - sx, -(dm * static_cast<float>(sub[4 + row])) * sx);
+    } else {  // Q4_0: d (q - 8)
+      return d * fmaf(16.f, acc - sx, -8.f * sx);
+    }
   }
-  return acc;
 }
 
 template <typename T, Fmt F, Epilogue E>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     BlockGemv(const T* __restrict__ x, Parts p, void* __restrict__ out, const T* __restrict__ residual, int n, int k) {
   constexpr int R = E == Epilogue::kSiluMul ? 2 : 1;  // tiles a block: SiLU x up's gate tile and its up tile
-  constexpr int QV = kTileRows * BlockBytes<F>() / 16;  // uint4 of a tile's block
   __shared__ float warp_sums[kGemvWarps][R * kTileRows];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int kb = k / kBlock;
@@ -629,17 +697,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 
 #pragma unroll 2
   for (int b = warp * 32 + lane; b < kb; b += kGemvWarps * 32) {
-    uint4 qv[R][QV];
-    uint2 sc[R], mn[R];
+    GemvBlock<F> g[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = tile[r] * kb + b;  // the tile's block b: 4 rows' quants, scales, mins
-      const uint4* q = reinterpret_cast<const uint4*>(p.qweight + at * kTileRows * BlockBytes<F>());
-#pragma unroll
-      for (int i = 0; i < QV; ++i) qv[r][i] = __ldg(q + i);
-      sc[r] = __ldg(reinterpret_cast<const uint2*>(p.scale + at * kTileRows));
-      if constexpr (F == Fmt::kQ4_1) mn[r] = __ldg(reinterpret_cast<const uint2*>(p.min + at * kTileRows));
-    }
+    for (int r = 0; r < R; ++r) LoadGemvBlock<F>(p, tile[r], kb, b, g[r]);
     uint4 xv[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) xv[i] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(b) * kBlock) + i);
@@ -647,27 +707,19 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     const uint32_t* xw = reinterpret_cast<const uint32_t*>(xv);
 #pragma unroll
     for (int i = 0; i < kBlock / 2; ++i) XPair<T>(xw[i], xf[2 * i], xf[2 * i + 1]);
-    float sx = 0.f;
+    float sx0 = 0.f, sx1 = 0.f;
     if constexpr (F != Fmt::kQ8_0) {
 #pragma unroll
-      for (int i = 0; i < kBlock; ++i) sx += xf[i];
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const __half* d = reinterpret_cast<const __half*>(&sc[r]);
-      const __half* m = reinterpret_cast<const __half*>(&mn[r]);
-#pragma unroll
-      for (int j = 0; j < kTileRows; ++j) {
-        const float dot = BlockDot<F>(qv[r], j, xf), dj = __half2float(d[j]);
-        if constexpr (F == Fmt::kQ8_0) {
-          sum[r][j] = fmaf(dj, dot, sum[r][j]);
-        } else if constexpr (F == Fmt::kQ4_1) {  // d q + m
-          sum[r][j] += fmaf(16.f * dj, dot - sx, __half2float(m[j]) * sx);
-        } else {  // Q4_0: d (q - 8)
-          sum[r][j] += dj * fmaf(16.f, dot - sx, -8.f * sx);
-        }
+      for (int i = 0; i < kBlock / 2; ++i) {
+        sx0 += xf[i];
+        sx1 += xf[kBlock / 2 + i];
       }
     }
+    const float sx = sx0 + sx1;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int j = 0; j < kTileRows; ++j) sum[r][j] += GemvRow<F>(g[r], j, b, xf, sx, sx0, sx1);
   }
 
 #pragma unroll
@@ -715,8 +767,6 @@ void LaunchGemv(Epilogue e, const T* x, const Parts& p, void* out, const T* resi
   }
 }
 
-// The formats with a GEMV for one row of x (the others multiply it on the tensor cores as 8).
-constexpr bool HasGemv(Fmt f) { return f == Fmt::kQ4_0 || f == Fmt::kQ4_1 || f == Fmt::kQ8_0; }
 
 const char* FormatName(Fmt f) {
   switch (f) {
@@ -829,7 +879,9 @@ void Run(Fmt f, Epilogue e, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight
   const int64_t out4 = e == Epilogue::kSiluMul ? count4 / 2 : count4;
   const int blocks = static_cast<int>(out4 / threads + 1 < 1024 ? out4 / threads + 1 : 1024);
   const float4* sums = static_cast<const float4*>(Data(partial));
-  const bool gemv = m == 1 && HasGemv(f);  // one row: the GEMV writes out itself (partial unused)
+  const bool gemv = m == 1;  // one row: the GEMV writes out itself (partial unused)
+  TVM_FFI_ICHECK(!gemv || reinterpret_cast<uintptr_t>(Data(x)) % 16 == 0)
+      << name << ": a single row of x must start on a 16-byte boundary (its blocks are read 16 bytes at a time)";
 #define VTOOL_LAUNCH(T)                                                                                  \
   if (gemv) {                                                                                           \
     const T* xs = static_cast<const T*>(Data(x));                                                       \
@@ -837,7 +889,9 @@ void Run(Fmt f, Epilogue e, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight
     switch (f) {                                                                                        \
       case Fmt::kQ4_0: LaunchGemv<T, Fmt::kQ4_0>(e, xs, p, Data(out), res, ni, ki, stream); break;      \
       case Fmt::kQ4_1: LaunchGemv<T, Fmt::kQ4_1>(e, xs, p, Data(out), res, ni, ki, stream); break;      \
-      default: LaunchGemv<T, Fmt::kQ8_0>(e, xs, p, Data(out), res, ni, ki, stream); break;              \
+      case Fmt::kQ4_K: LaunchGemv<T, Fmt::kQ4_K>(e, xs, p, Data(out), res, ni, ki, stream); break;      \
+      case Fmt::kQ8_0: LaunchGemv<T, Fmt::kQ8_0>(e, xs, p, Data(out), res, ni, ki, stream); break;      \
+      case Fmt::kQ6_K: LaunchGemv<T, Fmt::kQ6_K>(e, xs, p, Data(out), res, ni, ki, stream); break;      \
     }                                                                                                   \
   } else switch (f) {                                                                                   \
     case Fmt::kQ4_0: Launch<T, Fmt::kQ4_0>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
