@@ -210,6 +210,68 @@ def test_the_kernel_compiles_and_exports_a_function_per_format(tmp_path) -> None
     assert info["sass"] == list(ARCHS) and info["ptx"] == [PTX]
 
 
+HOST_GEMV_SOURCE = Path(__file__).resolve().parent / "support" / "block_gemv_host.cu"
+FMT_INDEX = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2, "Q8_0": 3, "Q6_K": 4}  # native/block_mma.cu's Fmt
+
+
+@pytest.fixture(scope="module")
+def host_gemv(tmp_path_factory):
+    """The one-row GEMV's per-block functions built for the host (tests/support/block_gemv_host.cu)."""
+    import ctypes
+
+    from gpu_fixtures import cuda_buildable
+
+    cuda_buildable()
+    from vtool.toolchain.cuda import find_nvcc
+
+    out = tmp_path_factory.mktemp("host_gemv") / "block_gemv_host.so"
+    # no kernel is instantiated without the FFI half, so the device pass has nothing to compile
+    subprocess.run([find_nvcc(), "-shared", "-O2", "-std=c++17", "-Xcompiler", "-fPIC", "-arch=sm_90a",
+                    str(HOST_GEMV_SOURCE), "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.vtool_block_gemv_host.restype = ctypes.c_int
+    return lib
+
+
+def host_gemv_rows(lib, fmt: str, parts: list[np.ndarray], x: np.ndarray, x_bf16: bool) -> np.ndarray:  # noqa: ANN001
+    """out[n] of the host build for x (raw 16-bit values) and the parts in ggml_blocks.parts order."""
+    import ctypes
+
+    named = dict(zip({"Q4_0": ("qweight", "scale"), "Q4_1": ("qweight", "scale", "min"), "Q8_0": ("qweight", "scale"),
+                      "Q4_K": ("qweight", "scale", "min", "sub_scale", "sub_min"),
+                      "Q6_K": ("qweight", "qhigh", "scale", "sub_scale")}[fmt], parts))
+    keep = {name: np.ascontiguousarray(a) for name, a in named.items()}
+    ptr = lambda name: keep[name].ctypes.data_as(ctypes.c_void_p) if name in keep else None  # noqa: E731
+    n, k = parts[0].shape[0] * 4, parts[0].shape[1] * 32
+    out = np.full(n, np.nan, np.float32)
+    xs = np.ascontiguousarray(x)
+    rc = lib.vtool_block_gemv_host(FMT_INDEX[fmt], int(x_bf16), xs.ctypes.data_as(ctypes.c_void_p), ptr("qweight"),
+                                   ptr("scale"), ptr("min"), ptr("sub_scale"), ptr("qhigh"), ptr("sub_min"), n, k,
+                                   out.ctypes.data_as(ctypes.c_void_p))
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("xdtype", ["bfloat16", "float16"])
+def test_the_one_row_gemv_reads_each_format_as_gguf_py_dequantizes_it(host_gemv, fmt: str, xdtype: str) -> None:
+    """The GEMV's loads, x's floats and row sums (the kernel's own functions, built for the host)
+    against x times the float32 dequantization (held to gguf-py's above), float32 summation's
+    bound; several row tiles and blocks, so a layout index off by a tile, block or row shows."""
+    import torch
+
+    rng = np.random.default_rng(21 + FORMATS.index(fmt))
+    for n, k in [*SHAPES[fmt], (8, 512)]:
+        parts = random_parts(fmt, n, k, rng)
+        x = torch.from_numpy(rng.standard_normal(k).astype(np.float32)).to(getattr(torch, xdtype))
+        raw = x.view(torch.int16).numpy()
+        w = dequantize(fmt, parts).astype(np.float64)
+        xd = x.double().numpy()
+        got = host_gemv_rows(host_gemv, fmt, parts, raw, xdtype == "bfloat16")
+        err = (np.abs(got - w @ xd) / (np.abs(w) @ np.abs(xd) + 1e-30)).max()
+        assert err <= 2e-6, f"{fmt} {xdtype} [{n}, {k}]: {err:.2e} of sum |x||w|"
+
+
 @pytest.mark.parametrize("dtype, expected", [("bfloat16", ["Q4_1", "Q8_0"]), ("float32", None)])
 def test_a_cuda_build_records_the_formats_batch_decode_multiplies_on_tensor_cores(tmp_path, dtype, expected):
     from gpu_fixtures import cuda_buildable

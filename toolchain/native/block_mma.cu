@@ -36,12 +36,15 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#ifndef VTOOL_BLOCK_MMA_KERNELS_ONLY  // tests/support/block_gemv_host.cu: the kernels' code alone
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
+#endif
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 namespace {
@@ -565,18 +568,71 @@ __global__ void ReduceSplits(const float4* __restrict__ partial, void* __restric
 // finishes the result itself (Finish: no second launch).
 constexpr int kGemvWarps = 4;
 
+// The GEMV's work on one block (its loads, x's floats, a row's sum) is __host__ __device__, so a
+// host build of the same code (tests/support/block_gemv_host.cu) checks every format's layout and
+// arithmetic where there is no GPU; these stand in for the device intrinsics there.
+#define VTOOL_HD __host__ __device__ __forceinline__
+VTOOL_HD uint32_t BytePerm(uint32_t a, uint32_t b, uint32_t selector) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(a, b, selector);
+#else
+  const uint64_t bytes = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<uint32_t>((bytes >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+  return r;
+#endif
+}
+VTOOL_HD float BitsFloat(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+template <typename V>
+VTOOL_HD V ReadOnly(const V* p) {
+#ifdef __CUDA_ARCH__
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
 template <typename T>
-__device__ __forceinline__ void XPair(uint32_t w, float& lo, float& hi);
+VTOOL_HD void XPair(uint32_t w, float& lo, float& hi);
 template <>
-__device__ __forceinline__ void XPair<__nv_bfloat16>(uint32_t w, float& lo, float& hi) {
-  lo = __uint_as_float(w << 16);  // a bfloat16 is the top half of its float32
-  hi = __uint_as_float(w & 0xFFFF0000u);
+VTOOL_HD void XPair<__nv_bfloat16>(uint32_t w, float& lo, float& hi) {
+  lo = BitsFloat(w << 16);  // a bfloat16 is the top half of its float32
+  hi = BitsFloat(w & 0xFFFF0000u);
 }
 template <>
-__device__ __forceinline__ void XPair<__half>(uint32_t w, float& lo, float& hi) {
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+VTOOL_HD void XPair<__half>(uint32_t w, float& lo, float& hi) {
+  __half2 h;
+  memcpy(&h, &w, sizeof h);
+  const float2 f = __half22float2(h);
   lo = f.x;
   hi = f.y;
+}
+
+// x's block b as floats, and the sums of its first and second 16 (not needed by Q8_0).
+template <typename T, Fmt F>
+VTOOL_HD void GemvX(const T* x, int b, float (&xf)[kBlock], float& sx0, float& sx1) {
+  uint4 xv[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) xv[i] = ReadOnly(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(b) * kBlock) + i);
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(xv);
+#pragma unroll
+  for (int i = 0; i < kBlock / 2; ++i) XPair<T>(xw[i], xf[2 * i], xf[2 * i + 1]);
+  sx0 = sx1 = 0.f;
+  if constexpr (F != Fmt::kQ8_0) {
+#pragma unroll
+    for (int i = 0; i < kBlock / 2; ++i) {
+      sx0 += xf[i];
+      sx1 += xf[kBlock / 2 + i];
+    }
+  }
 }
 
 // What a lane loads of one tile's block b: the 4 rows' quants and their scales (K-quants: the
@@ -590,38 +646,38 @@ struct GemvBlock {
 };
 
 template <Fmt F>
-__device__ __forceinline__ void LoadGemvBlock(const Parts& p, int64_t tile, int kb, int b, GemvBlock<F>& g) {
+VTOOL_HD void LoadGemvBlock(const Parts& p, int64_t tile, int kb, int b, GemvBlock<F>& g) {
   const int64_t at = tile * kb + b;  // the tile's block b: 4 rows' quants, then the scales
   const uint4* q = reinterpret_cast<const uint4*>(p.qweight + at * kTileRows * BlockBytes<F>());
 #pragma unroll
-  for (int i = 0; i < kTileRows * BlockBytes<F>() / 16; ++i) g.q[i] = __ldg(q + i);
+  for (int i = 0; i < kTileRows * BlockBytes<F>() / 16; ++i) g.q[i] = ReadOnly(q + i);
   if constexpr (F == Fmt::kQ4_K || F == Fmt::kQ6_K) {
     const int64_t sb = tile * (kb / 8) + b / 8;  // the block's 256
-    g.d = __ldg(reinterpret_cast<const uint2*>(p.scale + sb * kTileRows));
+    g.d = ReadOnly(reinterpret_cast<const uint2*>(p.scale + sb * kTileRows));
     if constexpr (F == Fmt::kQ4_K) {
-      g.m = __ldg(reinterpret_cast<const uint2*>(p.min + sb * kTileRows));
-      g.sub.x = __ldg(reinterpret_cast<const unsigned int*>(p.sub_scale + at * kTileRows));
-      g.sub.y = __ldg(reinterpret_cast<const unsigned int*>(p.sub_min + at * kTileRows));
+      g.m = ReadOnly(reinterpret_cast<const uint2*>(p.min + sb * kTileRows));
+      g.sub.x = ReadOnly(reinterpret_cast<const unsigned int*>(p.sub_scale + at * kTileRows));
+      g.sub.y = ReadOnly(reinterpret_cast<const unsigned int*>(p.sub_min + at * kTileRows));
     } else {  // sub_scale [n/4, k/16, 4]: halves 2b and 2b + 1, 8 bytes; qhigh [n/4, k/64, 4, 16]
-      g.sub = __ldg(reinterpret_cast<const uint2*>(p.sub_scale + at * 2 * kTileRows));
+      g.sub = ReadOnly(reinterpret_cast<const uint2*>(p.sub_scale + at * 2 * kTileRows));
       const uint4* h = reinterpret_cast<const uint4*>(p.qhigh + (tile * (kb / 2) + b / 2) * kTileRows * 16);
 #pragma unroll
-      for (int r = 0; r < kTileRows; ++r) g.high[r] = __ldg(h + r);
+      for (int r = 0; r < kTileRows; ++r) g.high[r] = ReadOnly(h + r);
     }
   } else {
-    g.d = __ldg(reinterpret_cast<const uint2*>(p.scale + at * kTileRows));
-    if constexpr (F == Fmt::kQ4_1) g.m = __ldg(reinterpret_cast<const uint2*>(p.min + at * kTileRows));
+    g.d = ReadOnly(reinterpret_cast<const uint2*>(p.scale + at * kTileRows));
+    if constexpr (F == Fmt::kQ4_1) g.m = ReadOnly(reinterpret_cast<const uint2*>(p.min + at * kTileRows));
   }
 }
 
-__device__ __forceinline__ float NibbleF(uint32_t bytes, int i) {  // byte i (0x80 | q << s) as 1 + q / 2^(7-s)
-  return __int_as_float(static_cast<int>(__byte_perm(bytes, 0x3F000000u, 0x7044u | (i << 8))));
+VTOOL_HD float NibbleF(uint32_t bytes, int i) {  // byte i (0x80 | q << s) as 1 + q / 2^(7-s)
+  return BitsFloat(BytePerm(bytes, 0x3F000000u, 0x7044u | (i << 8)));
 }
 
 // Row `row` (0..3) of block b's sum of w . x, given x's 32 floats and their sums (whole block,
 // first and second 16).
 template <Fmt F>
-__device__ __forceinline__ float GemvRow(const GemvBlock<F>& g, int row, int b, const float (&xf)[kBlock], float sx,
+VTOOL_HD float GemvRow(const GemvBlock<F>& g, int row, int b, const float (&xf)[kBlock], float sx,
                                          float sx0, float sx1) {
   const uint32_t* words = reinterpret_cast<const uint32_t*>(g.q) + row * (BlockBytes<F>() / 4);
   const float d = __half2float(reinterpret_cast<const __half*>(&g.d)[row]);
@@ -632,7 +688,7 @@ __device__ __forceinline__ float GemvRow(const GemvBlock<F>& g, int row, int b, 
       const uint32_t bytes = words[w] ^ 0x80808080u;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float v = __int_as_float(static_cast<int>(__byte_perm(bytes, 0x4B000000u, 0x7540u | i)));
+        const float v = BitsFloat(BytePerm(bytes, 0x4B000000u, 0x7540u | i));
         acc = fmaf(v - 8388736.f, xf[4 * w + i], acc);
       }
     }
@@ -700,21 +756,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     GemvBlock<F> g[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) LoadGemvBlock<F>(p, tile[r], kb, b, g[r]);
-    uint4 xv[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) xv[i] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(b) * kBlock) + i);
-    float xf[kBlock];
-    const uint32_t* xw = reinterpret_cast<const uint32_t*>(xv);
-#pragma unroll
-    for (int i = 0; i < kBlock / 2; ++i) XPair<T>(xw[i], xf[2 * i], xf[2 * i + 1]);
-    float sx0 = 0.f, sx1 = 0.f;
-    if constexpr (F != Fmt::kQ8_0) {
-#pragma unroll
-      for (int i = 0; i < kBlock / 2; ++i) {
-        sx0 += xf[i];
-        sx1 += xf[kBlock / 2 + i];
-      }
-    }
+    float xf[kBlock], sx0, sx1;
+    GemvX<T, F>(x, b, xf, sx0, sx1);
     const float sx = sx0 + sx1;
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -768,6 +811,7 @@ void LaunchGemv(Epilogue e, const T* x, const Parts& p, void* out, const T* resi
 }
 
 
+#ifndef VTOOL_BLOCK_MMA_KERNELS_ONLY
 const char* FormatName(Fmt f) {
   switch (f) {
     case Fmt::kQ4_0: return "q4_0";
@@ -992,3 +1036,6 @@ VTOOL_EXPORT_FORMAT(q8_0, MmaQ8_0)
 VTOOL_EXPORT_FORMAT(q4_k, MmaQ4_K)
 VTOOL_EXPORT_FORMAT(q6_k, MmaQ6_K)
 #undef VTOOL_EXPORT_FORMAT
+#else
+}  // namespace
+#endif  // VTOOL_BLOCK_MMA_KERNELS_ONLY
