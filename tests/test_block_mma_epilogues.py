@@ -27,16 +27,21 @@ from vtool.toolchain.block_mma_epilogues import block_mma_epilogues_pass  # noqa
 BF16 = "bfloat16"
 
 
-def _calls(func: relax.Function) -> list[tuple[str, list[relax.Expr]]]:
-    """(symbol, inputs) of every call_dps_packed of a vtool block matmul, in order."""
+def _block_bindings(func: relax.Function) -> list[relax.Binding]:
+    """The bindings of every call_dps_packed of a vtool block matmul, in order."""
     found = []
     for block in func.body.blocks:
         for binding in block.bindings:
             value = binding.value
             if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and \
                     value.op.name == "relax.call_dps_packed" and "vtool_block_mma" in str(value.args[0].global_symbol):
-                found.append((str(value.args[0].global_symbol), list(value.args[1].fields)))
+                found.append(binding)
     return found
+
+
+def _calls(func: relax.Function) -> list[tuple[str, list[relax.Expr]]]:
+    """(symbol, inputs) of every vtool block matmul call, in order."""
+    return [(str(b.value.args[0].global_symbol), list(b.value.args[1].fields)) for b in _block_bindings(func)]
 
 
 def _ops(func: relax.Function) -> list[str]:
@@ -91,14 +96,7 @@ def test_every_layers_four_matmuls_finish_in_their_own_kernel(exported, entry: s
 
 def _partial_splits(func: relax.Function) -> list[int]:
     """The leading dim (splits) of the partial-sum scratch of each block call in `func`."""
-    splits = []
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            value = binding.value
-            if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and \
-                    value.op.name == "relax.call_dps_packed" and "vtool_block_mma" in str(value.args[0].global_symbol):
-                splits.append(int(binding.var.ty.fields[0].shape[0]))
-    return splits
+    return [int(b.var.ty.fields[0].shape[0]) for b in _block_bindings(func)]
 
 
 def test_one_sequence_reads_no_partial_sums(exported) -> None:
