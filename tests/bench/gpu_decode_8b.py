@@ -372,11 +372,11 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
     timed_decode(8)
     step = timed_decode(steps)
     record(step="vtool_decode_b1_model_only", ms_per_token=round(step * 1e3, 3), tok_s=round(1 / step, 1))
-    if decode_only:
-        return
     if profile:
         gguf_file = checkpoint_dir if Path(checkpoint_dir).suffix == ".gguf" else None
         profile_kernels("vtool_decode_b1", timed_decode.steps_only(16), weight_bytes_per_step(gguf_file))
+    if decode_only:
+        return
     result = gen.generate(list(range(1000, 1128)), SamplingParams(temperature=0, max_tokens=steps))
     record(step="vtool_generate_b1_host_sampling", tok_s=round(result.decode_tokens_per_second, 1),
            ms_per_token=round(1e3 / max(result.decode_tokens_per_second, 1e-9), 3))
@@ -498,7 +498,8 @@ def main() -> None:
     ap.add_argument("--prefill-only", action="store_true",
                     help="only the prefill timings (vtool and transformers eager), median of 5")
     ap.add_argument("--decode-only", action="store_true",
-                    help="only the model-only batch-1 decode step (what served TPOT at one user is held to)")
+                    help="only the model-only batch-1 decode step (what served TPOT at one user is held to), "
+                         "and its profile with --profile")
     ap.add_argument("--logits-check", action="store_true", help="only compare bf16 logits with the float32 truth")
     args = ap.parse_args()
     gguf_file = args.checkpoint if args.checkpoint.suffix == ".gguf" else None  # tests/bench/shape_gguf.py's
