@@ -143,6 +143,20 @@ def kernel_times(run, steps: int) -> tuple[dict[str, float], dict[str, int]]:  #
     return ({k: sum(v) / steps for k, v in groups.items()}, {k: len(v) // steps for k, v in groups.items()})
 
 
+def kernel_label(name: str, width: int = 120) -> str:
+    """A profiled kernel's name, readable: C++ template kernels (toolchain/native/*.cu) lose
+    `void`, the anonymous namespace and their parameter list, so their template arguments (the
+    format, the epilogue), where instances differ, fit in `width`."""
+    name = name.replace("(anonymous namespace)::", "").removeprefix("void ")
+    depth = 0
+    for i, c in enumerate(name):
+        depth += (c == "<") - (c == ">")
+        if c == "(" and depth == 0 and i > 0 and name[i - 1] != " ":  # a parameter list, not "Memcpy HtoD (...)"
+            name = name[:i]
+            break
+    return name[:width]
+
+
 def profile_kernels(name: str, run, weight_bytes: int, steps: int = 16) -> None:  # noqa: ANN001
     """Where a step's time goes: per-kernel GPU time of `run` (`steps` decode steps), how
     much of it is kernels at all (the rest is gaps between launches), and the bandwidth
@@ -154,7 +168,7 @@ def profile_kernels(name: str, run, weight_bytes: int, steps: int = 16) -> None:
     record(step=f"{name}_profile", kernel_us_per_step=round(total, 1), gemv_us_per_step=round(gemv, 1),
            gemv_gb_s=round(weight_bytes / (gemv * 1e-6) / 1e9, 1) if gemv else None,
            launches_per_step=sum(launches.values()),
-           top=[(k[:80], round(v, 1), launches[k]) for k, v in top])
+           top=[(kernel_label(k), round(v, 1), launches[k]) for k, v in top])
 
 
 def decode_timer(model, gen, prompt: int = 128):  # noqa: ANN001, ANN201 - () -> seconds per step
@@ -270,7 +284,7 @@ def explain_slow_step(step: str, timed) -> None:  # noqa: ANN001 - timed: batch_
     per_step, launches = kernel_times(lambda: timed(2), 6)  # timed(2): 4 warm-up + 2 timed steps
     top = sorted(per_step.items(), key=lambda kv: -kv[1])[:8]
     record(step=f"{step}_slow", again_ms_per_step=round(again, 3), kernel_us_per_step=round(sum(per_step.values()), 1),
-           top=[(k[:80], round(v, 1), launches[k]) for k, v in top], gpu_free_gib=round(free / 2**30, 1),
+           top=[(kernel_label(k), round(v, 1), launches[k]) for k, v in top], gpu_free_gib=round(free / 2**30, 1),
            gpu_total_gib=round(total / 2**30, 1), dirty_mib=round(dirty_kib() / 1024, 1),
            seconds=round(time.perf_counter() - t0, 1))
 
