@@ -165,7 +165,8 @@ def _check(folder: Path, archs: list[str], ptx: str, tmp_path: Path) -> dict:
     # decode in two calls beside decode (models/decoder.py; the runtime's chained one-sequence steps)
     assert {"decode", "decode_hidden", "decode_logits"} <= set(manifest["entry_points"])
     passes = manifest["build"]["pipeline"]["passes"]
-    expected = ["VtoolSplitKVDecodeAttention", "VtoolShortPrefillAttention", "VtoolBlockMmaEpilogues"] + (
+    expected = ["VtoolSplitKVDecodeAttention", "VtoolShortPrefillAttention", "VtoolBlockMmaEpilogues",
+                "VtoolBlockMmaNorms"] + (
         ["VtoolOffloadGemmToCublas"] if manifest["gemm"] == "cublas" else [])
     assert passes[:len(expected) + 1] == expected + ["FuseTransposeMatmul"]
     # a split-KV decode kernel (two kernels under TVM's symbol, the merge one named "_1")

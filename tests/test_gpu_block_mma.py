@@ -42,6 +42,8 @@ SHAPES = {"Q4_0": [(52, 96), (64, 4096)], "Q4_1": [(52, 96), (64, 4096)], "Q8_0"
 ROWS = (1, 3, 8, 9, 16, 17, 32, 33, 64, 65, 130)
 # the functions that finish the result in x's dtype (native/block_mma.cu's Epilogue)
 EPILOGUES = ("_cast", "_cast_add", "_silu_mul")
+# an RMSNorm shared by two one-row GEMVs: the residual add writing its statistics, the readers
+NORM_PAIR = ("_cast_add_norm_stats", "_prenormed", "_prenormed_cast", "_prenormed_silu_mul")
 # (n, k) for them: n / 2 a multiple of 4 (SiLU x up's halves), k / 32 blocks not a multiple of 4
 EPILOGUE_SHAPES = {"Q4_0": (72, 160), "Q4_1": (72, 160), "Q8_0": (72, 160), "Q4_K": (72, 768), "Q6_K": (72, 768)}
 SPLITS = (1, 2, 5)
@@ -307,6 +309,15 @@ class _Kernels(NativeLibrary):
         them still runs the other tests)."""
         return {(fmt, e): self.module[symbol(fmt) + e] for fmt in FORMATS for e in EPILOGUES}
 
+    @functools.cached_property
+    def norm_pair(self) -> dict:
+        return {(fmt, e): self.module[symbol(fmt) + e] for fmt in FORMATS for e in NORM_PAIR}
+
+    def prenormed_args(self, fmt: str, x, stats, eps: float, parts, partial, out, xdtype: str) -> list:  # noqa: ANN001
+        """The *_prenormed* functions' arguments: x (h * w), the statistics, epsilon, then as args'."""
+        plain = self.args(fmt, x, parts, partial, out, xdtype)
+        return [plain[0], self.tensor(stats, "float32"), eps, *plain[1:]]
+
     def args(self, fmt: str, x, parts, partial, out, xdtype: str, residual=None) -> list:  # noqa: ANN001
         import torch
 
@@ -441,6 +452,110 @@ def test_epilogues_refuse_outputs_that_do_not_fit(kernels) -> None:
     short = torch.zeros(1, 72, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(Exception, match="vtool_block_mma_q4_1_cast_add: the residual must have out's shape"):
         kernels.finishing["Q4_1", "_cast_add"](*kernels.args("Q4_1", x, parts, partial, wide, "bfloat16", short))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("xdtype", ["bfloat16", "float16"])
+def test_the_residual_add_writes_the_next_norms_statistics(kernels, fmt: str, xdtype: str) -> None:
+    """*_cast_add_norm_stats (decode's o and down projections before a norm): out equals
+    *_cast_add's bit for bit, normed is out * w rounded once to x's dtype, and stats[t] the sum of
+    rows 4t..4t+3 of out^2 in float32, paired as (0 + 1) + (2 + 3)."""
+    import torch
+
+    tdtype = getattr(torch, xdtype)
+    rng = np.random.default_rng(61 + FORMATS.index(fmt))
+    n, k = EPILOGUE_SHAPES[fmt]
+    gparts = [torch.from_numpy(p).cuda() for p in random_parts(fmt, n, k, rng)]
+    x, residual, _plain = _x_residual_and_sums(kernels, fmt, gparts, rng, 1, n, k, 1, xdtype)
+    weight = torch.from_numpy(rng.uniform(0.2, 2.0, n).astype(np.float32)).to(tdtype).cuda()
+    added = torch.full((1, n), float("nan"), dtype=tdtype, device="cuda")
+    out, normed = added.clone(), added.clone()
+    stats = torch.full((n // 4,), float("nan"), device="cuda")
+    partial = lambda: torch.full((1, 1, n), float("nan"), device="cuda")  # noqa: E731
+    kernels.finishing[fmt, "_cast_add"](*kernels.args(fmt, x, gparts, partial(), added, xdtype, residual))
+    args = kernels.args(fmt, x, gparts, partial(), out, xdtype, residual)
+    kernels.norm_pair[fmt, "_cast_add_norm_stats"](*args[:-2], kernels.tensor(weight, xdtype), *args[-2:],
+                                                   kernels.tensor(normed, xdtype), kernels.tensor(stats, "float32"))
+    torch.cuda.synchronize()
+    where = f"{fmt} {xdtype}"
+    assert torch.equal(out, added), where
+    assert torch.equal(normed, (out.float() * weight.float()).to(tdtype)), where
+    sq = (out.float() ** 2).reshape(-1, 4)
+    assert torch.equal(stats, (sq[:, 0] + sq[:, 1]) + (sq[:, 2] + sq[:, 3])), where
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("xdtype", ["bfloat16", "float16"])
+def test_the_prenormed_functions_scale_by_the_norm(kernels, fmt: str, xdtype: str) -> None:
+    """*_prenormed (decode's q|k|v, gate|up and lm_head after a norm): x is h * w, stats the
+    producer's block sums of h^2; against (W x) / sqrt(sum(stats) / k + eps) in float64 (float32
+    summation's bound plus rsqrtf's); the cast bit for bit of that float result, SiLU x up within 2
+    ulp of it, as the plain epilogues."""
+    import torch
+
+    tdtype = getattr(torch, xdtype)
+    rng = np.random.default_rng(71 + FORMATS.index(fmt))
+    eps = 1e-5
+    for n, k in [EPILOGUE_SHAPES[fmt], *SHAPES[fmt]]:
+        parts = random_parts(fmt, n, k, rng)
+        gparts = [torch.from_numpy(p).cuda() for p in parts]
+        w = torch.from_numpy(dequantize(fmt, parts)).double()
+        x = torch.from_numpy(rng.standard_normal((1, k)).astype(np.float32)).to(tdtype).cuda()
+        stats = torch.from_numpy((49.0 * rng.chisquare(4, k // 4)).astype(np.float32)).cuda()  # h ~ 7 N(0, 1)
+        scale = 1.0 / np.sqrt(stats.double().sum().item() / k + eps)
+        xd = x.double().cpu()
+        want, bound = scale * (xd @ w.T), scale * (xd.abs() @ w.abs().T)
+        partial = lambda: torch.full((1, 1, n), float("nan"), device="cuda")  # noqa: E731
+        plain = torch.full((1, n), float("nan"), device="cuda")
+        cast = torch.full((1, n), float("nan"), dtype=tdtype, device="cuda")
+        gated = torch.full((1, n // 2), float("nan"), dtype=tdtype, device="cuda")
+        kernels.norm_pair[fmt, "_prenormed"](*kernels.prenormed_args(fmt, x, stats, eps, gparts, partial(), plain,
+                                                                      xdtype))
+        kernels.norm_pair[fmt, "_prenormed_cast"](*kernels.prenormed_args(fmt, x, stats, eps, gparts, partial(), cast,
+                                                                           xdtype))
+        if n % 8 == 0:  # SiLU x up's halves: a multiple of 4 columns each
+            kernels.norm_pair[fmt, "_prenormed_silu_mul"](*kernels.prenormed_args(fmt, x, stats, eps, gparts,
+                                                                                   partial(), gated, xdtype))
+        torch.cuda.synchronize()
+        where = f"{fmt} {xdtype} [{n}, {k}]"
+        err = ((plain.double().cpu() - want).abs() / (bound + 1e-30)).max().item()
+        assert err <= 4e-6, f"{where}: {err:.2e} of sum |x||W|"
+        assert torch.equal(cast, plain.to(tdtype)), where
+        if n % 8 == 0:
+            gate, up = plain[:, : n // 2].to(tdtype), plain[:, n // 2:].to(tdtype)
+            one, zero = torch.ones((), dtype=tdtype, device="cuda"), torch.zeros((), dtype=tdtype, device="cuda")
+            past = _close_in_ulps(gated, gate * (one / (one + torch.exp(zero - gate))) * up, 2, xdtype)
+            assert past <= 1e-6, f"{where}: SiLU x up off by {past:.3g} past 2 ulp"
+
+
+@pytest.mark.gpu
+def test_the_norm_pair_refuses_what_it_cannot_share(kernels) -> None:
+    import torch
+
+    rng = np.random.default_rng(4)
+    parts = [torch.from_numpy(p).cuda() for p in random_parts("Q4_1", 72, 160, rng)]
+    two = torch.zeros(2, 160, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(Exception, match="vtool_block_mma_q4_1_prenormed_cast: an RMSNorm is shared between one-row "
+                                        "GEMVs, not 2 rows"):
+        kernels.norm_pair["Q4_1", "_prenormed_cast"](*kernels.prenormed_args(
+            "Q4_1", two, torch.ones(40, device="cuda"), 1e-5, parts, torch.zeros(1, 2, 72, device="cuda"),
+            torch.zeros(2, 72, dtype=torch.bfloat16, device="cuda"), "bfloat16"))
+    one = torch.zeros(1, 160, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(Exception, match="vtool_block_mma_q4_1_prenormed: the norm's stats must be a contiguous "
+                                        "float32 CUDA vector of k / 4 = 40"):
+        kernels.norm_pair["Q4_1", "_prenormed"](*kernels.prenormed_args(
+            "Q4_1", one, torch.ones(39, device="cuda"), 1e-5, parts, torch.zeros(1, 1, 72, device="cuda"),
+            torch.zeros(1, 72, device="cuda"), "bfloat16"))
+    residual = torch.zeros(1, 72, dtype=torch.bfloat16, device="cuda")
+    args = kernels.args("Q4_1", one, parts, torch.zeros(1, 1, 72, device="cuda"), residual.clone(), "bfloat16",
+                        residual)
+    with pytest.raises(Exception, match="vtool_block_mma_q4_1_cast_add_norm_stats: stats must be a contiguous "
+                                        "float32 CUDA vector of n / 4 = 18"):
+        kernels.norm_pair["Q4_1", "_cast_add_norm_stats"](
+            *args[:-2], kernels.tensor(torch.ones(72, dtype=torch.bfloat16, device="cuda"), "bfloat16"), *args[-2:],
+            kernels.tensor(residual.clone(), "bfloat16"), kernels.tensor(torch.zeros(72, device="cuda"), "float32"))
 
 
 # -- the 8B shape's matrices, timed -------------------------------------------------------------

@@ -22,6 +22,8 @@ DeadCodeElimination.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import tvm
 import tvm_ffi
 from tvm import relax
@@ -34,20 +36,20 @@ _BASE_SYMBOLS = {block_mma_symbol(fmt) for fmt in BLOCK_MMA_FORMATS}
 _COMPUTE_DTYPES = ("bfloat16", "float16")
 
 
-def _op_name(value: relax.Expr) -> str | None:
+def op_name(value: relax.Expr) -> str | None:
     if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
         return value.op.name
     return None
 
 
-def _extern_symbol(value: relax.Expr) -> str | None:
+def extern_symbol(value: relax.Expr) -> str | None:
     """The packed function's name of a call_dps_packed, else None."""
-    if _op_name(value) == "relax.call_dps_packed" and isinstance(value.args[0], relax.ExternFunc):
+    if op_name(value) == "relax.call_dps_packed" and isinstance(value.args[0], relax.ExternFunc):
         return str(value.args[0].global_symbol)
     return None
 
 
-class _Uses:
+class Uses:
     """Who reads each variable of a function's dataflow blocks (variables read by the block's
     outputs or the function's body count as read by None, so they never look single-use)."""
 
@@ -68,10 +70,10 @@ class _Uses:
 
     def bound(self, var: relax.Var | None, op: str) -> relax.Call | None:
         value = self.values.get(var) if var is not None else None
-        return value if _op_name(value) == op else None
+        return value if op_name(value) == op else None
 
 
-def _item_of(uses: _Uses, tuple_var: relax.Var, index: int, alone: bool = False) -> relax.Var | None:
+def _item_of(uses: Uses, tuple_var: relax.Var, index: int, alone: bool = False) -> relax.Var | None:
     """The one variable bound to tuple_var[index], when tuple_var is read only by such items
     (and, with `alone`, no other element is read: a block matmul's partial sums must be a
     scratch nobody reads, or the rewrite would change what they hold)."""
@@ -92,11 +94,11 @@ def _item_of(uses: _Uses, tuple_var: relax.Var, index: int, alone: bool = False)
 def _plan(func: relax.Function) -> dict[relax.Var, tuple[str, list[relax.Expr], tvm.ir.Type]]:
     """{variable whose binding becomes the fused call's result: (symbol, its inputs, the type of
     its partial sums [splits, ..., n] float32, as the original call's)}."""
-    uses = _Uses(func)
+    uses = Uses(func)
     plan: dict[relax.Var, tuple[str, list[relax.Expr], tvm.ir.Type]] = {}
     for block in func.body.blocks:
         for binding in block.bindings:
-            symbol = _extern_symbol(binding.value)
+            symbol = extern_symbol(binding.value)
             if symbol not in _BASE_SYMBOLS:
                 continue
             inputs, partial_ty = list(binding.value.args[1].fields), binding.var.ty.fields[0]
@@ -125,7 +127,7 @@ def _plan(func: relax.Function) -> dict[relax.Var, tuple[str, list[relax.Expr], 
     return plan
 
 
-def _gated_product(uses: _Uses, cast_var: relax.Var, split_var: relax.Var | None) -> relax.Var | None:
+def _gated_product(uses: Uses, cast_var: relax.Var, split_var: relax.Var | None) -> relax.Var | None:
     """The variable of silu(gate) * up when `split_var` halves `cast_var` along its last axis
     into gate and up, each read only there; else None."""
     split = uses.bound(split_var, "relax.split")
@@ -171,18 +173,24 @@ def _rewrite(func: relax.Function) -> relax.Function:
                           func.attrs, func.span)
 
 
-def block_mma_epilogues_pass() -> tvm.transform.Pass:
-    """The module pass: every Relax function's block-matmul chains fused, dead ops removed."""
+def rewrite_pass(name: str, rewrite: Callable[[relax.Function], relax.Function]) -> tvm.transform.Pass:
+    """A module pass applying `rewrite` to every Relax function, then removing what no longer has
+    a reader (DeadCodeElimination) where anything changed."""
 
-    @tvm.transform.module_pass(opt_level=0, name=PASS_NAME)
+    @tvm.transform.module_pass(opt_level=0, name=name)
     def _pass(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs, global_infos=mod.global_infos)
         changed = False
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                new = _rewrite(func)
+                new = rewrite(func)
                 changed |= not new.same_as(func)
                 out[gv] = new
         return relax.transform.DeadCodeElimination()(out) if changed else mod
 
     return _pass
+
+
+def block_mma_epilogues_pass() -> tvm.transform.Pass:
+    """The module pass: every Relax function's block-matmul chains fused, dead ops removed."""
+    return rewrite_pass(PASS_NAME, _rewrite)

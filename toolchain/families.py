@@ -203,6 +203,14 @@ def _block_mma_epilogues() -> Any:
     return block_mma_epilogues_pass()
 
 
+def _block_mma_norms() -> Any:
+    # decode's RMSNorms before the block matmuls, formed in their one-row GEMV
+    # (toolchain/block_mma_norms.py); after the epilogues, whose fused calls it rewrites too
+    from vtool.toolchain.block_mma_norms import block_mma_norms_pass
+
+    return block_mma_norms_pass()
+
+
 def _cuda_compile(plan: BuildPlan, library: Path, progress: Progress) -> dict[str, Any]:
     from vtool.toolchain.build import compile_cuda
 
@@ -275,7 +283,8 @@ CUDA = Family(
     relax_backend="tvm.relax.backend.cuda",
     model_passes=(("VtoolSplitKVDecodeAttention", _split_kv_decode),
                   ("VtoolShortPrefillAttention", _short_prefill_attention),
-                  ("VtoolBlockMmaEpilogues", _block_mma_epilogues)),
+                  ("VtoolBlockMmaEpilogues", _block_mma_epilogues),
+                  ("VtoolBlockMmaNorms", _block_mma_norms)),
     schedules="cuda", opt_level=3,
     # CUDA graphs: RewriteCUDAGraph in the finalize passes reads it. TIR's common-subexpression
     # pass emits a use before its definition in the KV cache's llama3-rope kernels for CUDA

@@ -737,11 +737,30 @@ VTOOL_HD float GemvRow(const GemvBlock<F>& g, int row, int b, const float (&xf)[
   }
 }
 
-template <typename T, Fmt F, Epilogue E>
+// An RMSNorm between two one-row GEMVs (toolchain/block_mma_norms.py), split so that no kernel
+// reads a whole row it did not write: the GEMV whose residual add gives the norm's input h
+// (kStats) also writes h * w (w the norm's weight; rounded to T) and, for each thread block, the
+// sum of its 4 rows' h^2 in a fixed order; the GEMV that reads the norm (kPrenormed) takes h * w
+// as its x, adds those block sums in a fixed order and scales its totals by
+// 1 / sqrt(mean square + eps). TVM's norm rounds h * scale * w to T; here h * w is rounded and
+// the scale applied to the float sums.
+enum class NormRole { kNone, kStats, kPrenormed };
+
+struct NormArgs {
+  const void* weight = nullptr;  // kStats: the next norm's weight [n], T
+  void* normed = nullptr;        // kStats: out * weight [n], T
+  float* stats = nullptr;        // kStats: sum of out^2 over each tile's 4 rows [n / 4]
+  const float* sums = nullptr;   // kPrenormed: the producer's stats [k / 4]
+  float eps = 0.f;               // kPrenormed: the norm's epsilon
+};
+
+template <typename T, Fmt F, Epilogue E, NormRole N>
 __global__ void __launch_bounds__(kGemvWarps * 32)
-    BlockGemv(const T* __restrict__ x, Parts p, void* __restrict__ out, const T* __restrict__ residual, int n, int k) {
+    BlockGemv(const T* __restrict__ x, Parts p, void* __restrict__ out, const T* __restrict__ residual,
+              NormArgs norm, int n, int k) {
   constexpr int R = E == Epilogue::kSiluMul ? 2 : 1;  // tiles a block: SiLU x up's gate tile and its up tile
-  __shared__ float warp_sums[kGemvWarps][R * kTileRows];
+  constexpr int kSums = R * kTileRows + (N == NormRole::kPrenormed ? 1 : 0);  // + the squares' sum
+  __shared__ float warp_sums[kGemvWarps][kSums];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int kb = k / kBlock;
   int64_t tile[R];
@@ -774,11 +793,18 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 #pragma unroll
       for (int off = 16; off > 0; off /= 2) sum[r][j] += __shfl_xor_sync(0xFFFFFFFFu, sum[r][j], off);
     }
+  float squares = 0.f;  // kPrenormed: the producer's block sums, each thread its share in order
+  if constexpr (N == NormRole::kPrenormed) {
+    for (int i = threadIdx.x; i < k / kTileRows; i += kGemvWarps * 32) squares += ReadOnly(norm.sums + i);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) squares += __shfl_xor_sync(0xFFFFFFFFu, squares, off);
+  }
   if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int j = 0; j < kTileRows; ++j) warp_sums[warp][r * kTileRows + j] = sum[r][j];
+    if constexpr (N == NormRole::kPrenormed) warp_sums[warp][R * kTileRows] = squares;
   }
   __syncthreads();
   if (threadIdx.x < kTileRows) {
@@ -790,25 +816,55 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 #pragma unroll
       for (int w = 1; w < kGemvWarps; ++w) total[r] += warp_sums[w][r * kTileRows + j];
     }
+    if constexpr (N == NormRole::kPrenormed) {
+      float all = warp_sums[0][R * kTileRows];
+#pragma unroll
+      for (int w = 1; w < kGemvWarps; ++w) all += warp_sums[w][R * kTileRows];
+      const float scale = rsqrtf(all / static_cast<float>(k) + norm.eps);
+#pragma unroll
+      for (int r = 0; r < R; ++r) total[r] *= scale;
+    }
     const int64_t row = tile[0] * kTileRows + j;  // SiLU x up: the output column (the gate row)
     if constexpr (E == Epilogue::kFloat) {
       static_cast<float*>(out)[row] = total[0];
     } else {
-      static_cast<T*>(out)[row] = Finish<T, E>(total[0], total[R - 1], residual, row);
+      const T v = Finish<T, E>(total[0], total[R - 1], residual, row);
+      static_cast<T*>(out)[row] = v;
+      if constexpr (N == NormRole::kStats) {  // lanes 0-3 of warp 0: the tile's rows
+        const float h = static_cast<float>(v);
+        static_cast<T*>(norm.normed)[row] = static_cast<T>(h * static_cast<float>(static_cast<const T*>(norm.weight)[row]));
+        float sq = h * h;
+        sq += __shfl_xor_sync(0xFu, sq, 1);
+        sq += __shfl_xor_sync(0xFu, sq, 2);
+        if (j == 0) norm.stats[tile[0]] = sq;
+      }
     }
   }
 }
 
+// The norm roles Run allows: kStats with the residual add only, kPrenormed without it.
 template <typename T, Fmt F>
-void LaunchGemv(Epilogue e, const T* x, const Parts& p, void* out, const T* residual, int n, int k,
-                cudaStream_t stream) {
+void LaunchGemv(Epilogue e, NormRole role, const NormArgs& norm, const T* x, const Parts& p, void* out,
+                const T* residual, int n, int k, cudaStream_t stream) {
   const dim3 block(kGemvWarps * 32);
   const unsigned tiles = static_cast<unsigned>(n / kTileRows);
-  switch (e) {
-    case Epilogue::kFloat: BlockGemv<T, F, Epilogue::kFloat><<<tiles, block, 0, stream>>>(x, p, out, residual, n, k); break;
-    case Epilogue::kCast: BlockGemv<T, F, Epilogue::kCast><<<tiles, block, 0, stream>>>(x, p, out, residual, n, k); break;
-    case Epilogue::kCastAdd: BlockGemv<T, F, Epilogue::kCastAdd><<<tiles, block, 0, stream>>>(x, p, out, residual, n, k); break;
-    case Epilogue::kSiluMul: BlockGemv<T, F, Epilogue::kSiluMul><<<tiles / 2, block, 0, stream>>>(x, p, out, residual, n, k); break;
+  constexpr NormRole kNo = NormRole::kNone, kPre = NormRole::kPrenormed;
+  if (role == NormRole::kStats) {
+    BlockGemv<T, F, Epilogue::kCastAdd, NormRole::kStats><<<tiles, block, 0, stream>>>(x, p, out, residual, norm, n, k);
+  } else if (role == kPre) {
+    switch (e) {
+      case Epilogue::kFloat: BlockGemv<T, F, Epilogue::kFloat, kPre><<<tiles, block, 0, stream>>>(x, p, out, residual, norm, n, k); break;
+      case Epilogue::kCast: BlockGemv<T, F, Epilogue::kCast, kPre><<<tiles, block, 0, stream>>>(x, p, out, residual, norm, n, k); break;
+      case Epilogue::kSiluMul: BlockGemv<T, F, Epilogue::kSiluMul, kPre><<<tiles / 2, block, 0, stream>>>(x, p, out, residual, norm, n, k); break;
+      default: break;
+    }
+  } else {
+    switch (e) {
+      case Epilogue::kFloat: BlockGemv<T, F, Epilogue::kFloat, kNo><<<tiles, block, 0, stream>>>(x, p, out, residual, norm, n, k); break;
+      case Epilogue::kCast: BlockGemv<T, F, Epilogue::kCast, kNo><<<tiles, block, 0, stream>>>(x, p, out, residual, norm, n, k); break;
+      case Epilogue::kCastAdd: BlockGemv<T, F, Epilogue::kCastAdd, kNo><<<tiles, block, 0, stream>>>(x, p, out, residual, norm, n, k); break;
+      case Epilogue::kSiluMul: BlockGemv<T, F, Epilogue::kSiluMul, kNo><<<tiles / 2, block, 0, stream>>>(x, p, out, residual, norm, n, k); break;
+    }
   }
 }
 
@@ -845,6 +901,17 @@ const char* EpilogueSuffix(Epilogue e) {
   }
 }
 
+// The tensors of an RMSNorm role (NormArgs): kStats, the next norm's weight [n] (x's dtype) and
+// two more outputs, normed (out's shape and dtype) and stats [n / 4] float32; kPrenormed, the
+// producer's stats [k / 4] and the norm's epsilon.
+struct NormViews {
+  NormRole role = NormRole::kNone;
+  const tvm::ffi::TensorView* weight = nullptr;
+  const tvm::ffi::TensorView* normed = nullptr;
+  const tvm::ffi::TensorView* stats = nullptr;
+  double eps = 0.0;
+};
+
 // x[..., k] (bf16 or f16), the weight's parts, partial[splits, ..., n] float32 and out: with
 // several splits (partial.shape[0]) each thread block sums its share of the blocks into partial,
 // then ReduceSplits adds the splits into out; with one and no epilogue the kernel writes out
@@ -853,8 +920,10 @@ const char* EpilogueSuffix(Epilogue e) {
 void Run(Fmt f, Epilogue e, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::TensorView scale,
          const tvm::ffi::TensorView* min, const tvm::ffi::TensorView* sub_scale, const tvm::ffi::TensorView* qhigh,
          const tvm::ffi::TensorView* sub_min, const tvm::ffi::TensorView* residual, tvm::ffi::TensorView partial,
-         tvm::ffi::TensorView out) {
-  const std::string name = std::string("vtool_block_mma_") + FormatName(f) + EpilogueSuffix(e);
+         tvm::ffi::TensorView out, const NormViews& nv = NormViews{}) {
+  const std::string name = std::string("vtool_block_mma_") + FormatName(f) +
+                           (nv.role == NormRole::kPrenormed ? "_prenormed" : "") + EpilogueSuffix(e) +
+                           (nv.role == NormRole::kStats ? "_norm_stats" : "");
   TVM_FFI_ICHECK(x.device().device_type == kDLCUDA && out.device().device_type == kDLCUDA &&
                  partial.device().device_type == kDLCUDA && (!residual || residual->device().device_type == kDLCUDA))
       << name << ": tensors must be on a CUDA device";
@@ -928,16 +997,46 @@ void Run(Fmt f, Epilogue e, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight
   const bool gemv = m == 1;  // one row: the GEMV writes out itself (partial unused)
   TVM_FFI_ICHECK(!gemv || reinterpret_cast<uintptr_t>(Data(x)) % 16 == 0)
       << name << ": a single row of x must start on a 16-byte boundary (its blocks are read 16 bytes at a time)";
+  NormArgs norm_args;
+  if (nv.role != NormRole::kNone) {
+    TVM_FFI_ICHECK(gemv) << name << ": an RMSNorm is shared between one-row GEMVs, not " << m << " rows";
+    auto vector_of = [&](const tvm::ffi::TensorView* t, int64_t length, bool f32) {
+      return t && t->device().device_type == kDLCUDA && t->IsContiguous() && t->ndim() == 1 && t->size(0) == length &&
+             (f32 ? t->dtype().code == kDLFloat && t->dtype().bits == 32 : t->dtype() == x.dtype());
+    };
+    if (nv.role == NormRole::kStats) {
+      TVM_FFI_ICHECK(e == Epilogue::kCastAdd) << name << ": the norm's statistics come with the residual add";
+      TVM_FFI_ICHECK(vector_of(nv.weight, n, false))
+          << name << ": the next norm's weight must be a contiguous CUDA vector of " << n << " values in x's dtype";
+      bool same = nv.normed && nv.normed->device().device_type == kDLCUDA && nv.normed->IsContiguous() &&
+                  nv.normed->dtype() == x.dtype() && nv.normed->ndim() == out.ndim();
+      for (int i = 0; same && i < out.ndim(); ++i) same = nv.normed->size(i) == out.size(i);
+      TVM_FFI_ICHECK(same) << name << ": normed must be a contiguous CUDA tensor of out's shape in x's dtype";
+      TVM_FFI_ICHECK(vector_of(nv.stats, n / kTileRows, true))
+          << name << ": stats must be a contiguous float32 CUDA vector of n / 4 = " << n / kTileRows << " values";
+      norm_args.weight = Data(*nv.weight);
+      norm_args.normed = Data(*nv.normed);
+      norm_args.stats = static_cast<float*>(Data(*nv.stats));
+    } else {
+      TVM_FFI_ICHECK(e != Epilogue::kCastAdd) << name << ": no residual add after a norm's matmul";
+      TVM_FFI_ICHECK(vector_of(nv.stats, k / kTileRows, true))
+          << name << ": the norm's stats must be a contiguous float32 CUDA vector of k / 4 = " << k / kTileRows
+          << " values";
+      TVM_FFI_ICHECK(nv.eps >= 0.0 && nv.eps < 1.0) << name << ": the norm's epsilon " << nv.eps << " is not in [0, 1)";
+      norm_args.sums = static_cast<const float*>(Data(*nv.stats));
+      norm_args.eps = static_cast<float>(nv.eps);
+    }
+  }
 #define VTOOL_LAUNCH(T)                                                                                  \
   if (gemv) {                                                                                           \
     const T* xs = static_cast<const T*>(Data(x));                                                       \
     const T* res = residual ? static_cast<const T*>(Data(*residual)) : nullptr;                         \
     switch (f) {                                                                                        \
-      case Fmt::kQ4_0: LaunchGemv<T, Fmt::kQ4_0>(e, xs, p, Data(out), res, ni, ki, stream); break;      \
-      case Fmt::kQ4_1: LaunchGemv<T, Fmt::kQ4_1>(e, xs, p, Data(out), res, ni, ki, stream); break;      \
-      case Fmt::kQ4_K: LaunchGemv<T, Fmt::kQ4_K>(e, xs, p, Data(out), res, ni, ki, stream); break;      \
-      case Fmt::kQ8_0: LaunchGemv<T, Fmt::kQ8_0>(e, xs, p, Data(out), res, ni, ki, stream); break;      \
-      case Fmt::kQ6_K: LaunchGemv<T, Fmt::kQ6_K>(e, xs, p, Data(out), res, ni, ki, stream); break;      \
+      case Fmt::kQ4_0: LaunchGemv<T, Fmt::kQ4_0>(e, nv.role, norm_args, xs, p, Data(out), res, ni, ki, stream); break; \
+      case Fmt::kQ4_1: LaunchGemv<T, Fmt::kQ4_1>(e, nv.role, norm_args, xs, p, Data(out), res, ni, ki, stream); break; \
+      case Fmt::kQ4_K: LaunchGemv<T, Fmt::kQ4_K>(e, nv.role, norm_args, xs, p, Data(out), res, ni, ki, stream); break; \
+      case Fmt::kQ8_0: LaunchGemv<T, Fmt::kQ8_0>(e, nv.role, norm_args, xs, p, Data(out), res, ni, ki, stream); break; \
+      case Fmt::kQ6_K: LaunchGemv<T, Fmt::kQ6_K>(e, nv.role, norm_args, xs, p, Data(out), res, ni, ki, stream); break; \
     }                                                                                                   \
   } else switch (f) {                                                                                   \
     case Fmt::kQ4_0: Launch<T, Fmt::kQ4_0>(static_cast<const T*>(Data(x)), p, o, mi, ni, ki, si, stream); break; \
@@ -1024,6 +1123,74 @@ void MmaQ6_KAdd(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight, tvm::ffi::
   Run(Fmt::kQ6_K, Epilogue::kCastAdd, x, qweight, scale, nullptr, &sub_scale, &qhigh, nullptr, &residual, partial, out);
 }
 
+// An RMSNorm between two one-row GEMVs (NormRole): the residual add's function with the next
+// norm's weight and two more outputs (`*_cast_add_norm_stats`: x, parts, residual, weight, then
+// partial, out, normed, stats), and the functions reading the norm (`*_prenormed[_cast|_silu_mul]`:
+// normed as x, stats, epsilon, parts, then partial and out).
+using TV = tvm::ffi::TensorView;
+NormViews Stats(const TV& weight, const TV& normed, const TV& stats) {
+  NormViews v;
+  v.role = NormRole::kStats;
+  v.weight = &weight;
+  v.normed = &normed;
+  v.stats = &stats;
+  return v;
+}
+NormViews Prenormed(const TV& stats, double eps) {
+  NormViews v;
+  v.role = NormRole::kPrenormed;
+  v.stats = &stats;
+  v.eps = eps;
+  return v;
+}
+
+void StatsQ4_0(TV x, TV qweight, TV scale, TV residual, TV weight, TV partial, TV out, TV normed, TV stats) {
+  Run(Fmt::kQ4_0, Epilogue::kCastAdd, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, &residual, partial, out,
+      Stats(weight, normed, stats));
+}
+void StatsQ4_1(TV x, TV qweight, TV scale, TV min, TV residual, TV weight, TV partial, TV out, TV normed, TV stats) {
+  Run(Fmt::kQ4_1, Epilogue::kCastAdd, x, qweight, scale, &min, nullptr, nullptr, nullptr, &residual, partial, out,
+      Stats(weight, normed, stats));
+}
+void StatsQ8_0(TV x, TV qweight, TV scale, TV residual, TV weight, TV partial, TV out, TV normed, TV stats) {
+  Run(Fmt::kQ8_0, Epilogue::kCastAdd, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, &residual, partial, out,
+      Stats(weight, normed, stats));
+}
+void StatsQ4_K(TV x, TV qweight, TV scale, TV min, TV sub_scale, TV sub_min, TV residual, TV weight, TV partial,
+               TV out, TV normed, TV stats) {
+  Run(Fmt::kQ4_K, Epilogue::kCastAdd, x, qweight, scale, &min, &sub_scale, nullptr, &sub_min, &residual, partial, out,
+      Stats(weight, normed, stats));
+}
+void StatsQ6_K(TV x, TV qweight, TV qhigh, TV scale, TV sub_scale, TV residual, TV weight, TV partial, TV out,
+               TV normed, TV stats) {
+  Run(Fmt::kQ6_K, Epilogue::kCastAdd, x, qweight, scale, nullptr, &sub_scale, &qhigh, nullptr, &residual, partial, out,
+      Stats(weight, normed, stats));
+}
+
+template <Epilogue E>
+void PrenormedQ4_0(TV x, TV stats, double eps, TV qweight, TV scale, TV partial, TV out) {
+  Run(Fmt::kQ4_0, E, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, nullptr, partial, out, Prenormed(stats, eps));
+}
+template <Epilogue E>
+void PrenormedQ4_1(TV x, TV stats, double eps, TV qweight, TV scale, TV min, TV partial, TV out) {
+  Run(Fmt::kQ4_1, E, x, qweight, scale, &min, nullptr, nullptr, nullptr, nullptr, partial, out, Prenormed(stats, eps));
+}
+template <Epilogue E>
+void PrenormedQ8_0(TV x, TV stats, double eps, TV qweight, TV scale, TV partial, TV out) {
+  Run(Fmt::kQ8_0, E, x, qweight, scale, nullptr, nullptr, nullptr, nullptr, nullptr, partial, out, Prenormed(stats, eps));
+}
+template <Epilogue E>
+void PrenormedQ4_K(TV x, TV stats, double eps, TV qweight, TV scale, TV min, TV sub_scale, TV sub_min, TV partial,
+                   TV out) {
+  Run(Fmt::kQ4_K, E, x, qweight, scale, &min, &sub_scale, nullptr, &sub_min, nullptr, partial, out,
+      Prenormed(stats, eps));
+}
+template <Epilogue E>
+void PrenormedQ6_K(TV x, TV stats, double eps, TV qweight, TV qhigh, TV scale, TV sub_scale, TV partial, TV out) {
+  Run(Fmt::kQ6_K, E, x, qweight, scale, nullptr, &sub_scale, &qhigh, nullptr, nullptr, partial, out,
+      Prenormed(stats, eps));
+}
+
 }  // namespace
 
 // Each format's four functions: the float32 result, then each epilogue's.
@@ -1038,6 +1205,19 @@ VTOOL_EXPORT_FORMAT(q8_0, MmaQ8_0)
 VTOOL_EXPORT_FORMAT(q4_k, MmaQ4_K)
 VTOOL_EXPORT_FORMAT(q6_k, MmaQ6_K)
 #undef VTOOL_EXPORT_FORMAT
+// ... and its RMSNorm pair: the residual add that writes the norm's statistics, and the three
+// functions reading the norm (q|k|v's cast, gate|up's SiLU x up, the lm_head's float result).
+#define VTOOL_EXPORT_NORM(fmt, StatsFn, ReadFn)                                                \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_cast_add_norm_stats, StatsFn);         \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_prenormed, ReadFn<Epilogue::kFloat>);  \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_prenormed_cast, ReadFn<Epilogue::kCast>); \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(vtool_block_mma_##fmt##_prenormed_silu_mul, ReadFn<Epilogue::kSiluMul>);
+VTOOL_EXPORT_NORM(q4_0, StatsQ4_0, PrenormedQ4_0)
+VTOOL_EXPORT_NORM(q4_1, StatsQ4_1, PrenormedQ4_1)
+VTOOL_EXPORT_NORM(q8_0, StatsQ8_0, PrenormedQ8_0)
+VTOOL_EXPORT_NORM(q4_k, StatsQ4_K, PrenormedQ4_K)
+VTOOL_EXPORT_NORM(q6_k, StatsQ6_K, PrenormedQ6_K)
+#undef VTOOL_EXPORT_NORM
 #else
 }  // namespace
 #endif  // VTOOL_BLOCK_MMA_KERNELS_ONLY
