@@ -795,7 +795,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     }
   float squares = 0.f;  // kPrenormed: the producer's block sums, each thread its share in order
   if constexpr (N == NormRole::kPrenormed) {
-    for (int i = threadIdx.x; i < k / kTileRows; i += kGemvWarps * 32) squares += ReadOnly(norm.sums + i);
+    // 16 bytes a load, unrolled so a thread's loads are in flight together (k / 16 of them a block)
+    const float4* sums4 = reinterpret_cast<const float4*>(norm.sums);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < k / (4 * kTileRows); i += kGemvWarps * 32) {
+      const float4 v = ReadOnly(sums4 + i);
+      squares += (v.x + v.y) + (v.z + v.w);
+    }
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) squares += __shfl_xor_sync(0xFFFFFFFFu, squares, off);
   }
@@ -1019,9 +1025,9 @@ void Run(Fmt f, Epilogue e, tvm::ffi::TensorView x, tvm::ffi::TensorView qweight
       norm_args.stats = static_cast<float*>(Data(*nv.stats));
     } else {
       TVM_FFI_ICHECK(e != Epilogue::kCastAdd) << name << ": no residual add after a norm's matmul";
-      TVM_FFI_ICHECK(vector_of(nv.stats, k / kTileRows, true))
+      TVM_FFI_ICHECK(vector_of(nv.stats, k / kTileRows, true) && reinterpret_cast<uintptr_t>(Data(*nv.stats)) % 16 == 0)
           << name << ": the norm's stats must be a contiguous float32 CUDA vector of k / 4 = " << k / kTileRows
-          << " values";
+          << " values on a 16-byte boundary";
       TVM_FFI_ICHECK(nv.eps >= 0.0 && nv.eps < 1.0) << name << ": the norm's epsilon " << nv.eps << " is not in [0, 1)";
       norm_args.sums = static_cast<const float*>(Data(*nv.stats));
       norm_args.eps = static_cast<float>(nv.eps);
