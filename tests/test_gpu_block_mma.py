@@ -399,6 +399,18 @@ def _close_in_ulps(got, want, ulps: float, xdtype: str) -> float:  # noqa: ANN00
     return err.max().item() if err.numel() else 0.0
 
 
+def _silu_mul_past(gated, plain, xdtype: str) -> float:  # noqa: ANN001 - torch tensors
+    """How far past 2 ulp SiLU x up of the float result `plain` (gate and up halves of its columns,
+    each rounded to x's dtype, as TVM's silu lowers) the function's `gated` is."""
+    import torch
+
+    tdtype = getattr(torch, xdtype)
+    half = plain.shape[-1] // 2
+    gate, up = plain[:, :half].to(tdtype), plain[:, half:].to(tdtype)
+    one, zero = torch.ones((), dtype=tdtype, device="cuda"), torch.zeros((), dtype=tdtype, device="cuda")
+    return _close_in_ulps(gated, gate * (one / (one + torch.exp(zero - gate))) * up, 2, xdtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("xdtype", ["bfloat16", "float16"])
@@ -428,19 +440,22 @@ def test_epilogues_finish_the_float_result_as_torch_does(kernels, fmt: str, xdty
             where = f"{fmt} {xdtype} {m} rows, {splits} splits"
             assert torch.equal(cast, plain.to(tdtype)), where
             assert torch.equal(added, residual + plain.to(tdtype)), where
-            gate, up = plain[:, : n // 2].to(tdtype), plain[:, n // 2:].to(tdtype)
-            one, zero = torch.ones((), dtype=tdtype, device="cuda"), torch.zeros((), dtype=tdtype, device="cuda")
-            want = gate * (one / (one + torch.exp(zero - gate))) * up
-            past = _close_in_ulps(gated, want, 2, xdtype)
+            past = _silu_mul_past(gated, plain, xdtype)
             assert past <= 1e-6, f"{where}: SiLU x up off by {past:.3g} past 2 ulp"
+
+
+def _q4_1_parts_on_the_gpu(seed: int) -> list:
+    """Random Q4_1 parts of a [72, 160] weight on the GPU, for the refusal tests."""
+    import torch
+
+    return [torch.from_numpy(p).cuda() for p in random_parts("Q4_1", 72, 160, np.random.default_rng(seed))]
 
 
 @pytest.mark.gpu
 def test_epilogues_refuse_outputs_that_do_not_fit(kernels) -> None:
     import torch
 
-    rng = np.random.default_rng(2)
-    parts = [torch.from_numpy(p).cuda() for p in random_parts("Q4_1", 72, 160, rng)]
+    parts = _q4_1_parts_on_the_gpu(2)
     x = torch.zeros(2, 160, dtype=torch.bfloat16, device="cuda")
     partial = torch.zeros(1, 2, 72, device="cuda")
     wide = torch.zeros(2, 72, dtype=torch.bfloat16, device="cuda")  # SiLU x up gives 36 columns
@@ -524,9 +539,7 @@ def test_the_prenormed_functions_scale_by_the_norm(kernels, fmt: str, xdtype: st
         assert err <= 4e-6, f"{where}: {err:.2e} of sum |x||W|"
         assert torch.equal(cast, plain.to(tdtype)), where
         if n % 8 == 0:
-            gate, up = plain[:, : n // 2].to(tdtype), plain[:, n // 2:].to(tdtype)
-            one, zero = torch.ones((), dtype=tdtype, device="cuda"), torch.zeros((), dtype=tdtype, device="cuda")
-            past = _close_in_ulps(gated, gate * (one / (one + torch.exp(zero - gate))) * up, 2, xdtype)
+            past = _silu_mul_past(gated, plain, xdtype)
             assert past <= 1e-6, f"{where}: SiLU x up off by {past:.3g} past 2 ulp"
 
 
@@ -534,8 +547,7 @@ def test_the_prenormed_functions_scale_by_the_norm(kernels, fmt: str, xdtype: st
 def test_the_norm_pair_refuses_what_it_cannot_share(kernels) -> None:
     import torch
 
-    rng = np.random.default_rng(4)
-    parts = [torch.from_numpy(p).cuda() for p in random_parts("Q4_1", 72, 160, rng)]
+    parts = _q4_1_parts_on_the_gpu(4)
     two = torch.zeros(2, 160, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(Exception, match="vtool_block_mma_q4_1_prenormed_cast: an RMSNorm is shared between one-row "
                                         "GEMVs, not 2 rows"):
