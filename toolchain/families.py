@@ -204,8 +204,8 @@ def _block_mma_epilogues() -> Any:
 
 
 def _block_mma_norms() -> Any:
-    # decode's RMSNorms before the block matmuls, formed in their one-row GEMV
-    # (toolchain/block_mma_norms.py); after the epilogues, whose fused calls it rewrites too
+    # decode's RMSNorms between two one-row block calls, shared by them (toolchain/block_mma_norms.py);
+    # after the epilogues pass, whose residual-add calls it extends
     from vtool.toolchain.block_mma_norms import block_mma_norms_pass
 
     return block_mma_norms_pass()
