@@ -80,7 +80,7 @@ def main() -> None:
         time_each_step(model, args.per_step_batch, args.per_step)
     timed = g.batch_decode_timer(model, sizes[-1])
     timed(1)
-    per_step, launches = g.kernel_times(lambda: timed(2), 6)  # 4 warm-up + 2 timed steps
+    per_step, launches, _ = g.kernel_times(lambda: timed(2), 6)  # 4 warm-up + 2 timed steps
     top = sorted(per_step.items(), key=lambda kv: -kv[1])[:15]
     print(json.dumps({"batch": sizes[-1], "kernel_us_per_step": round(sum(per_step.values()), 1),
                       "top": [(k[:90], round(v, 1), launches[k]) for k, v in top]}), flush=True)

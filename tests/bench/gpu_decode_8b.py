@@ -119,11 +119,12 @@ def weight_bytes_per_step(gguf_file: Path | None = None) -> int:
     return 2 * (L * per_layer + h + c["vocab_size"] * h)  # bf16; the embedding table is read one row at a time
 
 
-def kernel_times(run, steps: int) -> tuple[dict[str, float], dict[str, int]]:  # noqa: ANN001
+def kernel_times(run, steps: int) -> tuple[dict[str, float], dict[str, int], list[tuple[float, float, str]]]:  # noqa: ANN001
     """GPU microseconds per step and launches per step of each kernel name while `run()`
     does `steps` steps, from torch.profiler: its CUPTI tracing sees every kernel of the
-    process, TVM's included. `run` may carry a `prepare()` attribute (a timer's `steps_only`):
-    called and finished before the profile starts, so only the `steps` steps are in it."""
+    process, TVM's included; and the timeline (start us, end us, name) of every kernel and copy.
+    `run` may carry a `prepare()` attribute (a timer's `steps_only`): called and finished before
+    the profile starts, so only the `steps` steps are in it."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -135,12 +136,35 @@ def kernel_times(run, steps: int) -> tuple[dict[str, float], dict[str, int]]:  #
         run()
         torch.cuda.synchronize()
     groups: dict[str, list[float]] = {}
+    timeline: list[tuple[float, float, str]] = []
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         groups.setdefault(event.name, []).append(event.device_time_total if hasattr(event, "device_time_total")
                                                  else event.cuda_time_total)
-    return ({k: sum(v) / steps for k, v in groups.items()}, {k: len(v) // steps for k, v in groups.items()})
+        timeline.append((float(event.time_range.start), float(event.time_range.end), event.name))
+    return ({k: sum(v) / steps for k, v in groups.items()}, {k: len(v) // steps for k, v in groups.items()},
+            timeline)
+
+
+def idle_between(timeline: list[tuple[float, float, str]], steps: int, top: int = 12) -> tuple[float, list]:
+    """Where the GPU sits idle: microseconds per step with no kernel running, from a profile's
+    timeline (start, end, name), and the `top` pairs of kernels around the idle stretches
+    (the one that ended last before it, the one that starts it) with their idle us per step and
+    how many stretches a step. Kernels that overlap (concurrent streams) leave no idle."""
+    if not timeline:
+        return 0.0, []
+    spans = sorted(timeline)
+    pairs: dict[tuple[str, str], list[float]] = {}
+    busy_until, last = spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > busy_until:
+            pairs.setdefault((kernel_label(last, 60), kernel_label(name, 60)), []).append(start - busy_until)
+        if end >= busy_until:
+            busy_until, last = end, name
+    total = sum(sum(v) for v in pairs.values()) / steps
+    ranked = sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return total, [(a, b, round(sum(v) / steps, 1), round(len(v) / steps, 1)) for (a, b), v in ranked]
 
 
 def kernel_label(name: str, width: int = 120) -> str:
@@ -161,14 +185,15 @@ def profile_kernels(name: str, run, weight_bytes: int, steps: int = 16) -> None:
     """Where a step's time goes: per-kernel GPU time of `run` (`steps` decode steps), how
     much of it is kernels at all (the rest is gaps between launches), and the bandwidth
     the GEMV kernels reach on their own."""
-    per_step, launches = kernel_times(run, steps)
+    per_step, launches, timeline = kernel_times(run, steps)
     total = sum(per_step.values())
+    idle, idle_pairs = idle_between(timeline, steps)
     top = sorted(per_step.items(), key=lambda kv: -kv[1])[:40]
     gemv = sum(v for k, v in per_step.items() if "matmul" in k.lower())
     record(step=f"{name}_profile", kernel_us_per_step=round(total, 1), gemv_us_per_step=round(gemv, 1),
            gemv_gb_s=round(weight_bytes / (gemv * 1e-6) / 1e9, 1) if gemv else None,
-           launches_per_step=sum(launches.values()),
-           top=[(kernel_label(k), round(v, 1), launches[k]) for k, v in top])
+           launches_per_step=sum(launches.values()), idle_us_per_step=round(idle, 1),
+           top=[(kernel_label(k), round(v, 1), launches[k]) for k, v in top], idle_between=idle_pairs)
 
 
 def decode_timer(model, gen, prompt: int = 128):  # noqa: ANN001, ANN201 - () -> seconds per step
@@ -281,7 +306,7 @@ def explain_slow_step(step: str, timed) -> None:  # noqa: ANN001 - timed: batch_
            final_wait_ms=LAST_TIMING.get("final_wait_ms"))
     t0 = time.perf_counter()
     again = timed(2) * 1e3
-    per_step, launches = kernel_times(lambda: timed(2), 6)  # timed(2): 4 warm-up + 2 timed steps
+    per_step, launches, _ = kernel_times(lambda: timed(2), 6)  # timed(2): 4 warm-up + 2 timed steps
     top = sorted(per_step.items(), key=lambda kv: -kv[1])[:8]
     record(step=f"{step}_slow", again_ms_per_step=round(again, 3), kernel_us_per_step=round(sum(per_step.values()), 1),
            top=[(kernel_label(k), round(v, 1), launches[k]) for k, v in top], gpu_free_gib=round(free / 2**30, 1),
@@ -365,8 +390,19 @@ def time_prefills(model, gen, sync, rounds: int = 1) -> None:  # noqa: ANN001
                logits_digest=digest, top1=int(logits.reshape(-1).argmax()))
 
 
+def profile_batch_step(model, batch: int, weight_bytes: int) -> None:  # noqa: ANN001
+    """The captured batched step of `batch` sequences (batch_decode where none is captured):
+    timed, then profiled as profile_kernels does the one-sequence step."""
+    entry = "batch_decode_captured" if "batch_decode_captured" in model.manifest.get("entry_points", []) else "batch_decode"
+    timed = batch_decode_timer(model, batch, entry=entry)
+    ms = timed(32) * 1e3
+    record(step=f"vtool_{entry}_b{batch}", ms_per_step=round(ms, 3), tok_s=round(batch * 1e3 / ms, 1))
+    profile_kernels(f"vtool_{entry}_b{batch}", timed.steps_only(16), weight_bytes)
+
+
 def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool = False,
-                split: bool = False, prefill_only: bool = False, decode_only: bool = False) -> None:
+                split: bool = False, prefill_only: bool = False, decode_only: bool = False,
+                profile_batches: tuple[int, ...] = ()) -> None:
     from vtool.runtime.artifact.library import CompiledModel
     from vtool.runtime.weights.checkpoint import open_checkpoint
     from vtool.runtime.engine.generate import Generator
@@ -389,6 +425,9 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
     if profile:
         gguf_file = checkpoint_dir if Path(checkpoint_dir).suffix == ".gguf" else None
         profile_kernels("vtool_decode_b1", timed_decode.steps_only(16), weight_bytes_per_step(gguf_file))
+    for batch in profile_batches:
+        profile_batch_step(model, batch, weight_bytes_per_step(Path(checkpoint_dir) if Path(checkpoint_dir).suffix == ".gguf"
+                                                               else None))
     if decode_only:
         return
     result = gen.generate(list(range(1000, 1128)), SamplingParams(temperature=0, max_tokens=steps))
@@ -514,6 +553,8 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true",
                     help="only the model-only batch-1 decode step (what served TPOT at one user is held to), "
                          "and its profile with --profile")
+    ap.add_argument("--profile-batch", type=int, action="append", default=[],
+                    help="also time and profile the captured batched step of this many sequences (repeatable)")
     ap.add_argument("--logits-check", action="store_true", help="only compare bf16 logits with the float32 truth")
     args = ap.parse_args()
     gguf_file = args.checkpoint if args.checkpoint.suffix == ".gguf" else None  # tests/bench/shape_gguf.py's
@@ -531,7 +572,7 @@ def main() -> None:
         weight_bytes = weight_bytes_per_step(gguf_file) if gguf_file else manifest_weight_bytes(artifact)
         record(step="roofline", weight_gb=round(weight_bytes / 1e9, 2), roofline_ms=round(weight_bytes / bw / 1e6, 3))
         bench_vtool(artifact, args.checkpoint, args.steps, args.profile, args.serving_split, args.prefill_only,
-                    args.decode_only)
+                    args.decode_only, tuple(args.profile_batch))
         if args.prefill_only:
             continue
         by = {r["step"]: r for r in RESULTS if r.get("artifact") == LABEL["artifact"]}
