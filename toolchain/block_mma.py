@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Mapping
 
 from vtool.models.weights import block_formats
-from vtool.toolchain.cuda import CudaBuildError, find_nvcc, gencode_flags, nvcc_version
-from vtool.toolchain.native_objects import cached_object, tvm_ffi_includes
+from vtool.toolchain.native_objects import cuda_object
 
 BLOCK_MMA_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K")  # the kernels native/block_mma.cu instantiates
 SOURCE = Path(__file__).with_name("native") / "block_mma.cu"
@@ -31,11 +30,8 @@ def block_mma_formats(kept: Mapping[str, str] | None, dtype: str) -> tuple[str, 
     return tuple(sorted(block_formats(kept) & set(BLOCK_MMA_FORMATS)))
 
 
-def compile_object(archs, ptx: str) -> Path:
+def compile_object(archs, ptx: str) -> Path:  # noqa: ANN001 - a sequence of arch names
     """native/block_mma.cu -> an object with SASS for `archs` and PTX `ptx` (the model's own
     kernels' arch list), cached."""
-    nvcc = find_nvcc()
-    return cached_object(SOURCE, "block-mma", repr((sorted(archs), ptx, nvcc_version(nvcc))),
-                         lambda out: [nvcc, "-c", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", *gencode_flags(archs, ptx),
-                                      *tvm_ffi_includes(), str(SOURCE), "-o", out], CudaBuildError)
+    return cuda_object(SOURCE, "block-mma", archs, ptx)
 

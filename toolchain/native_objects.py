@@ -42,3 +42,14 @@ def cached_object(source: Path, folder: str, extra_key: str, command: Callable[[
         raise error(f"compiling {source.name} failed ({' '.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
     Path(tmp_name).replace(obj)
     return obj
+
+
+def cuda_object(source: Path, folder: str, archs, ptx: str) -> Path:  # noqa: ANN001 - a sequence of arch names
+    """A CUDA source of toolchain/native/ -> an object with SASS for `archs` and PTX `ptx` (the
+    model's own kernels' arch list), cached in <cache>/<folder>/ per source, arch list and nvcc."""
+    from vtool.toolchain.cuda import CudaBuildError, find_nvcc, gencode_flags, nvcc_version
+
+    nvcc = find_nvcc()
+    return cached_object(source, folder, repr((sorted(archs), ptx, nvcc_version(nvcc))),
+                         lambda out: [nvcc, "-c", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", *gencode_flags(archs, ptx),
+                                      *tvm_ffi_includes(), str(source), "-o", out], CudaBuildError)

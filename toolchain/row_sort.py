@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vtool.toolchain.cuda import CudaBuildError, find_nvcc, gencode_flags, nvcc_version
-from vtool.toolchain.native_objects import cached_object, tvm_ffi_includes
+from vtool.toolchain.native_objects import cuda_object
 
 SOURCE = Path(__file__).with_name("native") / "row_sort.cu"
 SORT_SYMBOL = "vtool_sort_rows_desc"
@@ -31,7 +30,4 @@ def uses_row_sort(vocab_size: int) -> bool:
 
 def compile_object(archs, ptx: str) -> Path:  # noqa: ANN001 - a sequence of arch names
     """native/row_sort.cu -> an object with SASS for `archs` and PTX `ptx`, cached."""
-    nvcc = find_nvcc()
-    return cached_object(SOURCE, "row-sort", repr((sorted(archs), ptx, nvcc_version(nvcc))),
-                         lambda out: [nvcc, "-c", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", *gencode_flags(archs, ptx),
-                                      *tvm_ffi_includes(), str(SOURCE), "-o", out], CudaBuildError)
+    return cuda_object(SOURCE, "row-sort", archs, ptx)
