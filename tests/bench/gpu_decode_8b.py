@@ -329,7 +329,7 @@ def serving_split(model, batch: int = 64, steps: int = 32, tokens: int = 384) ->
     sync = global_func("runtime.Device_StreamSync")
     view = global_func("runtime.TVMTensorCreateView")
     S = model.ffi.Shape
-    entry = "batch_decode_captured" if "batch_decode_captured" in model.manifest.get("entry_points", []) else "batch_decode"
+    entry = batched_entry(model)
     sampler = DeviceSampler(model)
     for mode in ("forward", "sample_t1", "sample_greedy"):
         kv = PagedKVCache(model, num_blocks=batch * (tokens // 16 + 1) + 8, block_size=16, max_num_seqs=batch,
@@ -390,10 +390,15 @@ def time_prefills(model, gen, sync, rounds: int = 1) -> None:  # noqa: ANN001
                logits_digest=digest, top1=int(logits.reshape(-1).argmax()))
 
 
+def batched_entry(model) -> str:  # noqa: ANN001
+    """The batched decode entry a library runs fastest: its CUDA-graph one where it has it."""
+    return "batch_decode_captured" if "batch_decode_captured" in model.manifest.get("entry_points", []) else "batch_decode"
+
+
 def profile_batch_step(model, batch: int, weight_bytes: int) -> None:  # noqa: ANN001
     """The captured batched step of `batch` sequences (batch_decode where none is captured):
     timed, then profiled as profile_kernels does the one-sequence step."""
-    entry = "batch_decode_captured" if "batch_decode_captured" in model.manifest.get("entry_points", []) else "batch_decode"
+    entry = batched_entry(model)
     timed = batch_decode_timer(model, batch, entry=entry)
     ms = timed(32) * 1e3
     record(step=f"vtool_{entry}_b{batch}", ms_per_step=round(ms, 3), tok_s=round(batch * 1e3 / ms, 1))
@@ -422,12 +427,13 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
     timed_decode(8)
     step = timed_decode(steps)
     record(step="vtool_decode_b1_model_only", ms_per_token=round(step * 1e3, 3), tok_s=round(1 / step, 1))
+    if profile or profile_batches:
+        gguf_file = Path(checkpoint_dir) if Path(checkpoint_dir).suffix == ".gguf" else None
+        weight_bytes = weight_bytes_per_step(gguf_file)
     if profile:
-        gguf_file = checkpoint_dir if Path(checkpoint_dir).suffix == ".gguf" else None
-        profile_kernels("vtool_decode_b1", timed_decode.steps_only(16), weight_bytes_per_step(gguf_file))
+        profile_kernels("vtool_decode_b1", timed_decode.steps_only(16), weight_bytes)
     for batch in profile_batches:
-        profile_batch_step(model, batch, weight_bytes_per_step(Path(checkpoint_dir) if Path(checkpoint_dir).suffix == ".gguf"
-                                                               else None))
+        profile_batch_step(model, batch, weight_bytes)
     if decode_only:
         return
     result = gen.generate(list(range(1000, 1128)), SamplingParams(temperature=0, max_tokens=steps))
