@@ -123,31 +123,74 @@ def q6k_quants(low: np.ndarray, high: np.ndarray) -> np.ndarray:
     return (nib | (two << 4)).astype(np.float32)
 
 
-def kernel_weights(fmt: str, parts: list[np.ndarray]) -> np.ndarray:
-    """The [n, k] float32 weight as the kernel forms it: for the nibble formats the quant as
-    f = 1 + q / 16 and w = f * 16d + (c - (16 + off) d), where c - (16 + off) d is rounded once
-    more than in dequantize (every product here is exact in float32)."""
-    if fmt in ("Q8_0", "Q6_K"):  # Q6_K's f * 64D - 96D is exact: (q - 32) D rounded once, as here
-        return dequantize(fmt, parts)
-    q = parts[0]
-    tiles, kb = q.shape[:2]
-    f = 1 + np.concatenate([q & 15, q >> 4], axis=-1).astype(np.float32) / 16
+# bits of T's significand (its unit roundoff is 2^-bits)
+SIGNIFICAND_BITS = {"bfloat16": 8, "float16": 11}
+
+
+def round_to(values: np.ndarray, xdtype: str) -> np.ndarray:
+    """float64 values rounded once, to nearest even, to x's dtype (returned in float64): numpy
+    rounds float64 to float16 directly; bf16 keeps the top 8 bits of the significand (no bf16
+    value here is subnormal or past its range)."""
+    if xdtype == "float16":
+        return values.astype(np.float16).astype(np.float64)
+    mant, exp = np.frexp(values)  # values = mant 2^exp, 1/2 <= |mant| < 1
+    return np.ldexp(np.rint(np.ldexp(mant, 8)), exp - 8)
+
+
+def nibble_scales(fmt: str, parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """A nibble format's d and c per (tile, block, row) as the kernel forms them in float32 before
+    rounding to T (exact: Q4_K's d = dd sc and c = -(dmin m) are 11-bit by 6-bit products)."""
     if fmt == "Q4_K":
         d = np.repeat(parts[1], 8, axis=1).astype(np.float32) * parts[3].astype(np.float32)
         c = -(np.repeat(parts[2], 8, axis=1).astype(np.float32) * parts[4].astype(np.float32))
-    else:
-        d = parts[1].astype(np.float32)
-        c = parts[2].astype(np.float32) if fmt == "Q4_1" else np.zeros_like(d)
-    c16 = (c - np.float32(24 if fmt == "Q4_0" else 16) * d).astype(np.float32)
-    w = f * (np.float32(16) * d)[..., None] + c16[..., None]
-    return w.astype(np.float32).transpose(0, 2, 1, 3).reshape(tiles * 4, kb * 32)
+        return d, c
+    d = parts[1].astype(np.float32)
+    return d, parts[2].astype(np.float32) if fmt == "Q4_1" else np.zeros_like(d)
+
+
+def as_matrix(blocks: np.ndarray) -> np.ndarray:
+    """[tile, block, row, 32] -> [tile * 4 + row, block * 32 + e]."""
+    tiles, kb = blocks.shape[:2]
+    return blocks.transpose(0, 2, 1, 3).reshape(tiles * 4, kb * 32)
+
+
+def kernel_weights(fmt: str, parts: list[np.ndarray], xdtype: str) -> np.ndarray:
+    """The [n, k] weight (float64) as the mma kernel forms it in x's dtype T. Q8_0 and Q6_K: the
+    float32 dequantization rounded to T. The nibble formats (NibblePair): the block's d and c
+    rounded to T, then q d + c (q - 8 for Q4_0) rounded once to T; every product and sum here is
+    exact in float64 (a 4-bit q times an 8- or 11-bit d, plus c)."""
+    if fmt in ("Q8_0", "Q6_K"):  # Q6_K's f * 64D - 96D is exact: (q - 32) D rounded once
+        return round_to(dequantize(fmt, parts).astype(np.float64), xdtype)
+    q = parts[0]
+    quants = np.concatenate([q & 15, q >> 4], axis=-1).astype(np.float64)  # byte j: elements j, j + 16
+    if fmt == "Q4_0":
+        quants -= 8
+    d, c = nibble_scales(fmt, parts)
+    d_t, c_t = round_to(d.astype(np.float64), xdtype), round_to(c.astype(np.float64), xdtype)
+    return as_matrix(round_to(quants * d_t[..., None] + c_t[..., None], xdtype))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_the_kernels_arithmetic_is_the_dequantization_but_for_one_rounding(fmt: str) -> None:
+@pytest.mark.parametrize("xdtype", ["bfloat16", "float16"])
+def test_the_kernels_weights_are_the_dequantization_within_its_roundings(fmt: str, xdtype: str) -> None:
+    """What the mma multiplies is the float32 dequantization w but for roundings to T (unit
+    roundoff u): Q8_0 and Q6_K one, of w; the nibble formats d's and c's, then q d + c's:
+    |error| <= u (|q d| + |c|) + u |w| (+ float32's rounding of w), and none where the format's
+    numbers fit T (Q4_0 and Q4_1 in f16: d and c are f16, q d + c rounded once, as the float32
+    dequantization rounded to f16 is)."""
     parts = random_parts(fmt, 8, 256, np.random.default_rng(3))
-    exact, kernel = dequantize(fmt, parts), kernel_weights(fmt, parts)
-    assert np.abs(kernel.astype(np.float64) - exact).max() <= 2.0 ** -23 * (np.abs(exact).max() + 1)
+    exact, kernel = dequantize(fmt, parts).astype(np.float64), kernel_weights(fmt, parts, xdtype)
+    u = 2.0 ** -SIGNIFICAND_BITS[xdtype]
+    bound = u * np.abs(exact)
+    if fmt not in ("Q8_0", "Q6_K"):
+        c = np.abs(as_matrix(np.repeat(nibble_scales(fmt, parts)[1].astype(np.float64)[..., None], 32, axis=-1)))
+        bound += u * (np.abs(exact) + 2 * c)  # |q d| <= |w| + |c|
+    err = np.abs(kernel - exact)
+    assert (err <= bound + 2.0 ** -23 * np.abs(exact)).all(), \
+        f"{fmt} {xdtype}: {(err / (bound + 1e-30)).max():.3g} of the bound"
+    if xdtype == "float16" and fmt in ("Q4_0", "Q4_1"):
+        assert np.array_equal(kernel, round_to(exact, xdtype)), f"{fmt}: f16 weights not the rounded dequantization"
+    assert not np.array_equal(kernel, exact), "T held every weight: the check would not see a wrong rounding"
 
 
 def test_dequantize_reference_matches_gguf_py() -> None:
@@ -338,7 +381,7 @@ def test_kernel_equals_the_dequantized_matmul(kernels, fmt: str, xdtype: str) ->
     rng = np.random.default_rng(FORMATS.index(fmt))
     for n, k in SHAPES[fmt]:
         parts = random_parts(fmt, n, k, rng)
-        w_mma = torch.from_numpy(kernel_weights(fmt, parts)).to(tdtype).double()  # what the mma multiplies
+        w_mma = torch.from_numpy(kernel_weights(fmt, parts, xdtype))  # what the mma multiplies (float64)
         w_gemv = torch.from_numpy(dequantize(fmt, parts)).double()  # what the one-row GEMV multiplies
         gparts = [torch.from_numpy(p).cuda() for p in parts]
         for m in ROWS:

@@ -21,9 +21,10 @@
 // mma step s (0..7) supplies elements 4s..4s+3 of that block in the A slots of columns 2q, 2q+1,
 // 2q+8, 2q+9; the same lane supplies x's elements 4s..4s+3 of the same block in the B slots of
 // those k rows. For the nibble formats elements 4s..4s+3 are the low (s < 4) or high nibbles of
-// bytes 4(s % 4)..4(s % 4)+3: one 32-bit word. Each weight becomes a float32 (a byte permute into
-// the mantissa and one fused multiply-add, see Dequant), then the compute dtype: what the prompt
-// path's dequantized temporary holds.
+// bytes 4(s % 4)..4(s % 4)+3: one 32-bit word. The nibble formats form two weights at a time in the
+// compute dtype (NibblePair: q d + c rounded once, d and c rounded to it first); Q8_0 and Q6_K
+// form each as a float32 (a byte permute into the mantissa and one fused multiply-add, see
+// Dequant), then the compute dtype: what the prompt path's dequantized temporary holds.
 //
 // A thread block: 4 warps of 32 weight rows (two mma tiles) each, all at the same k. Each step of
 // 128 columns, its operands (the 128 rows' blocks, their scales, x's chunk) are copied by cp.async
@@ -81,8 +82,13 @@ struct RowBlock {
   uint32_t words[BlockBytes<F>() / 4];
   uint32_t high[F == Fmt::kQ6_K ? 4 : 1];
   float d, c, d_hi, c_hi;
+  uint32_t d2, c2;  // the nibble formats: d and c as a pair of the compute dtype (NibblePair)
   int high_shift;
 };
+
+// The 4-bit formats take NibblePair: two weights at a time in the compute dtype.
+template <Fmt F>
+__host__ __device__ constexpr bool Nibbles() { return F == Fmt::kQ4_0 || F == Fmt::kQ4_1 || F == Fmt::kQ4_K; }
 
 // Elements 4s..4s+3 of a row's block as four bytes of one word (byte i = element 4s + i), ready
 // for Dequant: Q8_0's signed quants with their top bit flipped (q + 128); a nibble q as the byte
@@ -131,6 +137,55 @@ __device__ __forceinline__ float Dequant(uint32_t bytes, int i, const RowBlock<F
   }
 }
 
+// Elements 4s + 2h and 4s + 2h + 1 of a 4-bit row block as a pair of T, the A slots of one k pair:
+// one byte permute puts the two bytes holding them 16 bits apart, one LOP3 keeps their nibbles and
+// sets T's exponent of M (bf16 128, f16 1024: a unit in the last place of 1), so the pair reads
+// M + q exactly; less M (Q4_0: M + 8) is q (q - 8) exactly, and one fused multiply-add with the
+// block's d and c in T gives q d + c rounded once, in T. About 2 instructions a weight where the
+// float32 way (a byte permute and an FMA a weight, a conversion a pair, the nibbles' shifts
+// and masks) took 3.4; the price is d and c rounded to T first (exact in f16 for Q4_0 and Q4_1,
+// 2^-9 of them in bf16): a weight within about one more rounding of what the prompt path's
+// float32 dequantization holds.
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  static constexpr uint32_t kExponent = 0x43004300u;  // 128, 128
+  static __device__ __forceinline__ T2 Pack(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
+};
+template <>
+struct Pair<__half> {
+  using T2 = __half2;
+  static constexpr uint32_t kExponent = 0x64006400u;  // 1024, 1024
+  static __device__ __forceinline__ T2 Pack(float lo, float hi) { return __floats2half2_rn(lo, hi); }
+};
+
+template <typename T2>
+__device__ __forceinline__ T2 AsPair(uint32_t bits) {
+  T2 v;
+  memcpy(&v, &bits, 4);
+  return v;
+}
+template <typename T2>
+__device__ __forceinline__ uint32_t PairBits(T2 v) {
+  uint32_t bits;
+  memcpy(&bits, &v, 4);
+  return bits;
+}
+
+template <typename T, Fmt F, int S, int H>
+__device__ __forceinline__ uint32_t NibblePair(const RowBlock<F>& r) {
+  using T2 = typename Pair<T>::T2;
+  const uint32_t word = S < 4 ? r.words[S % 4] : r.words[S % 4] >> 4;  // low nibbles, or the high ones
+  const uint32_t pair = __byte_perm(word, 0u, H == 0 ? 0x4140u : 0x4342u);
+  uint32_t bits;  // (pair & mask) | exponent in one LOP3: nvcc spends two (an immediate each) on the C
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(bits) : "r"(pair), "r"(0x000F000Fu), "r"(Pair<T>::kExponent));
+  constexpr uint32_t kOffset = Pair<T>::kExponent + (F == Fmt::kQ4_0 ? 0x00080008u : 0u);  // M + 8: 8 ulp more
+  const T2 q = __hsub2(AsPair<T2>(bits), AsPair<T2>(kOffset));
+  return PairBits(__hfma2(q, AsPair<T2>(r.d2), AsPair<T2>(r.c2)));
+}
+
 // c += A (16 x 16, row-major) . B (16 x 8, column-major) in float32; A and B in T (bf16 or f16).
 template <typename T>
 __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
@@ -171,6 +226,13 @@ __device__ __forceinline__ void Step(const WarpBlocks<F>& w, const uint4 (*xs)[k
   for (int t = 0; t < kTiles; ++t) {
     const RowBlock<F>& lo = w.r[t][0];
     const RowBlock<F>& hi = w.r[t][1];
+    if constexpr (Nibbles<F>()) {
+      a[t][0] = NibblePair<T, F, S, 0>(lo);  // row g, k rows 2q, 2q+1
+      a[t][1] = NibblePair<T, F, S, 0>(hi);  // row g + 8
+      a[t][2] = NibblePair<T, F, S, 1>(lo);  // row g, k rows 2q+8, 2q+9
+      a[t][3] = NibblePair<T, F, S, 1>(hi);
+      continue;
+    }
     const uint32_t qlo = QuantBytes<F, S>(lo), qhi = QuantBytes<F, S>(hi);
     a[t][0] = Pack<T>(Dequant<F, S>(qlo, 0, lo), Dequant<F, S>(qlo, 1, lo));  // row g, k rows 2q, 2q+1
     a[t][1] = Pack<T>(Dequant<F, S>(qhi, 0, hi), Dequant<F, S>(qhi, 1, hi));  // row g + 8
@@ -326,7 +388,7 @@ __device__ __forceinline__ void IssueStep(const T* x, const Parts& p, char* st, 
 }
 
 // Row R (of the thread block's 128) of block q of a step, from a stage.
-template <Fmt F>
+template <typename T, Fmt F>
 __device__ __forceinline__ void StagedRow(const char* st, int row, int q, RowBlock<F>& out) {
   const int t = row / kTileRows, r = row % kTileRows;
   const uint4* w = reinterpret_cast<const uint4*>(st + ((t * kGroup + q) * kTileRows + r) * BlockBytes<F>());
@@ -369,7 +431,10 @@ __device__ __forceinline__ void StagedRow(const char* st, int row, int q, RowBlo
     d = __half2float(reinterpret_cast<const __half*>(sc)[cell]);
     c = F == Fmt::kQ4_1 ? __half2float(reinterpret_cast<const __half*>(sc + 1024)[cell]) : 0.f;
   }
-  if constexpr (F == Fmt::kQ8_0) {
+  if constexpr (Nibbles<F>()) {  // NibblePair's d and c, rounded to T once
+    out.d2 = PairBits(Pair<T>::Pack(d, d));
+    out.c2 = PairBits(Pair<T>::Pack(c, c));
+  } else if constexpr (F == Fmt::kQ8_0) {
     out.d = d;
     out.c = 0.f;
   } else {
@@ -412,8 +477,8 @@ __global__ void __launch_bounds__(kWarps * 32, Lean<F, NT>() ? 5 : 0)
     WarpBlocks<F> w;
 #pragma unroll
     for (int a = 0; a < kTiles; ++a) {
-      StagedRow<F>(st, warp * 16 * kTiles + 16 * a + g, q, w.r[a][0]);
-      StagedRow<F>(st, warp * 16 * kTiles + 16 * a + g + 8, q, w.r[a][1]);
+      StagedRow<T, F>(st, warp * 16 * kTiles + 16 * a + g, q, w.r[a][0]);
+      StagedRow<T, F>(st, warp * 16 * kTiles + 16 * a + g + 8, q, w.r[a][1]);
     }
     const uint4 (*xs)[kRowVecs] = reinterpret_cast<const uint4 (*)[kRowVecs]>(st + StageW<F>() + kStageScales);
     Step<T, F, NT, 0>(w, xs, g, q, acc);
