@@ -44,7 +44,8 @@ def functions(sass: str) -> dict[str, list[str]]:
     return out
 
 
-def disassemble(library: Path, cuobjdump: str) -> dict[str, list[str]]:
+def sass_text(library: Path, cuobjdump: str) -> str:
+    """`cuobjdump -sass` of a library (exits 2 when it cannot be disassembled)."""
     beside = str(Path(cuobjdump).resolve().parent) if os.sep in cuobjdump else ""
     env = {**os.environ, "PATH": os.pathsep.join(p for p in (beside, os.environ.get("PATH", "")) if p)}
     try:
@@ -54,7 +55,11 @@ def disassemble(library: Path, cuobjdump: str) -> dict[str, list[str]]:
     if done.returncode:
         print(f"sass_diff: cuobjdump -sass {library} failed: {done.stderr.strip()}", file=sys.stderr)
         raise SystemExit(2)
-    return functions(done.stdout)
+    return done.stdout
+
+
+def disassemble(library: Path, cuobjdump: str) -> dict[str, list[str]]:
+    return functions(sass_text(library, cuobjdump))
 
 
 def main() -> int:
