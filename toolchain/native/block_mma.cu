@@ -138,14 +138,14 @@ __device__ __forceinline__ float Dequant(uint32_t bytes, int i, const RowBlock<F
 }
 
 // Elements 4s + 2h and 4s + 2h + 1 of a 4-bit row block as a pair of T, the A slots of one k pair:
-// one byte permute puts the two bytes holding them 16 bits apart, one LOP3 keeps their nibbles and
-// sets T's exponent of M (bf16 128, f16 1024: a unit in the last place of 1), so the pair reads
-// M + q exactly; less M (Q4_0: M + 8) is q (q - 8) exactly, and one fused multiply-add with the
-// block's d and c in T gives q d + c rounded once, in T. About 2 instructions a weight where the
-// float32 way (a byte permute and an FMA a weight, a conversion a pair, the nibbles' shifts
-// and masks) took 3.4; the price is d and c rounded to T first (exact in f16 for Q4_0 and Q4_1,
-// 2^-9 of them in bf16): a weight within about one more rounding of what the prompt path's
-// float32 dequantization holds.
+// one byte permute puts the two bytes holding them 16 bits apart, one LOP3 keeps their nibbles
+// and sets the exponent of M in T (bf16 128, f16 1024: where a unit in the last place is 1), so
+// the pair reads M + q exactly; less M (Q4_0: M + 8) is q (q - 8) exactly, and one fused
+// multiply-add with the block's d and c in T gives q d + c rounded once, in T. About 2
+// instructions a weight where the float32 way (a byte permute and an FMA a weight, a conversion
+// a pair, the nibbles' shifts and masks) took 3.4; the price is d and c rounded to T first (exact
+// in f16 for Q4_0 and Q4_1, 2^-9 of them in bf16): a weight within about one more rounding of
+// what the prompt path's float32 dequantization holds.
 template <typename T>
 struct Pair;
 template <>
