@@ -8,8 +8,10 @@ one none (its parity stays with the GEMV).
 On the GPU: each format's kernel, for bf16 and f16 x, for row counts on both sides of every
 launch shape (1..64 rows a launch, more in several), weights whose rows are not a multiple of a
 warp's 16 and whose 32-weight blocks are not a multiple of a warp step's 4, against numpy: x
-times the weight dequantized from the same blocks (float32, as the kernel forms it: within one
-rounding of gguf-py's) and rounded to x's dtype, summed in float64. The bound is float32 summation: 2e-6 of sum |x| |w|.
+times the weight as the kernel forms it in x's dtype from the same blocks (Q8_0, Q6_K: the float32
+dequantization, within one rounding of gguf-py's, rounded to x's dtype; Q4_0, Q4_1, Q4_K: d and c
+rounded to x's dtype, then q d + c rounded once), summed in float64. The bound is float32
+summation: 2e-6 of sum |x| |w|.
 One row of x takes the SIMT GEMV instead, which multiplies the float32 weight unrounded (as the
 model's generated GEMV does): its reference is the float32 dequantization.
 
