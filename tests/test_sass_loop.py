@@ -8,7 +8,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
 
-from sass_loop import loop_opcodes, raw_functions  # noqa: E402
+from sass_diff import functions  # noqa: E402
+from sass_loop import loop_opcodes  # noqa: E402
 
 
 def _line(at: int, text: str) -> str:
@@ -34,10 +35,10 @@ SASS = "\n".join([
 
 
 def test_the_loop_is_the_last_backward_branch_span() -> None:
-    funcs = raw_functions(SASS)
+    funcs = functions(SASS, keep_offsets=True)
     assert list(funcs) == ["_Z4stepPf", "_Z4flatv"]
     assert loop_opcodes(funcs["_Z4stepPf"]) == ["HMMA", "LOP3", "HFMA2", "BRA"]
 
 
 def test_a_function_without_a_backward_branch_has_no_loop() -> None:
-    assert loop_opcodes(raw_functions(SASS)["_Z4flatv"]) == []
+    assert loop_opcodes(functions(SASS, keep_offsets=True)["_Z4flatv"]) == []

@@ -28,8 +28,9 @@ _ANON = re.compile(r"\d*_GLOBAL__N__[0-9a-f]+_\d+_\w+?_cu_[0-9a-f]{8}")
 _ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")  # the instruction's offset comment
 
 
-def functions(sass: str) -> dict[str, list[str]]:
-    """Function name -> its instructions, from `cuobjdump -sass` output."""
+def functions(sass: str, keep_offsets: bool = False) -> dict[str, list[str]]:
+    """Function name -> its instructions, from `cuobjdump -sass` output (with their offset
+    comments when keep_offsets: tests/bench/sass_loop.py follows the branches by them)."""
     out: dict[str, list[str]] = {}
     body: list[str] | None = None
     for line in sass.splitlines():
@@ -38,7 +39,7 @@ def functions(sass: str) -> dict[str, list[str]]:
             body = out.setdefault(_ANON.sub("ANON", found.group(1)), [])
             continue
         if body is not None:
-            text = _ANON.sub("ANON", _ADDRESS.sub("", line)).strip()
+            text = _ANON.sub("ANON", line if keep_offsets else _ADDRESS.sub("", line)).strip()
             if text:
                 body.append(text)
     return out

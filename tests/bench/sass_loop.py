@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from sass_diff import sass_text
+from sass_diff import functions, sass_text
 
 # an instruction line: its offset comment, an optional predicate, the opcode with modifiers, operands
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -41,26 +41,13 @@ def loop_opcodes(lines: list[str]) -> list[str]:
     return [op.split(".")[0] for at, op, _ in parsed if start <= at <= end]
 
 
-def raw_functions(sass: str) -> dict[str, list[str]]:
-    """Function name -> its lines with the offsets kept (sass_diff strips them)."""
-    out: dict[str, list[str]] = {}
-    body: list[str] | None = None
-    for line in sass.splitlines():
-        found = re.match(r"\s*Function : (\S+)", line)
-        if found:
-            body = out.setdefault(found.group(1), [])
-        elif body is not None:
-            body.append(line)
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("library", type=Path)
     ap.add_argument("patterns", nargs="+")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
     args = ap.parse_args()
-    funcs = raw_functions(sass_text(args.library, args.cuobjdump))
+    funcs = functions(sass_text(args.library, args.cuobjdump), keep_offsets=True)
     matched = 0
     for name, lines in funcs.items():
         if any(re.search(p, name) for p in args.patterns):
