@@ -152,13 +152,11 @@ template <>
 struct Pair<__nv_bfloat16> {
   using T2 = __nv_bfloat162;
   static constexpr uint32_t kExponent = 0x43004300u;  // 128, 128
-  static __device__ __forceinline__ T2 Pack(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
 };
 template <>
 struct Pair<__half> {
   using T2 = __half2;
   static constexpr uint32_t kExponent = 0x64006400u;  // 1024, 1024
-  static __device__ __forceinline__ T2 Pack(float lo, float hi) { return __floats2half2_rn(lo, hi); }
 };
 
 template <typename T2>
@@ -432,8 +430,8 @@ __device__ __forceinline__ void StagedRow(const char* st, int row, int q, RowBlo
     c = F == Fmt::kQ4_1 ? __half2float(reinterpret_cast<const __half*>(sc + 1024)[cell]) : 0.f;
   }
   if constexpr (Nibbles<F>()) {  // NibblePair's d and c, rounded to T once
-    out.d2 = PairBits(Pair<T>::Pack(d, d));
-    out.c2 = PairBits(Pair<T>::Pack(c, c));
+    out.d2 = Pack<T>(d, d);
+    out.c2 = Pack<T>(c, c);
   } else if constexpr (F == Fmt::kQ8_0) {
     out.d = d;
     out.c = 0.f;
