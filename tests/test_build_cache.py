@@ -1,4 +1,5 @@
-"""Two builders of one artifact folder: the second waits for the first and takes its build.
+"""Two builders of one artifact folder (or of one cached native object): the second waits for
+the first and takes its build.
 
 Two `vtool serve` processes started together on one model, or parallel test workers, used to
 compile the same library twice, and the later one removed the folder the earlier one had just
@@ -44,3 +45,26 @@ def test_a_second_builder_waits_and_takes_the_first_ones_artifact(tiny_model_dir
     assert notes == [f"using cached build {folder} (another process built it meanwhile)"]
     after = os.stat(folder / "model.so")
     assert (after.st_ino, after.st_mtime_ns) == (library.st_ino, library.st_mtime_ns), "the artifact was rebuilt"
+
+
+def test_parallel_builders_compile_a_native_object_once(tmp_path, monkeypatch):
+    """toolchain/native_objects.py: builds asking at once for the same cached object (block_mma.cu
+    for sm_90a, ~90 s of nvcc) used to compile it each; now one compiles, the others wait and take
+    its object."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vtool.toolchain.native_objects import cached_object
+
+    monkeypatch.setenv("VTOOL_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "answer.c"
+    source.write_text("int vtool_test_answer(void) { return 42; }\n")
+    runs = tmp_path / "runs"
+
+    def command(out: str) -> list[str]:  # the system C compiler, slowed so that the four overlap
+        return ["sh", "-c", f'echo run >> "{runs}"; sleep 1; cc -c -fPIC "{source}" -o "{out}"']
+
+    with ThreadPoolExecutor(4) as pool:
+        objects = list(pool.map(lambda _: cached_object(source, "test-objects", "key", command), range(4)))
+    assert len(set(objects)) == 1 and objects[0].stat().st_size > 0
+    assert runs.read_text().count("run") == 1, "the object was compiled more than once"
+    assert [p.name for p in objects[0].parent.iterdir() if p.suffix == ".o"] == [objects[0].name]
