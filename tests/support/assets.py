@@ -146,12 +146,29 @@ def llama_cpp_models_dir() -> Path:
     return out
 
 
+def llama_cpp_sdist() -> Path:
+    """The llama-cpp-python sdist, downloaded once into the assets folder (checked by sha256; a
+    download takes ~40 s on a fresh machine: pip fetches the build backend to read its metadata)
+    and shared by the vocab files and the templates, under a file lock for parallel workers."""
+    from filelock import FileLock
+
+    root = assets_root()
+    sdist = root / LCP_SDIST
+    with FileLock(root / f".{LCP_SDIST}.lock"):
+        if sdist.exists() and sha256_of(sdist) == LCP_SDIST_SHA256:
+            return sdist
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            fetched = _pip_download_sdist(Path(tmp))
+            _check(fetched, LCP_SDIST_SHA256)
+            os.replace(fetched, sdist)
+    return sdist
+
+
 def _extract_from_sdist(out: Path, wanted: Callable[[str], bool], what: str) -> None:
     """The sdist's files whose member name `wanted` accepts, flat into `out` (checked by the
     sdist's sha256; each file written atomically: a half-written one is never seen)."""
+    sdist = llama_cpp_sdist()
     with tempfile.TemporaryDirectory(dir=out) as tmp:
-        sdist = _pip_download_sdist(Path(tmp))
-        _check(sdist, LCP_SDIST_SHA256)
         with tarfile.open(sdist) as tf:
             members = [m for m in tf.getmembers() if m.isfile() and wanted(m.name)]
             if not members:
