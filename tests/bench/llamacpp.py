@@ -72,7 +72,6 @@ from vtool.runtime.weights.default_model import default_model_path, sha256_of
 from vtool.runtime.paths import cache_root
 
 LCP_VERSION = "0.3.36"  # latest llama-cpp-python on PyPI when written (2026-11)
-LCP_PACKAGE = f"llama-cpp-python=={LCP_VERSION}"
 LCP_SDIST = f"llama_cpp_python-{LCP_VERSION}.tar.gz"
 LCP_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 LCP_TOP = f"llama_cpp_python-{LCP_VERSION}"
@@ -166,16 +165,14 @@ def fetch_source(root: Path) -> Path:
     llama = src / LCP_TOP / "vendor" / "llama.cpp"
     if (src / ".complete").exists():
         return llama
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+    from assets import AssetError, llama_cpp_sdist  # the tests' copy: one download for both
+
+    try:
+        sdist = llama_cpp_sdist()  # checked by sha256
+    except AssetError as err:
+        raise BenchError(str(err)) from err
     with tempfile.TemporaryDirectory(dir=root) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "-d", tmp, LCP_PACKAGE]
-        done = _run(cmd, capture_output=True)
-        sdist = Path(tmp) / LCP_SDIST
-        if done.returncode != 0 or not sdist.exists():
-            raise BenchError(f"`pip download {LCP_PACKAGE}` failed: {done.stderr.strip()[-800:]}")
-        digest = sha256_of(sdist)
-        if digest != LCP_SDIST_SHA256:
-            raise BenchError(f"{LCP_SDIST}: sha256 {digest}, expected {LCP_SDIST_SHA256}")
         shutil.rmtree(src, ignore_errors=True)
         part = Path(tmp) / "src"
         with tarfile.open(sdist) as tf:
