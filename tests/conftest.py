@@ -91,8 +91,23 @@ def gpu_missing() -> str:
     return (done.stderr.strip().splitlines() or [f"the GPU probe exited {done.returncode}"])[-1]
 
 
+# The files that take minutes on a fresh machine, longest first (cold-cache worker seconds on 2
+# cores, session 53: the per-format tiny builds, the 13 CUDA builds, the llama-server build, ...).
+# The workers take whole files in collection order (setup.cfg: --no-loadscope-reorder; xdist's
+# default order, most tests first, left the 4-test llama-server file with its ~5-minute build for
+# the end, beside an idle worker), so these go first and the many short files fill the end.
+LONGEST_FILES_FIRST = (
+    "test_quant_gguf.py", "test_cuda_build.py", "test_bench_llama_server.py", "test_gemma.py",
+    "test_parity_tiny.py", "test_cpu_half_parity.py", "test_int8_gemv.py", "test_gpu_block_mma.py",
+    "test_draft_chain.py", "test_gpu_quantized.py", "test_kquant_gemm.py", "test_aarch64.py",
+    "test_quantize_safetensors.py", "test_tune_records.py",
+)
+
+
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected: no probe when no gpu test is left
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
