@@ -64,6 +64,8 @@ from typing import Any, Iterator
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # the tests' assets: one sdist for both
+from assets import LCP_SDIST, LCP_SDIST_SHA256, AssetError, llama_cpp_sdist  # noqa: E402
 from cpu_info import cpu_info, cpu_name  # noqa: E402
 from membw import OtherLoad, own_sched_group, wait_quiet  # noqa: E402
 
@@ -72,8 +74,6 @@ from vtool.runtime.weights.default_model import default_model_path, sha256_of
 from vtool.runtime.paths import cache_root
 
 LCP_VERSION = "0.3.36"  # latest llama-cpp-python on PyPI when written (2026-11)
-LCP_SDIST = f"llama_cpp_python-{LCP_VERSION}.tar.gz"
-LCP_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 LCP_TOP = f"llama_cpp_python-{LCP_VERSION}"
 # The sdist carries the submodule's git metadata; its HEAD is the vendored llama.cpp commit.
 LLAMA_CPP_HEAD = ".git/modules/vendor/llama.cpp/HEAD"
@@ -165,9 +165,6 @@ def fetch_source(root: Path) -> Path:
     llama = src / LCP_TOP / "vendor" / "llama.cpp"
     if (src / ".complete").exists():
         return llama
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
-    from assets import AssetError, llama_cpp_sdist  # the tests' copy: one download for both
-
     try:
         sdist = llama_cpp_sdist()  # checked by sha256
     except AssetError as err:
