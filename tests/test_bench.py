@@ -759,7 +759,10 @@ def test_worker_processes_keep_the_runs_contract(server):
     assert [r.prompt_len for r in recs] == [i + 2 for i in range(8)]
     assert app.state.max_in_flight == 3
     for r in recs:
-        assert T_FIRST - 0.002 <= r.ttft < T_FIRST + 0.1
+        # the slack is for two worker processes on a loaded CI machine (0.328 s seen once); a TTFT
+        # counted from the run's start instead of the request's would still fail: the last
+        # requests start a whole request (T_FIRST + 5 GAP) after the first
+        assert T_FIRST - 0.002 <= r.ttft < T_FIRST + 0.3
         assert t_before <= r.start_time
     span = max(r.start_time + r.latency for r in recs) - min(r.start_time for r in recs)
     assert span - 0.002 <= duration < span + 0.5
