@@ -17,6 +17,7 @@ import click
 from rich.console import Console
 
 from vtool import VtoolError, __version__
+from vtool.runtime.artifact.draft_state import MAX_FORCED, MAX_STEPS
 from vtool.runtime.engine.spec_config import pair_cache_len
 
 # No emoji codes: rich would print a completion's "arr[1:x:2]" as "arr[1❌2]" (even with markup off),
@@ -330,6 +331,12 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
                    "the grammar to the reasoning section too; backend auto|guidance")
 @click.option("--grammar-jump-forward/--no-grammar-jump-forward", default=True, show_default=True,
               help="structured output: append the tokens a grammar forces without a decode step each")
+@click.option("--lone-decode/--no-lone-decode", default=None,
+              help="a library built with --draft-cache-len, no speculation: a greedy request alone decodes on the "
+                   "library's own cache, several steps a round, each step one CUDA graph with its attention. "
+                   "Default: on a GPU; --lone-decode also on the CPU (docs/USAGE.md)")
+@click.option("--lone-decode-steps", default=8, show_default=True, type=click.IntRange(1, MAX_STEPS - MAX_FORCED + 1),
+              help="tokens a lone-decode round gives (a stream receives them together)")
 @quantization_option
 @activations_option
 @artifact_option
@@ -347,7 +354,8 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
           api_server_count: int,
           trust_remote_code: bool,
           enable_auto_tool_choice: bool, tool_call_parser: str | None, structured_outputs_config: str | None,
-          grammar_jump_forward: bool, quantization: str, activations: str, artifact: str | None,
+          grammar_jump_forward: bool, lone_decode: bool | None, lone_decode_steps: int, quantization: str,
+          activations: str, artifact: str | None,
           hf_overrides: str | None, threads: int | None, speculative_config: str | None) -> None:
     """Serve an OpenAI-compatible API (builds the model on first use)."""
     runtime_process(threads)
@@ -367,6 +375,7 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
         enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
         kv_window_freeing=kv_window_freeing,
         scheduling_policy=scheduling_policy, max_model_len=max_model_len, grammar_jump_forward=grammar_jump_forward,
+        lone_decode=lone_decode, lone_decode_steps=lone_decode_steps,
         speculative=_speculative(speculative_config, target, dtype))
     opts = ServeOptions(host=host, port=port, served_model_name=served_model_name, tokenizer_config=tokenizer_config,
                         max_model_len=max_model_len, api_key=api_key, disable_metrics=disable_metrics,

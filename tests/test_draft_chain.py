@@ -17,6 +17,7 @@ from vtool import VtoolError
 from vtool.runtime.engine.draft_chain import ChainVerifier, DraftChain, chain_generate, has_chain_verify, has_draft_chain
 from vtool.runtime.engine.engine import Engine, EngineConfig
 from vtool.runtime.engine.generate import Generator
+from vtool.runtime.engine.lone_decode import LoneDecode
 from vtool.runtime.engine.spec_config import parse_speculative_config
 from vtool.runtime.sampling.params import SamplingParams
 from vtool.runtime.session import open_session
@@ -581,3 +582,147 @@ def test_a_library_keeping_gguf_blocks_speculates_on_its_caches_as_its_decode(va
         tokens, stats = chain_generate(ChainVerifier(model), DraftChain(model), list(prompt), 20, k)
         assert tokens == expected, k
         assert stats["accepted"] == stats["drafted"] > 0
+
+
+# -- a greedy request alone decoding on the library's own cache (runtime/engine/lone_decode.py) ------
+
+def lone_engine(session, steps: int = 8) -> Engine:
+    engine = Engine(session, EngineConfig(lone_decode=True, lone_decode_steps=steps))  # on the CPU too
+    assert isinstance(engine.lone_chain, LoneDecode)
+    return engine
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(st.tuples(st.integers(0, 12), st.lists(st.integers(1, 400), min_size=1, max_size=20),
+                                   st.integers(1, 30)), min_size=1, max_size=3),
+       steps=st.integers(1, 23))
+def test_requests_alone_decode_on_the_own_cache_and_keep_the_engine_s_tokens(chain_session, requests, steps):
+    """Requests arriving at any step: while one is alone its rounds run on the library's own
+    cache, when another comes it rejoins the scheduler (recomputed), and every request's tokens
+    are the engine's greedy tokens through the paged cache; the paged cache ends idle."""
+    arrivals = [(at, ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) for at, ids, n in requests]
+    baseline = drive(Engine(chain_session, EngineConfig()), arrivals)
+    engine = lone_engine(chain_session, steps)
+    assert drive(engine, arrivals) == baseline
+    assert idle(engine) and engine.lone_chain.chain.owner is None
+    if len(requests) == 1:
+        assert engine.stats()["lone_decode_rounds"] > 0 and engine.stats()["lone_chain_rounds"] == 0
+
+
+def test_a_lone_round_gives_the_first_token_alone_then_steps_tokens_a_round(chain_session):
+    ids = chain_session.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    baseline = drive(Engine(chain_session, EngineConfig()), [(0, ids, params)])["r0"]
+    engine = lone_engine(chain_session, steps=6)
+    engine.add_request("r0", ids, params)
+    sizes = []
+    while engine.has_unfinished():
+        sizes.append(sum(len(o.new_token_ids) for o in engine.step()))
+    assert sizes == [1, 6, 6, 6, 1]  # the last round is cut to the 20 tokens asked for
+    assert engine.stats()["lone_decode_rounds"] == 5
+
+
+def test_a_stop_token_inside_a_round_ends_the_request_there(chain_session):
+    """A round's steps run past a stop token; the request still ends on it, as through the
+    paged cache, and the next request starts from what the cache truly holds."""
+    ids = chain_session.tokenizer.encode(PROMPTS[1])
+    free = drive(Engine(chain_session, EngineConfig()),
+                 [(0, ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))])["r0"]
+    stop = free[5]
+    cut = free[:free.index(stop) + 1]
+    params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop])
+    engine = lone_engine(chain_session, steps=8)
+    assert drive(engine, [(0, ids, params)]) == {"r0": cut}
+    assert drive(engine, [(0, ids + cut, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))]) == \
+        drive(Engine(chain_session, EngineConfig()),
+              [(0, ids + cut, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))])
+
+
+def test_requests_the_argmax_cannot_serve_take_the_engine_s_way(chain_session):
+    ids = chain_session.tokenizer.encode(PROMPTS[2])
+    engine = lone_engine(chain_session)
+    for params in (SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
+                   SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3)):
+        want = drive(Engine(chain_session, EngineConfig()), [(0, ids, params)])
+        assert drive(engine, [(0, ids, params)]) == want
+    assert engine.stats()["lone_decode_rounds"] == 0
+
+
+def test_lone_decode_is_a_gpu_default_and_needs_the_own_cache(chain_session, tiny_session):
+    from vtool.runtime.engine.lone_decode import wants_lone_decode
+
+    assert Engine(chain_session, EngineConfig()).lone_chain is None  # auto: not on the CPU
+    assert Engine(chain_session, EngineConfig(lone_decode=False)).lone_chain is None
+    assert wants_lone_decode(None, on_gpu=True) and not wants_lone_decode(None, on_gpu=False)
+    assert wants_lone_decode(True, on_gpu=False) and not wants_lone_decode(False, on_gpu=True)
+    assert Engine(tiny_session, EngineConfig()).lone_chain is None  # no own cache: nothing to say
+    with pytest.raises(VtoolError, match="--draft-cache-len"):
+        Engine(tiny_session, EngineConfig(lone_decode=True))
+
+
+@pytest.fixture(scope="module")
+def lone_server(chain_artifact, tiny_model_dir, tmp_path_factory):
+    """`vtool serve --lone-decode` of the tiny library built with the cache (on the CPU: asked)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_engine_core import Server
+
+    s = Server(tiny_model_dir, tmp_path_factory.mktemp("loneserve") / "server.log", "--artifact",
+               str(chain_artifact), "--lone-decode", "--lone-decode-steps", "5")
+    yield s
+    s.stop()
+
+
+def test_a_server_decodes_a_lone_greedy_request_on_the_own_cache_as_the_paged_one(lone_server, chain_session):
+    """Through the openai client: a greedy request alone decodes in rounds on the library's own
+    cache (counted in vtool:lone_decode_rounds), streamed or not, a stop sequence inside a round
+    ends the text where it should, two at once share the engine's steps, a sampled request takes
+    the engine's way; every text is the engine's through the paged cache, which ends idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from test_engine_core import MODEL
+
+    prompts = [chain_session.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = drive(Engine(chain_session, EngineConfig()), [(0, ids, params) for ids in prompts])
+    texts = [chain_session.tokenizer.decode(want[f"r{i}"]) for i in range(len(prompts))]
+    client = openai.OpenAI(base_url=f"{lone_server.url}/v1", api_key="x", max_retries=0)
+
+    def complete(i: int, stream: bool = False, **kw) -> str:
+        done = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=24, temperature=0, stream=stream,
+                                         extra_body={"ignore_eos": True}, **kw)
+        return "".join(c.choices[0].text for c in done if c.choices) if stream else done.choices[0].text
+
+    assert [complete(i) for i in range(len(prompts))] == texts
+    assert complete(0, stream=True) == texts[0]
+    rounds = lone_server.metric("vtool:lone_decode_rounds_total")
+    assert rounds >= 4 * 5  # four requests: a first token alone, then 23 tokens in rounds of at most 5
+    stop = texts[1][len(texts[1]) // 2:][:3]
+    assert complete(1, stop=[stop]) == texts[1][:texts[1].index(stop)]
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(complete, [0, 1, 0, 1])) == [texts[0], texts[1], texts[0], texts[1]]
+    before = lone_server.metric("vtool:lone_decode_rounds_total")
+    client.completions.create(model=MODEL, prompt=prompts[2], max_tokens=8, temperature=0.9, seed=1)
+    assert lone_server.metric("vtool:lone_decode_rounds_total") == before
+    assert lone_server.metric("vllm:kv_cache_usage_perc") == 0.0
+    assert lone_server.metric("vllm:num_requests_running") == 0
+
+
+def test_a_server_asked_for_lone_decode_on_a_library_without_the_cache_refuses_to_start(tiny_model_dir,
+                                                                                       tiny_artifact, tmp_path):
+    """Not a silent default: the server exits at startup and its output names the missing option."""
+    import subprocess
+    import sys
+
+    from test_engine_core import free_port
+
+    done = subprocess.run([sys.executable, "-m", "vtool.toolchain.cli", "serve", "--model", str(tiny_model_dir),
+                           "--artifact", str(tiny_artifact), "--port", str(free_port()), "--max-model-len", "256",
+                           "--lone-decode"], capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    assert "--draft-cache-len" in done.stdout + done.stderr, done.stdout + done.stderr

@@ -26,6 +26,7 @@ from vtool.runtime.engine.kv_blocks import blocks_for_window
 from vtool.runtime.engine.kv_cache import (PagedKVCache, cache_layers, frees_window, frees_window_by_default,
                                           sliding_window, window_kept)
 from vtool.runtime.engine.lone_chain import LoneChain
+from vtool.runtime.engine.lone_decode import DEFAULT_STEPS as LONE_DECODE_STEPS, LoneDecode
 from vtool.runtime.engine.model_thread import Beside, ModelThread, model_thread_for
 from vtool.runtime.engine.output_processor import OutputProcessor
 from vtool.runtime.engine.prefix_cache import PrefixCache
@@ -103,6 +104,11 @@ class EngineConfig:
     grammar_jump_forward: bool = True
     # --speculative-config (engine/spec_config.py); None: no speculation.
     speculative: SpeculativeConfig | None = None
+    # A library built with --draft-cache-len, no speculation: a greedy request alone decodes on the
+    # library's own cache, lone_decode_steps tokens a round, each step one captured graph
+    # (engine/lone_decode.py). None: on a GPU only; True: also on the CPU; False: never.
+    lone_decode: bool | None = None
+    lone_decode_steps: int = LONE_DECODE_STEPS
     # A model whose every layer is windowed (CPU builds): give back the KV blocks wholly outside
     # the window while a sequence runs (kv_cache.py sliding_window), so a sequence holds at most
     # about window / 16 + 2 blocks. None: where the library's kernels for it are vtool's parallel
@@ -174,6 +180,8 @@ class EngineCounters:
     propose_seconds: float = 0.0
     # Rounds a greedy request alone ran with both models on their own caches (lone_chain.py).
     lone_chain_rounds: int = 0
+    # Rounds a greedy request alone decoded on the library's own cache (lone_decode.py).
+    lone_decode_rounds: int = 0
     # Steps queued behind the one before, their tokens read on the device (chained_steps.py).
     chained_steps: int = 0
 
@@ -224,8 +232,10 @@ class Engine:
         # draft model's weights and cache must be in place by then.
         self.speculator = Speculator.create(config.speculative, self) if config.speculative else None
         # A greedy request alone speculates over the two libraries' own caches when both have
-        # them (engine/lone_chain.py); it is then held here, outside the scheduler.
-        self.lone_chain = LoneChain.open(self) if self.speculator is not None else None
+        # them (engine/lone_chain.py), or without speculation decodes on the library's own cache
+        # (engine/lone_decode.py); it is then held here, outside the scheduler.
+        self.lone_chain: LoneChain | LoneDecode | None = \
+            LoneChain.open(self) if self.speculator is not None else LoneDecode.open(self)
         self._alone: Request | None = None
         # Every layer windowed: the cache that frees what the window passed (by default where its
         # kernels are fast), unless speculative decoding must take rejected drafts back
@@ -517,7 +527,7 @@ class Engine:
         new, drafted = self.lone_chain.round(request, self.output_processor.room(request))
         c = self.counters
         c.steps += 1
-        c.lone_chain_rounds += 1
+        setattr(c, self.lone_chain.rounds_counter, getattr(c, self.lone_chain.rounds_counter) + 1)
         if drafted:
             self._count_drafts(drafted, len(new) - 1)
         t0 = time.perf_counter()

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 class LoneChain:
     """The target's ChainVerifier and the draft's DraftChain, and the engine's draft length."""
 
+    rounds_counter = "lone_chain_rounds"  # the engine's counter of these rounds
+
     def __init__(self, verifier: ChainVerifier, draft: DraftChain, k: int):
         self.verifier, self.draft = verifier, draft
         self.k = min(k, verifier.max_verify - 1)

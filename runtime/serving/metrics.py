@@ -129,6 +129,10 @@ class ServerMetrics:
             "vtool:spec_decode_own_cache_rounds",
             "Speculation rounds of a greedy request alone with both models on their own caches "
             "(engine/lone_chain.py); they also count in vllm:spec_decode_* and vtool:engine_steps.")
+        self.lone_decode_rounds = counter(
+            "vtool:lone_decode_rounds",
+            "Rounds of several decode steps a greedy request alone ran on the library's own cache "
+            "(engine/lone_decode.py); each also counts as one vtool:engine_steps.")
         self.engine_steps = counter("vtool:engine_steps", "Engine steps run.")
         self.step_seconds = histogram(
             "vtool:engine_step_seconds",
@@ -326,6 +330,7 @@ class ServerMetrics:
                                      ("spec_num_draft_tokens", self.spec_draft_tokens, ()),
                                      ("spec_num_accepted_tokens", self.spec_accepted_tokens, ()),
                                      ("lone_chain_rounds", self.spec_own_cache_rounds, ()),
+                                     ("lone_decode_rounds", self.lone_decode_rounds, ()),
                                      ("prompt_tokens_computed", self.prompt_tokens_by_source, ("local_compute",)),
                                      ("prompt_tokens_cache_hit", self.prompt_tokens_by_source, ("local_cache_hit",)),
                                      ("prompt_tokens_cached", self.prompt_tokens_cached, ()),
