@@ -5,7 +5,7 @@ chain never uses the model thread, so "waiting" is also what the engine did befo
 
     python tests/bench/chained_steps_ab.py --artifact DIR --model CKPT [--batch 64] [--prompt 128]
                                            [--tokens 128] [--rounds 3] [--temperature 1.0]
-                                           [--modes waiting,chained,chained+thread,default]
+                                           [--modes waiting,chained,chained+thread,default,paged,lone]
 
 Each round runs the same workload once per mode: `--batch` requests of `--prompt` random
 token ids admitted together, `--tokens` tokens each (ignore_eos, seeded sampling at
@@ -26,10 +26,12 @@ from pathlib import Path
 import numpy as np
 
 
-# mode -> (chain_steps, overlap_model_calls); "default" is EngineConfig's (chained steps of 2+ sequences
-# on the model thread); "waiting" never chains, as the engine did before the model thread
-MODES = {"waiting": (False, False), "chained": (True, False), "chained+thread": (True, True),
-         "default": (None, True)}
+# mode -> (chain_steps, overlap_model_calls, lone_decode); "default" is EngineConfig's (chained steps of
+# 2+ sequences on the model thread; on a GPU a library built with --draft-cache-len decodes a greedy
+# request alone on its own cache, runtime/engine/lone_decode.py); "paged" is the default without that;
+# "waiting" never chains, as the engine did before the model thread; "lone" asks for the own cache
+MODES = {"waiting": (False, False, False), "chained": (True, False, False), "chained+thread": (True, True, False),
+         "default": (None, True, None), "paged": (None, True, False), "lone": (None, True, True)}
 
 
 def run_once(session, mode: str, a: argparse.Namespace, seed: int) -> dict:  # noqa: ANN001
@@ -39,7 +41,7 @@ def run_once(session, mode: str, a: argparse.Namespace, seed: int) -> dict:  # n
     engine = Engine(session, EngineConfig(max_num_seqs=a.batch, max_num_batched_tokens=max(8192, a.batch * a.prompt),
                                           enable_prefix_caching=False, gpu_memory_utilization=0.3,
                                           max_model_len=a.prompt + a.tokens + 16, chain_steps=MODES[mode][0],
-                                          overlap_model_calls=MODES[mode][1]))
+                                          overlap_model_calls=MODES[mode][1], lone_decode=MODES[mode][2]))
     rng = np.random.default_rng(seed)
     for i in range(a.batch):
         params = SamplingParams(max_tokens=a.tokens, ignore_eos=True, temperature=a.temperature, seed=seed + i)
@@ -57,17 +59,21 @@ def run_once(session, mode: str, a: argparse.Namespace, seed: int) -> dict:  # n
     while engine.has_unfinished():
         t = time.perf_counter()
         outs = engine.step_core()
-        step_times.append((time.perf_counter() - t, len(outs)))
-        produced += take(outs)
+        got = take(outs)
+        step_times.append((time.perf_counter() - t, len(outs), got))
+        produced += got
         first_done = first_done or any(o.finish_reason for o in outs)
         if first_done:
             break
     while engine.has_unfinished():  # the rest, outside the decode-step timing
         produced += take(engine.step_core())
     wall = time.perf_counter() - start
-    decode = [s for s, n in step_times[3:] if n == a.batch]  # full-batch steps after the prefill
+    decode = [(s, got) for s, n, got in step_times[3:] if n == a.batch]  # full-batch steps after the prefill
+    # a lone-decode round gives several tokens a step: time per token of each sequence as well
+    per_token = 1e3 * sum(s for s, _ in decode) / (sum(got for _, got in decode) / a.batch) if decode else None
     thread = engine.model_thread
-    result = {"mode": mode, "decode_step_ms": 1e3 * statistics.mean(decode) if decode else None,
+    result = {"mode": mode, "decode_step_ms": 1e3 * statistics.mean(s for s, _ in decode) if decode else None,
+              "decode_ms_per_token": per_token, "lone_decode_rounds": engine.counters.lone_decode_rounds,
               "output_tok_s": produced / wall, "steps": engine.counters.steps,
               "chained_steps": engine.counters.chained_steps, "tokens": produced,
               "overlapped_calls": thread.overlapped_calls if thread is not None else 0,
@@ -107,6 +113,7 @@ def main() -> None:
         mine = [x for x in runs if x["mode"] == mode]
         print(json.dumps({"mode": mode, "overlapped_calls": [x["overlapped_calls"] for x in mine],
                           "median_decode_step_ms": statistics.median(x["decode_step_ms"] for x in mine),
+                          "median_decode_ms_per_token": statistics.median(x["decode_ms_per_token"] for x in mine),
                           "median_output_tok_s": statistics.median(x["output_tok_s"] for x in mine),
                           "chained_steps": [x["chained_steps"] for x in mine], "steps": [x["steps"] for x in mine]}))
 

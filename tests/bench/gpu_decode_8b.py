@@ -236,6 +236,45 @@ def decode_timer(model, gen, prompt: int = 128):  # noqa: ANN001, ANN201 - () ->
     return timed_decode
 
 
+def own_cache_timer(model, prompt: int = 128):  # noqa: ANN001, ANN201 - (rounds) -> seconds per step
+    """Seconds per one-sequence `draft_step` (a library built with --draft-cache-len): the step
+    on the library's own cache, captured whole in one CUDA graph with its attention, against
+    `decode`'s TVM paged cache, whose kernels run between the captured pieces. Rounds of the
+    most steps a round takes (runtime/engine/draft_chain.py propose: one state write, the steps
+    queued, one read), after a `prompt`-token draft_extend; the timer's argument is rounds."""
+    from vtool.runtime.engine.draft_chain import DraftChain
+
+    chain = DraftChain(model)
+    k = chain.max_steps - chain.max_forced + 1
+    ids = list(range(1000, 1000 + prompt))
+
+    def start() -> None:
+        ids[prompt:] = []
+        ids.extend(chain.propose("bench", ids, 1))
+
+    def rounds(n: int) -> None:
+        for _ in range(n):
+            ids.extend(chain.propose("bench", ids, k))
+
+    def timed(n: int) -> float:
+        start()
+        rounds(1)  # warm: the graph captured
+        t0 = time.perf_counter()
+        rounds(n)
+        return (time.perf_counter() - t0) / (n * k)
+
+    def steps_only(n: int):  # noqa: ANN202 - for kernel_times: n rounds of k steps
+        def run() -> None:
+            rounds(n)
+
+        run.prepare = lambda: (start(), rounds(1))
+        return run
+
+    timed.steps_only = steps_only
+    timed.steps_per_round = k
+    return timed
+
+
 def batch_decode_timer(model, batch: int, tokens: int = 384, entry: str = "batch_decode"):  # noqa: ANN001, ANN201
     """Seconds per `entry` step of `batch` one-token sequences (a fresh paged cache with room
     for `tokens` steps, warm-up steps included, per sequence); `batch_decode_captured` runs
@@ -432,6 +471,14 @@ def bench_vtool(artifact: Path, checkpoint_dir: Path, steps: int, profile: bool 
         weight_bytes = weight_bytes_per_step(gguf_file)
     if profile:
         profile_kernels("vtool_decode_b1", timed_decode.steps_only(16), weight_bytes)
+    if "draft_chain" in model.manifest:  # the same step on the library's own cache, one graph
+        timed_own = own_cache_timer(model)
+        timed_own(1)
+        step = timed_own(8)
+        record(step="vtool_draft_step_b1_own_cache", ms_per_token=round(step * 1e3, 3), tok_s=round(1 / step, 1))
+        if profile:
+            profile_kernels("vtool_draft_step_b1", timed_own.steps_only(2), weight_bytes,
+                            steps=2 * timed_own.steps_per_round)
     for batch in profile_batches:
         profile_batch_step(model, batch, weight_bytes)
     if decode_only:
