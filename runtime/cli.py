@@ -331,10 +331,10 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
                    "the grammar to the reasoning section too; backend auto|guidance")
 @click.option("--grammar-jump-forward/--no-grammar-jump-forward", default=True, show_default=True,
               help="structured output: append the tokens a grammar forces without a decode step each")
-@click.option("--lone-decode/--no-lone-decode", default=None,
+@click.option("--lone-decode", is_flag=True,
               help="a library built with --draft-cache-len, no speculation: a greedy request alone decodes on the "
-                   "library's own cache, several steps a round, each step one CUDA graph with its attention. "
-                   "Default: on a GPU; --lone-decode also on the CPU (docs/USAGE.md)")
+                   "library's own cache, several steps a round, each step one CUDA graph with its attention "
+                   "(docs/USAGE.md; not yet timed on a GPU)")
 @click.option("--lone-decode-steps", default=8, show_default=True, type=click.IntRange(1, MAX_STEPS - MAX_FORCED + 1),
               help="tokens a lone-decode round gives (a stream receives them together)")
 @quantization_option
@@ -354,7 +354,7 @@ def serve(model: str | None, revision: str | None, target: str, dtype: str, host
           api_server_count: int,
           trust_remote_code: bool,
           enable_auto_tool_choice: bool, tool_call_parser: str | None, structured_outputs_config: str | None,
-          grammar_jump_forward: bool, lone_decode: bool | None, lone_decode_steps: int, quantization: str,
+          grammar_jump_forward: bool, lone_decode: bool, lone_decode_steps: int, quantization: str,
           activations: str, artifact: str | None,
           hf_overrides: str | None, threads: int | None, speculative_config: str | None) -> None:
     """Serve an OpenAI-compatible API (builds the model on first use)."""

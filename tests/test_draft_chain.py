@@ -587,7 +587,7 @@ def test_a_library_keeping_gguf_blocks_speculates_on_its_caches_as_its_decode(va
 # -- a greedy request alone decoding on the library's own cache (runtime/engine/lone_decode.py) ------
 
 def lone_engine(session, steps: int = 8) -> Engine:
-    engine = Engine(session, EngineConfig(lone_decode=True, lone_decode_steps=steps))  # on the CPU too
+    engine = Engine(session, EngineConfig(lone_decode=True, lone_decode_steps=steps))
     assert isinstance(engine.lone_chain, LoneDecode)
     return engine
 
@@ -649,13 +649,8 @@ def test_requests_the_argmax_cannot_serve_take_the_engine_s_way(chain_session):
     assert engine.stats()["lone_decode_rounds"] == 0
 
 
-def test_lone_decode_is_a_gpu_default_and_needs_the_own_cache(chain_session, tiny_session):
-    from vtool.runtime.engine.lone_decode import wants_lone_decode
-
-    assert Engine(chain_session, EngineConfig()).lone_chain is None  # auto: not on the CPU
-    assert Engine(chain_session, EngineConfig(lone_decode=False)).lone_chain is None
-    assert wants_lone_decode(None, on_gpu=True) and not wants_lone_decode(None, on_gpu=False)
-    assert wants_lone_decode(True, on_gpu=False) and not wants_lone_decode(False, on_gpu=True)
+def test_lone_decode_is_asked_for_and_needs_the_own_cache(chain_session, tiny_session):
+    assert Engine(chain_session, EngineConfig()).lone_chain is None  # off unless asked
     assert Engine(tiny_session, EngineConfig()).lone_chain is None  # no own cache: nothing to say
     with pytest.raises(VtoolError, match="--draft-cache-len"):
         Engine(tiny_session, EngineConfig(lone_decode=True))

@@ -141,7 +141,7 @@ def test_the_engine_runs_a_request_alone_on_both_caches_on_the_gpu(tmp_path_fact
             step += 1
         return out
 
-    baseline = drive(Engine(session, EngineConfig(lone_decode=False)))  # the paged cache alone
+    baseline = drive(Engine(session, EngineConfig()))
     config = parse_speculative_config({"model": str(model_dir), "num_speculative_tokens": 4})
     engine = Engine(session, EngineConfig(speculative=config.resolved(str(artifact), str(model_dir))))
     assert engine.lone_chain is not None  # auto: on a GPU
@@ -150,9 +150,9 @@ def test_the_engine_runs_a_request_alone_on_both_caches_on_the_gpu(tmp_path_fact
     stats = engine.stats()
     assert stats["lone_chain_rounds"] > 0 and stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0
     assert engine.kv.in_sync() and engine.kv_usage() == 0.0 and engine._alone is None
-    # without speculation the same library decodes a request alone on its own cache by default
+    # without speculation, asked, the same library decodes a request alone on its own cache
     # (runtime/engine/lone_decode.py), rounds of lone_decode_steps tokens, the same tokens
-    lone = Engine(session, EngineConfig())
+    lone = Engine(session, EngineConfig(lone_decode=True))
     assert type(lone.lone_chain).__name__ == "LoneDecode"
     assert drive(lone) == baseline
     assert lone.stats()["lone_decode_rounds"] > 0 and lone.stats()["lone_chain_rounds"] == 0

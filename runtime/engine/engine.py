@@ -106,8 +106,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # A library built with --draft-cache-len, no speculation: a greedy request alone decodes on the
     # library's own cache, lone_decode_steps tokens a round, each step one captured graph
-    # (engine/lone_decode.py). None: on a GPU only; True: also on the CPU; False: never.
-    lone_decode: bool | None = None
+    # (engine/lone_decode.py). Off until timed on a GPU; slower on the CPU.
+    lone_decode: bool = False
     lone_decode_steps: int = LONE_DECODE_STEPS
     # A model whose every layer is windowed (CPU builds): give back the KV blocks wholly outside
     # the window while a sequence runs (kv_cache.py sliding_window), so a sequence holds at most

@@ -16,9 +16,10 @@ logits processors, prompt logprobs) leaves the scheduler; when another request a
 back to the queue and the scheduler recomputes what its paged cache lacks. Its first round feeds
 the prompt (draft_extend) and gives one token, so the time to it is a prefill; every later round
 gives up to `steps` tokens at once (a stop id or a length limit ends the request inside a round;
-the steps past it are wasted, nothing else). By default only on a GPU: the CPU runs the cache's
-attention as plain serial TIR, slower than the paged cache's kernels (docs/BENCHMARKS.md, session
-38).
+the steps past it are wasted, nothing else). Opt-in (EngineConfig.lone_decode, `--lone-decode`)
+until it is timed on a GPU against `decode` (tests/bench/gpu_decode_8b.py times both,
+tests/bench/chained_steps_ab.py --modes paged,lone the engine's tokens): on the CPU it is slower,
+since the cache's attention there is plain serial TIR (docs/BENCHMARKS.md, session 38).
 """
 from __future__ import annotations
 
@@ -38,11 +39,6 @@ if TYPE_CHECKING:
 DEFAULT_STEPS = 8
 
 
-def wants_lone_decode(asked: bool | None, on_gpu: bool) -> bool:
-    """None (auto): on a GPU only; True / False: as asked."""
-    return on_gpu if asked is None else asked
-
-
 class LoneDecode:
     """The library's own cache, used as the decode of a greedy request alone."""
 
@@ -55,19 +51,14 @@ class LoneDecode:
 
     @classmethod
     def open(cls, engine: Engine) -> LoneDecode | None:
-        """None when the engine speculates (its rounds have their own way), the library has no
-        cache of its own, or the config leaves this off (auto: off on the CPU). Asked for on a
-        library without the cache: refused by name."""
-        asked = engine.config.lone_decode
-        if engine.speculator is not None or asked is False:
+        """None unless the config asks for it and the engine does not speculate (a request alone
+        then has speculation's own-cache rounds, engine/lone_chain.py). Asked for on a library
+        without the cache: refused by name."""
+        if not engine.config.lone_decode or engine.speculator is not None:
             return None
         if not has_draft_chain(engine.model):
-            if asked:
-                raise VtoolError("lone_decode needs a library built with --draft-cache-len (it has no draft_step "
-                                 "over a cache of its own); rebuild with --draft-cache-len N or leave it off")
-            return None
-        if not wants_lone_decode(asked, bool(getattr(engine.model, "on_gpu", False))):
-            return None
+            raise VtoolError("lone_decode needs a library built with --draft-cache-len (it has no draft_step "
+                             "over a cache of its own); rebuild with --draft-cache-len N or leave it off")
         return cls(DraftChain(engine.model), engine.config.lone_decode_steps)
 
     def takes(self, request: Request) -> bool:

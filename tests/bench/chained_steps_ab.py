@@ -27,11 +27,11 @@ import numpy as np
 
 
 # mode -> (chain_steps, overlap_model_calls, lone_decode); "default" is EngineConfig's (chained steps of
-# 2+ sequences on the model thread; on a GPU a library built with --draft-cache-len decodes a greedy
-# request alone on its own cache, runtime/engine/lone_decode.py); "paged" is the default without that;
-# "waiting" never chains, as the engine did before the model thread; "lone" asks for the own cache
+# 2+ sequences on the model thread); "waiting" never chains, as the engine did before the model thread;
+# "lone": a library built with --draft-cache-len decodes a greedy request alone on its own cache
+# (runtime/engine/lone_decode.py), "paged" the same default engine without it
 MODES = {"waiting": (False, False, False), "chained": (True, False, False), "chained+thread": (True, True, False),
-         "default": (None, True, None), "paged": (None, True, False), "lone": (None, True, True)}
+         "default": (None, True, False), "paged": (None, True, False), "lone": (None, True, True)}
 
 
 def run_once(session, mode: str, a: argparse.Namespace, seed: int) -> dict:  # noqa: ANN001
