@@ -246,6 +246,9 @@ def model_options(fn: Callable) -> Callable:
 @click.option("--regex", default=None, help="the output matches this regular expression")
 @click.option("--choice", default=None, help="the output is one of these comma-separated strings")
 @click.option("--max-model-len", default=None, type=int, help="context length (default: model's, capped at 4096)")
+@click.option("--lone-decode", is_flag=True,
+              help="a library built with --draft-cache-len: greedy decode on the library's own cache, 8 steps a "
+                   "round, each step one CUDA graph (docs/USAGE.md; not yet timed on a GPU)")
 @quantization_option
 @activations_option
 @artifact_option
@@ -255,7 +258,7 @@ def model_options(fn: Callable) -> Callable:
 def run(model: str | None, revision: str | None, target: str, dtype: str, prompt: str, tokenizer_config: str | None, max_tokens: int,
         temperature: float, top_p: float, top_k: int, seed: int | None, stream: bool, repeat: int, chat: bool,
         json_schema: str | None, regex: str | None, choice: str | None,
-        max_model_len: int | None, artifact: str | None, quantization: str, activations: str,
+        max_model_len: int | None, lone_decode: bool, artifact: str | None, quantization: str, activations: str,
         hf_overrides: str | None, threads: int | None, speculative_config: str | None) -> None:
     """Generate text from a prompt (builds the model on first use)."""
     runtime_process(threads)
@@ -275,7 +278,8 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
                          structured_outputs=structured_outputs_option(json_schema, regex, choice))
     from vtool.runtime.engine.engine import EngineConfig
 
-    run_completion(artifact_dir, checkpoint, options, out, console, EngineConfig(speculative=spec))
+    run_completion(artifact_dir, checkpoint, options, out, console,
+                   EngineConfig(speculative=spec, lone_decode=lone_decode))
 
 
 @main.command()

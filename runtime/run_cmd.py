@@ -80,6 +80,13 @@ def _acceptance(before: dict, after: dict) -> str:
             f"{' (both models on their own caches)' if own else ''}")
 
 
+def _lone_rounds(before: dict, after: dict) -> str:
+    """The rounds decoded on the library's own cache between two engine snapshots
+    (engine/lone_decode.py); '' when none ran."""
+    rounds = after["lone_decode_rounds"] - before["lone_decode_rounds"]
+    return f"; {rounds} rounds on the library's own cache" if rounds else ""
+
+
 def run_completion(artifact: Path, checkpoint: Checkpoint, opts: RunOptions, out: Console, err: Console,
                    engine_config: EngineConfig | None = None) -> None:
     """engine_config: KV sizing (num_blocks, kv_memory_bytes, gpu_memory_utilization) and the
@@ -117,8 +124,8 @@ def run_completion(artifact: Path, checkpoint: Checkpoint, opts: RunOptions, out
             first_done = engine.stats()
         err.print(f"[dim]run {i + 1}: prompt {stats.prompt_tokens} tokens, first token {stats.ttft_seconds * 1e3:.0f} ms; "
                   f"{stats.tokens} tokens ({stats.finish_reason}), decode {stats.decode_tokens_per_second:.1f} tok/s"
-                  f"{_acceptance(before, engine.stats())}[/]", highlight=False)
+                  f"{_acceptance(before, engine.stats())}{_lone_rounds(before, engine.stats())}[/]", highlight=False)
     if repeat > 1:
         warm = rates[1:]
         err.print(f"warm decode: {sum(warm) / len(warm):.1f} tok/s (mean of runs 2..{repeat})"
-                  f"{_acceptance(first_done, engine.stats())}", highlight=False)
+                  f"{_acceptance(first_done, engine.stats())}{_lone_rounds(first_done, engine.stats())}", highlight=False)

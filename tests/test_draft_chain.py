@@ -721,3 +721,20 @@ def test_a_server_asked_for_lone_decode_on_a_library_without_the_cache_refuses_t
                            "--lone-decode"], capture_output=True, text=True, timeout=240)
     assert done.returncode != 0
     assert "--draft-cache-len" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def test_vtool_run_decodes_on_the_own_cache_when_asked(tiny_model_dir, chain_artifact, chain_session):
+    """`vtool run --lone-decode` on a library with the cache: the paged engine's greedy text, and the
+    run's report says how many rounds ran on the cache."""
+    import subprocess
+    import sys
+
+    ids = chain_session.tokenizer.encode("The capital of France is")
+    want = drive(Engine(chain_session, EngineConfig()),
+                 [(0, ids, SamplingParams(temperature=0, max_tokens=20))])["r0"]  # as `run` asks
+    done = subprocess.run([sys.executable, "-m", "vtool.toolchain.cli", "run", "--model", str(tiny_model_dir),
+                           "--artifact", str(chain_artifact), "--max-tokens", "20", "--lone-decode", "--repeat", "2",
+                           "--max-model-len", "256"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip("\n") == chain_session.tokenizer.decode(want)
+    assert "rounds on the library's own cache" in done.stderr, done.stderr
