@@ -738,3 +738,16 @@ def test_vtool_run_decodes_on_the_own_cache_when_asked(tiny_model_dir, chain_art
     assert done.returncode == 0, done.stderr
     assert done.stdout.rstrip("\n") == chain_session.tokenizer.decode(want)
     assert "rounds on the library's own cache" in done.stderr, done.stderr
+
+
+def test_a_request_outgrowing_the_own_cache_goes_on_through_the_paged_one(chain_session):
+    """The cache holds CACHE_LEN positions: a request that grows past it mid-round is cut at the
+    cache's end and rejoins the scheduler, which recomputes it and decodes the rest; the tokens
+    are the paged engine's throughout."""
+    rng = np.random.default_rng(11)
+    ids = [int(t) for t in rng.integers(1, 400, CACHE_LEN - 20)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    baseline = drive(Engine(chain_session, EngineConfig()), [(0, ids, params)])
+    engine = lone_engine(chain_session, steps=7)
+    assert drive(engine, [(0, ids, params)]) == baseline
+    assert engine.stats()["lone_decode_rounds"] >= 3 and idle(engine)
