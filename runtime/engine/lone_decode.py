@@ -23,6 +23,7 @@ since the cache's attention there is plain serial TIR (docs/BENCHMARKS.md, sessi
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from vtool import VtoolError
@@ -32,6 +33,8 @@ from vtool.runtime.sampling.device import can_sample_on_device
 
 if TYPE_CHECKING:
     from vtool.runtime.engine.engine import Engine
+
+log = logging.getLogger("vtool.engine")
 
 # Tokens a round gives after the first: enough that the host's turn between rounds (state write,
 # token read, outputs) is small beside k steps, few enough that a stream's tokens still arrive in
@@ -54,7 +57,11 @@ class LoneDecode:
         """None unless the config asks for it and the engine does not speculate (a request alone
         then has speculation's own-cache rounds, engine/lone_chain.py). Asked for on a library
         without the cache: refused by name."""
-        if not engine.config.lone_decode or engine.speculator is not None:
+        if not engine.config.lone_decode:
+            return None
+        if engine.speculator is not None:
+            log.info("lone decode: with speculation a greedy request alone takes speculation's rounds instead "
+                     "(its own-cache rounds where both libraries have the cache)")
             return None
         if not has_draft_chain(engine.model):
             raise VtoolError("lone_decode needs a library built with --draft-cache-len (it has no draft_step "
