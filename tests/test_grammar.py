@@ -1,5 +1,5 @@
 """Grammar-constrained decoding (runtime/sampling/grammar.py, llguidance) on real tokenizers: the
-tiny chat model's SmolLM2 tokenizer and, where the test asset is cached, Qwen3's.
+tiny chat model's SmolLM2 tokenizer and Qwen3's (tests/support/assets.py fetches it once).
 
 Random logits drive greedy decoding through GrammarProcessor: whatever the "model" prefers, the
 output must satisfy the grammar. Schemas in the random strategy are bounded (string maxLength,
@@ -10,7 +10,6 @@ import json
 import re
 import threading
 import time
-from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -22,9 +21,6 @@ from vtool.runtime.sampling.grammar import GrammarCompiler, GrammarError, Gramma
 from vtool.runtime.sampling.logits_processors import LogitsProcessor, bitmask_words, unpack_allowed
 from vtool.runtime.text.tokenizer import Tokenizer
 
-QWEN3_DIR = Path.home() / ".cache" / "vtool" / "test-assets" / "qwen3-tokenizer"
-
-
 @pytest.fixture(scope="module")
 def smol(tiny_model_dir):
     tokenizer = Tokenizer.from_dir(tiny_model_dir)
@@ -33,9 +29,11 @@ def smol(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def qwen3():
-    if not (QWEN3_DIR / "tokenizer.json").is_file():
-        pytest.skip("the Qwen3 tokenizer test asset is not cached (see the test-assets notes)")
-    tokenizer = Tokenizer.from_dir(QWEN3_DIR)
+    # fetched when missing (an asset that cannot be had fails the test, never skips it: these
+    # tests were skipped on any machine where no other test had fetched it first)
+    import assets
+
+    tokenizer = Tokenizer.from_dir(assets.required(assets.qwen3_tokenizer_dir))
     return tokenizer, GrammarCompiler(tokenizer)
 
 
