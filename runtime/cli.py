@@ -17,7 +17,7 @@ import click
 from rich.console import Console
 
 from vtool import VtoolError, __version__
-from vtool.runtime.artifact.draft_state import MAX_FORCED, MAX_STEPS
+from vtool.runtime.artifact.draft_state import LONE_DECODE_STEPS, MAX_FORCED, MAX_STEPS
 from vtool.runtime.engine.spec_config import pair_cache_len
 
 # No emoji codes: rich would print a completion's "arr[1:x:2]" as "arr[1❌2]" (even with markup off),
@@ -247,8 +247,8 @@ def model_options(fn: Callable) -> Callable:
 @click.option("--choice", default=None, help="the output is one of these comma-separated strings")
 @click.option("--max-model-len", default=None, type=int, help="context length (default: model's, capped at 4096)")
 @click.option("--lone-decode", is_flag=True,
-              help="a library built with --draft-cache-len: greedy decode on the library's own cache, 8 steps a "
-                   "round, each step one CUDA graph (docs/USAGE.md; not yet timed on a GPU)")
+              help="a library built with --draft-cache-len: greedy decode on the library's own cache, "
+                   f"{LONE_DECODE_STEPS} steps a round, each step one CUDA graph (docs/USAGE.md; not yet timed on a GPU)")
 @quantization_option
 @activations_option
 @artifact_option
@@ -339,7 +339,7 @@ def run(model: str | None, revision: str | None, target: str, dtype: str, prompt
               help="a library built with --draft-cache-len, no speculation: a greedy request alone decodes on the "
                    "library's own cache, several steps a round, each step one CUDA graph with its attention "
                    "(docs/USAGE.md; not yet timed on a GPU)")
-@click.option("--lone-decode-steps", default=8, show_default=True, type=click.IntRange(1, MAX_STEPS - MAX_FORCED + 1),
+@click.option("--lone-decode-steps", default=LONE_DECODE_STEPS, show_default=True, type=click.IntRange(1, MAX_STEPS - MAX_FORCED + 1),
               help="tokens a lone-decode round gives (a stream receives them together)")
 @quantization_option
 @activations_option

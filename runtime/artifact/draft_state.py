@@ -13,6 +13,11 @@ POSITION, NUM_FORCED, STEP, FORCED = 0, 1, 2, 3
 MAX_FORCED = 2  # a round feeds at most the target's last token and the draft the cache lacks
 OUT = 8
 MAX_STEPS = 24  # steps a round may run (its drafts plus MAX_FORCED - 1)
+# Tokens a lone-decode round gives (runtime/engine/lone_decode.py; at most MAX_STEPS - MAX_FORCED + 1):
+# enough that the host's turn between rounds (state write, token read, outputs) is small beside the
+# steps, few enough that a stream's tokens arrive in small bursts and a request ending mid-round
+# wastes little.
+LONE_DECODE_STEPS = 8
 STATE_LEN = OUT + MAX_STEPS
 
 # The draft attention's pieces: each query's positions are cut into at most SPLITS, and every piece

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from vtool import VtoolError
+from vtool.runtime.artifact.draft_state import LONE_DECODE_STEPS
 from vtool.runtime.engine.chain_rule import OneSequenceChains
 from vtool.runtime.engine.chained_steps import DeviceTokens, chain_rows, chained_step
 from vtool.runtime.engine.grammar_stage import GrammarStage
@@ -26,7 +27,7 @@ from vtool.runtime.engine.kv_blocks import blocks_for_window
 from vtool.runtime.engine.kv_cache import (PagedKVCache, cache_layers, frees_window, frees_window_by_default,
                                           sliding_window, window_kept)
 from vtool.runtime.engine.lone_chain import LoneChain
-from vtool.runtime.engine.lone_decode import DEFAULT_STEPS as LONE_DECODE_STEPS, LoneDecode
+from vtool.runtime.engine.lone_decode import LoneDecode
 from vtool.runtime.engine.model_thread import Beside, ModelThread, model_thread_for
 from vtool.runtime.engine.output_processor import OutputProcessor
 from vtool.runtime.engine.prefix_cache import PrefixCache

@@ -18,7 +18,7 @@ the prompt (draft_extend) and gives one token, so the time to it is a prefill; e
 gives up to `steps` tokens at once (a stop id or a length limit ends the request inside a round;
 the steps past it are wasted, nothing else). Opt-in (EngineConfig.lone_decode, `--lone-decode`)
 until it is timed on a GPU against `decode` (tests/bench/gpu_decode_8b.py times both,
-tests/bench/chained_steps_ab.py --modes paged,lone the engine's tokens): on the CPU it is slower,
+tests/bench/chained_steps_ab.py --modes default,lone the engine's tokens): on the CPU it is slower,
 since the cache's attention there is plain serial TIR (docs/BENCHMARKS.md, session 38).
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from vtool import VtoolError
+from vtool.runtime.artifact.draft_state import LONE_DECODE_STEPS
 from vtool.runtime.engine.draft_chain import DraftChain, has_draft_chain
 from vtool.runtime.engine.request import Request
 from vtool.runtime.sampling.device import can_sample_on_device
@@ -36,18 +37,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vtool.engine")
 
-# Tokens a round gives after the first: enough that the host's turn between rounds (state write,
-# token read, outputs) is small beside k steps, few enough that a stream's tokens still arrive in
-# small bursts and a request ending mid-round wastes little.
-DEFAULT_STEPS = 8
-
 
 class LoneDecode:
     """The library's own cache, used as the decode of a greedy request alone."""
 
     rounds_counter = "lone_decode_rounds"  # the engine's counter of these rounds
 
-    def __init__(self, chain: DraftChain, steps: int = DEFAULT_STEPS):
+    def __init__(self, chain: DraftChain, steps: int = LONE_DECODE_STEPS):
         self.chain = chain
         # a round runs at most max_steps steps, max_forced - 1 of them feeding tokens
         self.steps = max(1, min(steps, chain.max_steps - chain.max_forced + 1))

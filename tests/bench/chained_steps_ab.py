@@ -5,7 +5,7 @@ chain never uses the model thread, so "waiting" is also what the engine did befo
 
     python tests/bench/chained_steps_ab.py --artifact DIR --model CKPT [--batch 64] [--prompt 128]
                                            [--tokens 128] [--rounds 3] [--temperature 1.0]
-                                           [--modes waiting,chained,chained+thread,default,paged,lone]
+                                           [--modes waiting,chained,chained+thread,default,lone]
 
 Each round runs the same workload once per mode: `--batch` requests of `--prompt` random
 token ids admitted together, `--tokens` tokens each (ignore_eos, seeded sampling at
@@ -29,9 +29,9 @@ import numpy as np
 # mode -> (chain_steps, overlap_model_calls, lone_decode); "default" is EngineConfig's (chained steps of
 # 2+ sequences on the model thread); "waiting" never chains, as the engine did before the model thread;
 # "lone": a library built with --draft-cache-len decodes a greedy request alone on its own cache
-# (runtime/engine/lone_decode.py), "paged" the same default engine without it
+# (runtime/engine/lone_decode.py); the default engine does not
 MODES = {"waiting": (False, False, False), "chained": (True, False, False), "chained+thread": (True, True, False),
-         "default": (None, True, False), "paged": (None, True, False), "lone": (None, True, True)}
+         "default": (None, True, False), "lone": (None, True, True)}
 
 
 def run_once(session, mode: str, a: argparse.Namespace, seed: int) -> dict:  # noqa: ANN001
